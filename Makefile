@@ -1,0 +1,47 @@
+# hmscale — two commands on a fresh machine:  make demo   |   make test
+#
+# The torch build is an explicit choice:
+#   make test                 TORCH=cpu  (default) installs torch==$(TORCH_VERSION), the CPU build where the
+#                             machine provides it (set TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere)
+#   make demo TORCH=cuda      installs the CUDA build of torch from PyPI (several GB)
+PYTHON        ?= python3
+VENV          ?= .venv
+TORCH         ?= cpu
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?=
+BIN           := $(VENV)/bin
+
+ifeq ($(TORCH),cpu)
+  TORCH_SPEC := torch==$(TORCH_VERSION)
+else ifeq ($(TORCH),cuda)
+  TORCH_SPEC := torch
+else
+  $(error TORCH must be cpu or cuda, got '$(TORCH)')
+endif
+TORCH_FLAGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+
+.PHONY: demo test venv clean gpu-wheels
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed-$(TORCH): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q $(TORCH_FLAGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+venv: $(VENV)/.installed-$(TORCH)
+
+demo: venv
+	$(BIN)/hmscale run
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+gpu-wheels: venv
+	PYTHON=$(BIN)/python bash ../shared/gpu/fetch_wheels.sh
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,106 @@
+"""`hmscale` command line: cache | stage1 | stage2 | eval | generate | run | scale | submit."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from hmscale.config import ConfigError, load_config
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="hmscale: distil a Pythia / GPT-NeoX Transformer into a pure Mamba-2 (SSD) model (HedgeMamba recipe).",
+    pretty_exceptions_enable=False,
+)
+
+ConfigArg = typer.Argument(None, help="YAML config; omit for the embedded defaults (the demo).")
+OverridesOpt = typer.Option(None, "--set", "-s", help="dotted override, e.g. -s stage2.lr=3e-4 (repeatable)")
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one line to stderr and exit (2 = bad input)."""
+    typer.echo(f"hmscale: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _config(path, overrides):
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as err:
+        fail(str(err))
+
+
+def not_built(name: str) -> None:
+    fail(f"'{name}' is not built yet in this version of hmscale", code=3)
+
+
+@app.command()
+def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Validate a config and print the resolved tree."""
+    import yaml
+
+    cfg = _config(config, overrides)
+    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+@app.command()
+def cache(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Run the teacher over the data plan and write cached shards (Ray workers)."""
+    not_built("cache")
+
+
+@app.command()
+def stage1(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Stage 1: train the Hedgehog feature maps (attention transfer)."""
+    not_built("stage1")
+
+
+@app.command()
+def stage2(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Stage 2: convert to HedgeMamba and fine-tune."""
+    not_built("stage2")
+
+
+@app.command("eval")
+def eval_(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Perplexity of teacher and students on held-out data; lm-eval-harness tasks."""
+    not_built("eval")
+
+
+@app.command()
+def generate(model: str = typer.Argument(..., help="a saved HedgeMamba directory")):
+    """Generate text with the recurrent cache."""
+    not_built("generate")
+
+
+@app.command()
+def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """The whole recipe: cache, stage 1, stage 2, eval, into one run directory."""
+    not_built("run")
+
+
+@app.command()
+def scale():
+    """Scaling studies across Pythia sizes: plan | run."""
+    not_built("scale")
+
+
+@app.command()
+def submit(config: Optional[str] = ConfigArg, address: str = typer.Option(..., help="Ray dashboard address")):
+    """Submit a recipe run to a Ray cluster (job submission API)."""
+    not_built("submit")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        app(args=argv, standalone_mode=True)
+    except SystemExit as e:  # typer exits through SystemExit
+        return int(e.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""One typed config tree for a recipe run.
+
+YAML in (`load_config(path, overrides)`), dotted command-line overrides (`stage2.lr=3e-4`),
+cross-field validation, and the resolved tree saved into the run directory
+(`save_resolved`). Every error is a `ConfigError` with one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hmscale.teacher.flavors import FLAVORS, get_flavor
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line that says what to change."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TeacherConfig(_Section):
+    # A hub id ("EleutherAI/pythia-160m") or a local directory with a saved GPTNeoXForCausalLM.
+    # When empty, a miniature `flavor` is pretrained on the spot on the training data (demo, tests).
+    name_or_path: str | None = None
+    flavor: str = "pythia-micro"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # on-the-spot pretraining of a miniature teacher
+    pretrain_steps: int = Field(300, ge=0)
+    pretrain_seconds: float = Field(90.0, gt=0)
+    pretrain_lr: float = Field(3e-3, gt=0)
+    pretrain_batch_size: int = Field(16, gt=0)
+
+
+class TokenizerConfig(_Section):
+    # A Hugging Face tokenizer name or path; empty = byte-level BPE trained on the data and cached.
+    name_or_path: str | None = None
+    vocab_size: int = Field(2048, ge=260)
+
+
+class DataConfig(_Section):
+    source: Literal["embedded", "hf", "files"] = "embedded"
+    dataset: str | None = None  # hf: dataset name
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    paths: list[str] = Field(default_factory=list)  # files: txt / jsonl / parquet files or globs
+    seq_len: int = Field(256, gt=1)
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    sequences_per_shard: int = Field(64, gt=0)
+    max_documents: int | None = Field(None, gt=0)
+    cache_dir: str = ".cache/hmscale"  # tokenizer and tokenised corpora
+
+    @model_validator(mode="after")
+    def _check_source(self):
+        if self.source == "hf" and not self.dataset:
+            raise ValueError("data.dataset: set a Hugging Face dataset name when data.source=hf")
+        if self.source == "files":
+            if not self.paths:
+                raise ValueError("data.paths: list at least one file when data.source=files")
+            import glob
+
+            for p in self.paths:
+                if not glob.glob(os.path.expanduser(p)):
+                    raise ValueError(f"data.paths: {p!r} does not exist; fix the path or remove it")
+        return self
+
+
+class CaptureConfig(_Section):
+    layers: list[int] | Literal["all"] = "all"
+    tensors: list[Literal["attn_input", "attn_output"]] = Field(default_factory=lambda: ["attn_input", "attn_output"])
+    dtype: Literal["bfloat16", "float32", "fp8_e4m3"] = "bfloat16"
+    token_fraction: float = Field(1.0, gt=0, le=1)  # fraction of tokens whose per-layer tensors are kept
+    topk: int = Field(0, ge=0)  # teacher top-k log-probs for a KD term (0 = none)
+    topk_dtype: Literal["float16", "bfloat16"] = "float16"
+
+
+class CacheConfig(_Section):
+    enabled: bool = True  # False: stage 1 runs online from the live teacher
+    root: str = ".cache/hmscale/teacher"
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    workers: int = Field(2, gt=0)
+    allow_exceed_disk: bool = False
+
+
+class BudgetConfig(_Section):
+    total_tokens: int = Field(400_000, gt=0)
+    # fraction of total_tokens for stage 1 and stage 2 (the paper's best is 10/90)
+    split: tuple[float, float] = (0.1, 0.9)
+
+    @model_validator(mode="after")
+    def _check_split(self):
+        if any(f < 0 for f in self.split) or abs(sum(self.split) - 1.0) > 1e-6:
+            raise ValueError(f"budget.split: {list(self.split)} must be two non-negative fractions summing to 1, e.g. [0.1, 0.9]")
+        return self
+
+    @property
+    def stage1_tokens(self) -> int:
+        return int(round(self.total_tokens * self.split[0]))
+
+    @property
+    def stage2_tokens(self) -> int:
+        return int(round(self.total_tokens * self.split[1]))
+
+
+class Stage1Config(_Section):
+    feature_dim: int | None = Field(None, gt=0)  # F; None = head_dim
+    lr: float = Field(1e-2, gt=0)
+    micro_batch_size: int = Field(8, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    source: Literal["cache", "online"] = "cache"
+
+
+class ComponentsConfig(_Section):
+    """HedgeMamba components, switchable for the paper's ablations."""
+
+    gate: bool = True
+    conv: bool = True
+    ssm: bool = True  # learnable decay / dt
+    normalize: bool = True
+    conv_width: int = Field(4, ge=1)
+
+
+class Stage2Config(_Section):
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    micro_batch_size: int = Field(8, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    kd_weight: float = Field(0.0, ge=0)  # weight of the KD term on cached top-k teacher log-probs
+    kd_temperature: float = Field(1.0, gt=0)
+    eval_every: int = Field(50, gt=0)
+    components: ComponentsConfig = Field(default_factory=ComponentsConfig)
+
+
+class ParallelConfig(_Section):
+    engine: Literal["local", "ray"] = "local"
+    ray_address: str | None = None  # None = embedded single-node cluster
+    num_workers: int = Field(1, gt=0)  # student workers (= dp * tp)
+    tp: int = Field(1, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    ds_config: str | None = None  # a ds_configs/*.json; None = ds_configs/zero{stage}.json
+    use_gpu: bool = False
+    bf16: bool = False
+    checkpoint_every: int = Field(100, gt=0)
+
+    @property
+    def dp(self) -> int:
+        return self.num_workers // self.tp
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_workers % self.tp:
+            raise ValueError(f"parallel.tp: {self.tp} must divide parallel.num_workers={self.num_workers}")
+        if self.tp > 1 and self.zero_stage == 3:
+            raise ValueError("parallel.zero_stage: tensor parallelism supports ZeRO 0, 1 or 2; set zero_stage<=2 or tp=1")
+        if self.ds_config and not Path(self.ds_config).exists():
+            raise ValueError(f"parallel.ds_config: {self.ds_config!r} does not exist; point it at a ds_configs/*.json")
+        return self
+
+
+class EvalConfig(_Section):
+    max_sequences: int = Field(64, gt=0)  # validation sequences for perplexity
+    tasks: list[str] = Field(default_factory=list)  # lm-eval-harness tasks
+    generate_tokens: int = Field(32, ge=0)
+
+
+class RunConfig(_Section):
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    stage1: Stage1Config = Field(default_factory=Stage1Config)
+    stage2: Stage2Config = Field(default_factory=Stage2Config)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    output_dir: str = "runs/demo"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _cross(self):
+        if self.teacher.name_or_path is None and self.teacher.flavor not in FLAVORS:
+            raise ValueError(f"teacher.flavor: unknown flavour {self.teacher.flavor!r}; choose one of {', '.join(FLAVORS)}")
+        if self.teacher.name_or_path is None:
+            flavor = get_flavor(self.teacher.flavor)
+            if not flavor.miniature:
+                raise ValueError(
+                    f"teacher.flavor: {flavor.name} is a published size; set teacher.name_or_path={flavor.hub_id} to load it"
+                )
+            heads = flavor.n_heads
+        else:
+            heads = _heads_of(self.teacher.name_or_path)
+        if heads is not None and heads % self.parallel.tp:
+            raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's {heads} heads; pick a divisor of {heads}")
+        if self.teacher.name_or_path and self.tokenizer.name_or_path is None:
+            # a pretrained teacher needs its own tokenizer
+            self.tokenizer.name_or_path = self.teacher.name_or_path
+        return self
+
+    def hash(self, *sections: str) -> str:
+        """A stable short hash of the given sections (all when none)."""
+        dump = self.model_dump(mode="json")
+        if sections:
+            dump = {s: dump[s] for s in sections}
+        return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _heads_of(name_or_path: str) -> int | None:
+    """Number of attention heads of a teacher, from a local config or the flavour registry."""
+    for f in FLAVORS.values():
+        if f.hub_id == name_or_path:
+            return f.n_heads
+    cfg = Path(name_or_path) / "config.json"
+    if cfg.exists():
+        return json.loads(cfg.read_text()).get("num_attention_heads")
+    if Path(name_or_path).exists() or name_or_path.startswith((".", "/")):
+        raise ValueError(f"teacher.name_or_path: {name_or_path!r} has no config.json; point it at a saved GPTNeoX model or a hub id")
+    return None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: write overrides as section.field=value, e.g. stage2.lr=3e-4")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[path[-1]] = value
+    return tree
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        return f"{loc}: unknown field; remove it or check its spelling (see README, config reference)"
+    if msg.split(":")[0].strip() and "." in msg.split(":")[0] and " " not in msg.split(":")[0]:
+        return msg  # our own validators already name the field
+    got = e.get("input")
+    return f"{loc}: {msg}" + (f" (got {got!r})" if got is not None and not isinstance(got, dict) else "")
+
+
+def build_config(tree: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
+    tree = apply_overrides(dict(tree or {}), list(overrides or []))
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the embedded defaults when path is None) and apply dotted overrides."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file (e.g. configs/demo.yaml)")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
+    return build_config(tree, overrides)
+
+
+def save_resolved(cfg: RunConfig, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config into the run directory, atomically."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    os.replace(tmp, out)
+    return out
