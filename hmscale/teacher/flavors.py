@@ -96,4 +96,9 @@ def neox_config(flavor: Flavor | str, vocab_size: int | None = None, **overrides
         eos_token_id=0,
     )
     kwargs.update(overrides)
-    return GPTNeoXConfig(**kwargs)
+    cfg = GPTNeoXConfig(**kwargs)
+    # transformers 5 keeps rotary settings in rope_parameters; make sure the fraction is the one asked for
+    params = dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    params["partial_rotary_factor"] = kwargs["rotary_pct"]
+    cfg.rope_parameters = params
+    return cfg
