@@ -1,0 +1,50 @@
+"""Perplexity on held-out token rows, one harness for the teacher and both students."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def _rows(tokens) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(tokens) if not torch.is_tensor(tokens) else tokens)
+    if t.ndim != 2:
+        raise ValueError(f"tokens must be (rows, length), got shape {tuple(t.shape)}")
+    return t.long()
+
+
+@torch.no_grad()
+def mean_nll(model, tokens, batch_size: int = 8, device: str | torch.device | None = None) -> tuple[float, int]:
+    """Mean next-token negative log-likelihood (nats) over every position of every row, and the count."""
+    rows = _rows(tokens)
+    if device is None:
+        device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for i in range(0, rows.shape[0], batch_size):
+            ids = rows[i : i + batch_size].to(device)
+            logits = model(input_ids=ids).logits.float()
+            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+            total += nll.item()
+            count += ids[:, 1:].numel()
+    finally:
+        model.train(was_training)
+    return total / max(count, 1), count
+
+
+def perplexity(model, tokens, batch_size: int = 8, device=None) -> float:
+    """exp(mean next-token NLL) of `model` on `tokens` (rows, length)."""
+    return math.exp(mean_nll(model, tokens, batch_size, device)[0])
+
+
+def unigram_perplexity(train_tokens, val_tokens, vocab_size: int) -> float:
+    """Perplexity of an add-one unigram model fitted on `train_tokens`, scored like `perplexity` on `val_tokens`."""
+    counts = np.bincount(np.asarray(train_tokens).reshape(-1), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    targets = np.asarray(val_tokens)[:, 1:].reshape(-1)
+    return float(math.exp(-logp[targets].mean()))
