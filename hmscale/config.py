@@ -81,6 +81,7 @@ class CaptureConfig(_Section):
     token_fraction: float = Field(1.0, gt=0, le=1)  # fraction of tokens whose per-layer tensors are kept
     topk: int = Field(0, ge=0)  # teacher top-k log-probs for a KD term (0 = none)
     topk_dtype: Literal["float16", "bfloat16"] = "float16"
+    seed: int = 0  # seeds the deterministic subset of positions kept when token_fraction < 1
 
 
 class CacheConfig(_Section):
@@ -89,6 +90,10 @@ class CacheConfig(_Section):
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     workers: int = Field(2, gt=0)
     allow_exceed_disk: bool = False
+    engine: Literal["local", "ray"] | None = None  # None = parallel.engine
+    batch_size: int = Field(8, gt=0)  # sequences per teacher forward
+    max_tokens: int | None = Field(None, gt=0)  # cache only the first plan shards covering this many tokens (None = all)
+    max_retries: int = Field(3, ge=0)  # per shard, and worker restarts per run (ray engine)
 
 
 class BudgetConfig(_Section):
