@@ -1,0 +1,199 @@
+"""SSD benchmark on one GPU: ours (kernels.ssd, Triton) vs mamba_ssm's ``mamba_chunk_scan_combined`` vs
+causal SDPA (flash) with the same heads; forward and forward+backward, 16K tokens per call, bf16.
+Also the decode step against its memory floor (state read + write at the measured copy bandwidth).
+
+    python benchmarks/ssd.py [--quick] [--chunks 64,128]
+
+mamba_ssm is imported from /tmp/anchors (see ../shared/gpu/preamble.sh); when missing, its columns say n/a.
+FLOP counts are those of the chunked algorithm at chunk 64 (fwd: 2Q(N+P) + 4PN per token and head;
+bwd counted as 2x fwd); SDPA: causal, 2 * 2 * l^2/2 * P per head fwd, 2.5x that for fwd+bwd.
+Peak memory: max allocated during the call minus what was allocated before it (inputs excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kernels import ssd  # noqa: E402
+from kernels.step import ssd_step_triton  # noqa: E402
+
+SHAPES = [  # name, H, G, P, N, L
+    ("410m-hedge", 16, 16, 64, 128, 2048),
+    ("410m-hedge", 16, 16, 64, 128, 8192),
+    ("410m-hedge", 16, 16, 64, 128, 16384),
+    ("1.4b-hedge", 16, 16, 128, 256, 2048),
+    ("1.4b-hedge", 16, 16, 128, 256, 8192),
+    ("1.4b-hedge", 16, 16, 128, 256, 16384),
+    ("mamba2", 64, 1, 64, 128, 2048),
+    ("mamba2", 64, 1, 64, 128, 8192),
+]
+TOKENS = 16384
+
+
+def load_mamba():
+    sys.path.insert(0, "/tmp/anchors")
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined
+    except Exception as e:  # pragma: no cover - depends on the machine
+        print(f"mamba_ssm unavailable: {e!r}")
+        return None
+
+
+def bench(fn, warmup=25, rep=100):
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def peak_mem(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def ssd_flops(b, l, h, p, n, Q=64):
+    fwd = b * l * h * (2 * Q * (n + p) + 4 * p * n)
+    return fwd, 3 * fwd
+
+
+def make(b, l, h, g, p, n, dtype=torch.bfloat16):
+    dev = "cuda"
+    x = torch.randn(b, l, h, p, device=dev, dtype=dtype, requires_grad=True)
+    dt = (torch.rand(b, l, h, device=dev) * 0.5 + 0.05).requires_grad_()
+    A = (-(torch.rand(h, device=dev) + 0.05)).requires_grad_()
+    B = (torch.randn(b, l, g, n, device=dev) / n ** 0.5).to(dtype).requires_grad_()
+    C = (torch.randn(b, l, g, n, device=dev) / n ** 0.5).to(dtype).requires_grad_()
+    gy = torch.randn(b, l, h, p, device=dev, dtype=dtype)
+    return x, dt, A, B, C, gy
+
+
+def case(name, H, G, P, N, L, mamba, chunks, rows):
+    b = TOKENS // L
+    x, dt, A, B, C, gy = make(b, L, H, G, P, N)
+    ins = [x, dt, A, B, C]
+    res = {}
+    for Q in chunks:
+        f = lambda Q=Q: ssd(x, dt, A, B, C, chunk_size=Q)  # noqa: E731
+        fb = lambda Q=Q: torch.autograd.grad(ssd(x, dt, A, B, C, chunk_size=Q), ins, gy)  # noqa: E731
+        fb()
+        torch.cuda.synchronize()
+        res[f"ours{Q}"] = (bench(f), bench(fb), peak_mem(fb))
+    if mamba is not None:
+        f = lambda: mamba(x, dt, A, B, C, chunk_size=64)  # noqa: E731
+        fb = lambda: torch.autograd.grad(mamba(x, dt, A, B, C, chunk_size=64), ins, gy)  # noqa: E731
+        fb()
+        res["mamba"] = (bench(f), bench(fb), peak_mem(fb))
+    q = torch.randn(b, H, L, P, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn_like(q, requires_grad=True)
+    v = torch.randn_like(q, requires_grad=True)
+    go = torch.randn_like(q)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        fb = lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], go)  # noqa: E731
+        fb()
+        res["sdpa"] = (bench(f), bench(fb), peak_mem(fb))
+    fl_f, fl_fb = ssd_flops(b, L, H, P, N)
+    sd_f = b * H * 2 * 2 * L * L / 2 * P
+    rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_f * 2.5))
+
+
+def decode_bench(rows):
+    b, h, p, n, g = 64, 16, 64, 128, 16
+    dev = "cuda"
+    state = torch.randn(b, h, p, n, device=dev)
+    x = torch.randn(b, h, p, device=dev, dtype=torch.bfloat16)
+    dt = torch.rand(b, h, device=dev) * 0.5 + 0.05
+    A = -(torch.rand(h, device=dev) + 0.05)
+    B = torch.randn(b, g, n, device=dev, dtype=torch.bfloat16)
+    C = torch.randn(b, g, n, device=dev, dtype=torch.bfloat16)
+    # copy bandwidth: large device-to-device copy, bytes read + written
+    src = torch.randn(512 * 1024 * 1024 // 4, device=dev)
+    dst = torch.empty_like(src)
+    t_copy = bench(lambda: dst.copy_(src))
+    bw = 2 * src.numel() * 4 / (t_copy * 1e-3)
+    del src, dst
+    # rotate among several states so the state is not served from L2 (state is 32 MiB, L2 60 MB)
+    states = [torch.randn_like(state) for _ in range(8)]
+    it = [0]
+
+    def step():
+        it[0] = (it[0] + 1) % len(states)
+        return ssd_step_triton(states[it[0]], x, dt, A, B, C)
+
+    t = bench(step)
+    graph_states = states
+    # also with the launch overhead removed: a CUDA graph of 8 steps, one per state
+    gph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for st in graph_states:
+            ssd_step_triton(st, x, dt, A, B, C)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(gph):
+        for st in graph_states:
+            ssd_step_triton(st, x, dt, A, B, C)
+    t_graph = bench(gph.replay) / len(graph_states)
+    state_bytes = state.numel() * 4
+    floor = 2 * state_bytes / bw * 1e3
+    rows.append((b, h, p, n, t, t_graph, floor, bw))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--chunks", default="64")
+    args = ap.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    torch.manual_seed(0)
+    t0 = time.time()
+    mamba = load_mamba()
+    dev_name = torch.cuda.get_device_name()
+    rows = []
+    shapes = SHAPES[:1] + SHAPES[5:6] if args.quick else SHAPES
+    for s in shapes:
+        case(*s, mamba, chunks, rows)
+        print(f"done {s} at {time.time() - t0:.0f}s", flush=True)
+    drows = []
+    decode_bench(drows)
+    print(f"\ndevice: {dev_name}; torch {torch.__version__}; triton {triton.__version__}; bf16; "
+          f"{TOKENS} tokens per call; ms are medians of triton.testing.do_bench")
+    hdr = "| shape (H,G,P,N) | L | b | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak MiB (fwd+bwd) |"
+    print(hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    for name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_fb in rows:
+        for impl, (tf, tfb, mem) in res.items():
+            ff, ffb = (sd_f, sd_fb) if impl == "sdpa" else (fl_f, fl_fb)
+            print(f"| {name} ({H},{G},{P},{N}) | {L} | {b} | {impl} | {tf:.3f} | {tfb:.3f} | "
+                  f"{ff / tf * 1e-9:.1f} | {ffb / tfb * 1e-9:.1f} | {mem:.0f} |")
+    print("\nratios (fwd+bwd time; memory):")
+    print("| shape | L | ours | mamba/ours | sdpa/ours | ours mem / mamba mem |")
+    print("|---|---|---|---|---|---|")
+    for name, H, G, P, N, L, b, res, *_ in rows:
+        ours_key = min((k for k in res if k.startswith("ours")), key=lambda k: res[k][1])
+        o = res[ours_key]
+        m = res.get("mamba")
+        sd = res["sdpa"]
+        mr = f"{m[1] / o[1]:.2f}x" if m else "n/a"
+        mm = f"{o[2] / m[2]:.2f}" if m else "n/a"
+        print(f"| {name} ({H},{G},{P},{N}) | {L} | {ours_key} {o[1]:.3f} ms | {mr} | {sd[1] / o[1]:.2f}x | {mm} |")
+    for b, h, p, n, t, tg, floor, bw in drows:
+        print(f"\ndecode step b={b} H={h} P={p} N={n} fp32 state: {t * 1e3:.1f} us per call "
+              f"({tg * 1e3:.1f} us per step inside a CUDA graph); floor {floor * 1e3:.1f} us "
+              f"(state read+write {2 * b * h * p * n * 4 / 2**20:.0f} MiB at copy bandwidth {bw / 1e12:.2f} TB/s); "
+              f"ratio {t / floor:.2f}x (graph {tg / floor:.2f}x)")
+    print(f"total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

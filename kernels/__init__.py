@@ -1,0 +1,69 @@
+"""SSD (Mamba-2 state-space duality) kernels: Triton on CUDA, plain PyTorch elsewhere.
+
+Public API (see DESIGN.md, "Contracts"):
+
+- ``ssd(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None, normalize=False,
+  return_final_state=False, backend=None)``
+- ``ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None) -> (y_t, new_state)``
+- ``ssd_reference`` (quadratic form), ``ssd_recurrent_reference`` (token loop), ``ssd_chunked_torch``
+  (the CPU path), ``ssd_triton`` (the Triton path).
+
+Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
+(``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
+PyTorch path otherwise. Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this).
+
+The normaliser (``normalize=True``) is divided without an epsilon.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .chunked_torch import ssd_chunked_torch
+from .reference import ssd_recurrent_reference, ssd_reference
+
+__all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
+           "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend"]
+
+_BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def resolve_backend(tensor, backend=None) -> str:
+    choice = (backend or os.environ.get("HMSCALE_SSD_BACKEND", "auto")).lower()
+    if choice not in _BACKENDS:
+        raise ValueError(f"unknown SSD backend {choice!r}; expected one of {_BACKENDS}")
+    if choice == "auto":
+        return "triton" if tensor.is_cuda else "torch"
+    return choice
+
+
+def ssd(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None, normalize=False,
+        return_final_state=False, backend=None):
+    kw = dict(chunk_size=chunk_size, D=D, initial_state=initial_state, seq_idx=seq_idx,
+              normalize=normalize, return_final_state=return_final_state)
+    which = resolve_backend(x, backend)
+    if which == "triton":
+        from .ssd_autograd import ssd_triton
+        return ssd_triton(x, dt, A, B, C, **kw)
+    if which == "reference":
+        return ssd_reference(x, dt, A, B, C, **kw)
+    return ssd_chunked_torch(x, dt, A, B, C, **kw)
+
+
+def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None):
+    which = resolve_backend(x_t, backend)
+    if which == "triton":
+        from .step import ssd_step_triton
+        return ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)
+    from .step import ssd_step_torch
+    return ssd_step_torch(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)
+
+
+def __getattr__(name):  # lazy: importing kernels must not require a working Triton
+    if name == "ssd_triton":
+        from .ssd_autograd import ssd_triton
+        return ssd_triton
+    if name in ("ssd_step_torch", "ssd_step_triton"):
+        from . import step
+        return getattr(step, name)
+    raise AttributeError(name)

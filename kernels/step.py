@@ -1,0 +1,97 @@
+"""One-token SSD decode step: ``S <- exp(dt A) S + dt x B^T``, ``y = S C`` (+ D x), optional normaliser.
+
+``ssd_step_torch`` is plain PyTorch (CPU, autograd); ``ssd_step_triton`` is one fused Triton launch that
+reads the state once and writes the new state once (the memory floor of a decode step), with the
+normaliser row and the D skip folded in.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import expand_groups
+
+__all__ = ["ssd_step_torch", "ssd_step_triton"]
+
+
+def ssd_step_torch(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False):
+    b, h, p = x_t.shape
+    cd = torch.float64 if state.dtype == torch.float64 else torch.float32
+    xx = x_t.to(cd)
+    if normalize:
+        xx = torch.cat([xx, torch.ones_like(xx[..., :1])], dim=-1)
+    Bh = expand_groups(B_t.unsqueeze(1).to(cd), h)[:, 0]  # (b, h, n)
+    Ch = expand_groups(C_t.unsqueeze(1).to(cd), h)[:, 0]
+    dtc = dt_t.to(cd)
+    decay = torch.exp(dtc * A.to(cd).view(1, h))
+    new = decay[..., None, None] * state.to(cd) + (dtc[..., None] * xx)[..., :, None] * Bh[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
+    if normalize:
+        y = y[..., :p] / y[..., p:]
+    if D is not None:
+        Dv = D.to(cd)
+        y = y + (Dv[:, None] if Dv.dim() == 1 else Dv) * x_t.to(cd)
+    return y.to(x_t.dtype), new.to(state.dtype)
+
+
+@triton.jit
+def _ssd_step_kernel(st_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, new_ptr, y_ptr,
+                     H, G, P, N, PS, D_STRIDE_H, D_STRIDE_P,
+                     BP: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    pb = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    grp = h // (H // G)
+    offs_p = pb * BP + tl.arange(0, BP)
+    offs_n = tl.arange(0, BN)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    dt = tl.load(dt_ptr + bh).to(tl.float32)
+    decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+    Bv = tl.load(B_ptr + (b * G + grp) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + (b * G + grp) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + bh * P + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    so = (bh * PS + offs_p[:, None]) * N + offs_n[None, :]
+    sm = mask_p[:, None] & mask_n[None, :]
+    S = tl.load(st_ptr + so, mask=sm, other=0.0)
+    S = decay * S + (dt * xv)[:, None] * Bv[None, :]
+    tl.store(new_ptr + so, S, mask=sm)
+    y = tl.sum(S * Cv[None, :], axis=1)
+    if NORM:
+        zo = (bh * PS + P) * N + offs_n
+        z = tl.load(st_ptr + zo, mask=mask_n, other=0.0)
+        z = decay * z + dt * Bv
+        if pb == 0:
+            tl.store(new_ptr + zo, z, mask=mask_n)
+        y = y / tl.sum(z * Cv, axis=0)
+    if HAS_D:
+        Dv = tl.load(D_ptr + h * D_STRIDE_H + offs_p * D_STRIDE_P, mask=mask_p, other=0.0).to(tl.float32)
+        y += Dv * xv
+    tl.store(y_ptr + bh * P + offs_p, y.to(y_ptr.dtype.element_ty), mask=mask_p)
+
+
+def ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False):
+    b, h, p = x_t.shape
+    g, n = B_t.shape[1], B_t.shape[2]
+    ps = state.shape[2]
+    if ps != p + int(bool(normalize)):
+        raise ValueError(f"state has {ps} rows, expected {p + int(bool(normalize))}")
+    state = state.contiguous()
+    new = torch.empty_like(state)
+    y = torch.empty_like(x_t)
+    BN = max(16, triton.next_power_of_2(n))
+    BP = max(2, min(triton.next_power_of_2(p), 4096 // BN))
+    has_d = D is not None
+    if has_d:
+        Dc = D.contiguous()
+        dsh, dsp = (1, 0) if Dc.dim() == 1 else (Dc.stride(0), Dc.stride(1))
+    else:
+        Dc, dsh, dsp = A, 0, 0
+    grid = (b * h, triton.cdiv(p, BP))
+    _ssd_step_kernel[grid](state, x_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
+                           C_t.contiguous(), Dc, new, y, h, g, p, n, ps, dsh, dsp,
+                           BP=BP, BN=BN, NORM=bool(normalize), HAS_D=has_d, num_warps=4)
+    return y, new

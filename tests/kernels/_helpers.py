@@ -1,0 +1,51 @@
+"""Shared input builders for the kernels tests (random, never zeros)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_inputs(b, l, h, g, p, n, *, dtype=torch.float64, normalize=False, D=False, init=False,
+                seq=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    x = rn(b, l, h, p)
+    dt = torch.rand(b, l, h, generator=gen, dtype=torch.float64) * 0.5 + 0.05
+    A = -(torch.rand(h, generator=gen, dtype=torch.float64) + 0.05)
+    if normalize:
+        B = torch.softmax(rn(b, l, g, n), -1)
+        C = torch.softmax(rn(b, l, g, n), -1)
+    else:
+        B = rn(b, l, g, n) / n ** 0.5
+        C = rn(b, l, g, n) / n ** 0.5
+    kw = {}
+    if D:
+        kw["D"] = rn(h)
+    if init:
+        s = rn(b, h, p + int(normalize), n)
+        if normalize:
+            s[:, :, -1] = s[:, :, -1].abs() / n
+        kw["initial_state"] = s
+    seq_idx = None
+    if seq:
+        seq_idx = torch.zeros(b, l, dtype=torch.int32)
+        for i in range(b):
+            for c in sorted(torch.randint(1, l, (2,), generator=gen).tolist()):
+                seq_idx[i, c:] += 1
+        seq_idx[0, -1] += 3  # a one-token document at the very end
+    tensors = dict(x=x, dt=dt, A=A, B=B, C=C, **kw)
+    out = {}
+    for k, v in tensors.items():
+        out[k] = v if k in ("dt", "A", "D", "initial_state") else v.to(dtype)
+        if k in ("dt", "A", "D", "initial_state") and dtype != torch.float64:
+            out[k] = v.float()
+    return out, seq_idx
+
+
+def rel(a, b):
+    a = a.double()
+    b = b.double()
+    return ((a - b).norm() / b.norm()).item()

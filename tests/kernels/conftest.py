@@ -1,0 +1,5 @@
+import os
+
+# The Triton tests run the kernels under the interpreter on CPU; must be set before triton is imported
+# (tests/conftest.py does the same for the whole suite).
+os.environ.setdefault("TRITON_INTERPRET", "1")
