@@ -122,6 +122,8 @@ class Stage1Config(_Section):
     micro_batch_size: int = Field(8, gt=0)
     warmup_steps: int = Field(10, ge=0)
     source: Literal["cache", "online"] = "cache"
+    steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage1_tokens
+    layer_parallel: bool = False  # spread layers over workers (each trains its own layers' phi)
 
 
 class ComponentsConfig(_Section):
@@ -145,6 +147,7 @@ class Stage2Config(_Section):
     kd_weight: float = Field(0.0, ge=0)  # weight of the KD term on cached top-k teacher log-probs
     kd_temperature: float = Field(1.0, gt=0)
     eval_every: int = Field(50, gt=0)
+    steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage2_tokens
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
 
 
@@ -158,6 +161,8 @@ class ParallelConfig(_Section):
     use_gpu: bool = False
     bf16: bool = False
     checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(2, gt=0)  # newest complete checkpoints kept per stage
+    max_failures: int = Field(2, ge=0)  # Ray Train restarts after a worker dies
 
     @property
     def dp(self) -> int:
@@ -300,3 +305,36 @@ def save_resolved(cfg: RunConfig, run_dir: str | os.PathLike) -> Path:
     tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     os.replace(tmp, out)
     return out
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _type_name(ann) -> str:
+    import typing
+
+    if typing.get_origin(ann) is Literal:
+        return " or ".join(json.dumps(a) for a in typing.get_args(ann))
+    name = getattr(ann, "__name__", None) if typing.get_origin(ann) is None else None
+    return name or str(ann).replace("typing.", "").replace("|", "or")
+
+
+def config_reference() -> str:
+    """The config tree as a markdown table (field, type, default), for the README."""
+    rows = ["| field | type | default |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            rows.append(f"| `{prefix}{name}` | {_type_name(ann)} | `{json.dumps(default)}` |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m hmscale.config  -> the reference table
+    print(config_reference())
