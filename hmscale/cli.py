@@ -82,10 +82,9 @@ def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Over
     not_built("run")
 
 
-@app.command()
-def scale():
-    """Scaling studies across Pythia sizes: plan | run."""
-    not_built("scale")
+from scaling.cli import scale_app  # noqa: E402  (scaling studies: `hmscale scale plan | run`)
+
+app.add_typer(scale_app, name="scale")
 
 
 @app.command()

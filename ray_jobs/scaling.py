@@ -1,0 +1,73 @@
+"""Ray job: the HedgeMamba recipe over Pythia sizes, collected into one results table.
+
+    python -m ray_jobs.scaling --sizes 70m,160m,410m --out runs/scale [--config base.yaml] [-s k=v ...]
+    ray job submit --working-dir . -- python -m ray_jobs.scaling --sizes pythia --out /shared/scale
+
+Each size runs as a Ray task with its own resources (see `scaling.sweep`); finished sizes
+(a results.json in OUT/runs/<size>) are skipped, so rerunning the same command resumes.
+Writes OUT/results.csv, OUT/results.json and OUT/plots/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ray_jobs.scaling", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["pythia"], help="sizes or groups (70m 160m | pythia | mini | all); commas allowed")
+    p.add_argument("--out", required=True, help="sweep directory (runs/<size>, cache/, results.csv, plots/)")
+    p.add_argument("--config", default=None, help="base YAML config applied to every size")
+    p.add_argument("-s", "--set", dest="overrides", action="append", default=[], help="dotted override for every size (repeatable)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: an embedded local cluster)")
+    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded local cluster")
+    p.add_argument("--cpus-per-size", type=float, default=1.0, help="CPUs each size's task asks for")
+    p.add_argument("--resources", default=None, help='JSON per-size resources, e.g. \'{"pythia-12b": {"num_gpus": 4}, "*": {"num_cpus": 2}}\'')
+    p.add_argument("--budget-fraction", type=float, default=None, help="distillation tokens as a fraction of the teacher's pretraining tokens (default 1/30)")
+    p.add_argument("--split", default=None, help="stage split, e.g. 10/90 (default)")
+    p.add_argument("--local", action="store_true", help="run sizes one after another in this process (no Ray)")
+    p.add_argument("--recipe", default="hmscale.recipe:run_recipe", help=argparse.SUPPRESS)
+    p.add_argument("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import yaml
+
+    from hmscale.config import ConfigError
+    from scaling.budget import BudgetRule, parse_split
+    from scaling.sweep import run_sweep
+
+    a = parse_args(argv)
+    base = {}
+    if a.config:
+        if not Path(a.config).exists():
+            print(f"scaling: error: config file {a.config!r} does not exist", file=sys.stderr)
+            return 2
+        base = yaml.safe_load(Path(a.config).read_text()) or {}
+    rule_kw = {}
+    if a.budget_fraction is not None:
+        rule_kw["fraction"] = a.budget_fraction
+    if a.split:
+        rule_kw["split"] = parse_split(a.split)
+    try:
+        rows = run_sweep(
+            a.sizes, a.out, overrides=a.overrides, base_tree=base, rule=BudgetRule(**rule_kw),
+            engine="local" if a.local else "ray", ray_address=a.address, ray_num_cpus=a.num_cpus,
+            cpus_per_size=a.cpus_per_size, resources=json.loads(a.resources) if a.resources else None,
+            recipe=a.recipe, plots=not a.no_plots,
+        )
+    except (ConfigError, ValueError) as err:
+        print(f"scaling: error: {err}", file=sys.stderr)
+        return 2
+    for r in rows:
+        print(f"{r['size']:>14}  {r['status']:>8}  teacher {r.get('teacher_ppl')}  hedgemamba {r.get('hedgemamba_ppl')}  gap {r.get('gap')}")
+    print(f"table: {Path(a.out) / 'results.csv'}")
+    return 0 if all(r["status"] in ("done", "skipped") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

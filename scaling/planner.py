@@ -1,0 +1,518 @@
+"""Cost planner for a scaling study: parameters, memory per GPU, parallel layout, cache bytes, GPU-hours.
+
+Everything is computed from the architecture (a `Flavor`) and a `PlanSettings`; nothing is
+measured here except what the user passes in (throughputs).
+
+Parameter counts
+    Teacher (GPT-NeoX, untied embeddings): ``2 V d`` (embed_in, embed_out) ``+ L (12 d^2 + 13 d)``
+    (LN1, LN2, fused qkv, dense, 4x MLP, all with biases) ``+ 2 d`` (final LN). This reproduces the
+    published Pythia counts exactly.
+    Student (HedgeMamba): the teacher's weights plus, per layer, the Hedgehog feature maps
+    ``H (F P + F)``, the depthwise causal conv on q,k,v ``3 d w + 3 d``, the gate projection
+    ``d^2 + d`` (Mamba-2 style z branch) and the SSM's per-head ``A`` and dt bias plus a dt projection
+    ``d H + 2 H``. Components switched off drop their terms.
+
+Memory per GPU (bytes; bf16 mixed precision with Adam, the ZeRO paper's accounting)
+    parameters 2 B/param, gradients 2 B/trainable param, optimizer 12 B/trainable param (fp32 master,
+    Adam m and v). Tensor parallelism divides all three by tp. ZeRO-1 divides the optimizer states by
+    dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Stage 2 trains everything except the
+    input embedding (frozen: parameters only).
+    Activations per token per HedgeMamba block (saved for backward, bf16): LN1 in/out 2d, qkv 3d,
+    conv out 3d, rotary q,k 2d, feature-map pre-activations 2 H F, phi(q), phi(k) 2 H 2F, SSD output d,
+    gate z, silu(z), gated output 3d, LN2 in/out 2d, MLP 4d + 4d; plus the SSD chunk states in fp32,
+    ``4 H (P+1) N / chunk`` bytes. The LayerNorm terms are replicated under tp, the rest sharded.
+    With activation checkpointing only each layer's input (2d bytes) is kept, plus one layer's full
+    set during its recomputation. The LM head adds ``V (2 + 4) / tp`` bytes per token (bf16 logits
+    and the fp32 log-softmax of the loss).
+    Teacher forward (no grad, bf16): parameters 2 B/param / tp, one layer's working set
+    (~14 d bf16 per token with a fused attention kernel), fp32 logits when top-k is captured, and the
+    captured tensors of the batch held until they are written.
+    Every GPU also loses ``reserved_gb`` (CUDA context, NCCL and DeepSpeed buckets) and only
+    ``usable_fraction`` of the rest is planned for (allocator fragmentation).
+
+Layout search
+    All (dp, tp, ZeRO, activation checkpointing) with tp a divisor of the heads up to ``max_tp``
+    (one node) and no ZeRO-3 together with tp > 1 (hmscale's engines do not support it). The plan is
+    the one with the fewest GPUs; at equal GPU count: no activation checkpointing first (faster), then
+    the most free memory (room for a larger micro batch), then the lower ZeRO stage and smaller tp.
+    A size whose training state fits one GPU gets dp=1, tp=1, ZeRO-0; one that does not fit gets its
+    model state sharded (tp > 1 or ZeRO-3), since ZeRO-1/2 keep a full parameter replica per GPU.
+
+Cache bytes
+    Per cached token: captured layers x captured tensors x d x dtype bytes x token fraction, plus
+    the token id and document index (8 bytes), plus top-k log-probs (value + int32 index) when
+    captured. The per-layer tensors are cached for the stage-1 tokens; top-k for the stage-2 tokens.
+
+GPU-hours
+    ``tokens / (tokens/s per GPU) / 3600`` per stage (cache = teacher forward, stage1, stage2). Pass
+    measured tokens/s per GPU as a table ``{size: {stage: tokens_per_s}}`` (JSON or CSV with columns
+    size, stage, tokens_per_s). Without one, the default model is FLOP-based:
+    ``tokens/s = mfu[stage] x peak_tflops / flops_per_token[stage]`` with
+    cache ``2 N_teacher + 2 L s d`` (causal attention), stage 1 ``2 (3 d^2) L`` (q,k,v from the cached
+    input) ``+ 6 (feature-map params) + 3 L H 4 P (2F)`` (linear attention, fwd+bwd), stage 2
+    ``6 N_student`` (``8 N`` with checkpointing) ``+ 3 L H (2 Q (N + P) + 4 P N)`` (chunked SSD), with
+    peak 989 TFLOP/s (H100/H200 bf16 dense) and MFU 0.40 / 0.10 / 0.20: a conservative default that
+    reflects the launch-bound SSD timings in DESIGN.md. Replace it with measured numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Iterable
+
+from hmscale.teacher.flavors import Flavor, get_flavor
+from scaling.budget import Budget, BudgetRule
+from scaling.registry import Size, resolve_sizes
+
+GB = 1e9
+STAGES = ("cache", "stage1", "stage2")
+DEFAULT_MFU = {"cache": 0.40, "stage1": 0.10, "stage2": 0.20}
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    gpu_mem_gb: float = 80.0
+    usable_fraction: float = 0.9
+    reserved_gb: float = 2.0
+    seq_len: int = 2048
+    micro_batch: int = 4
+    teacher_micro_batch: int = 8
+    max_tp: int = 8  # tensor parallelism stays inside one node
+    max_gpus: int = 4096
+    zero_stage: int | None = None  # force a ZeRO stage (None = the planner picks)
+    tp: int | None = None  # force a tp degree
+    activation_checkpointing: bool | None = None  # None = the planner picks
+    vocab_size: int | None = None  # None = the flavour's
+    # student architecture
+    feature_dim: int | None = None  # F; None = head_dim
+    gate: bool = True
+    conv: bool = True
+    ssm: bool = True
+    conv_width: int = 4
+    chunk_size: int = 64
+    freeze_embed_out: bool = False
+    # cache
+    capture_layers: int | None = None  # None = all layers
+    capture_tensors: int = 2  # attn_input, attn_output
+    capture_bytes: float = 2.0  # bf16 (fp8: 1, fp32: 4)
+    token_fraction: float = 1.0
+    topk: int = 0
+    # budget and throughput
+    budget: BudgetRule = field(default_factory=BudgetRule)
+    throughput: dict | None = None  # {size: {stage: tokens/s per GPU}}
+    peak_tflops: float = 989.0
+    mfu: dict = field(default_factory=lambda: dict(DEFAULT_MFU))
+
+    def __post_init__(self):
+        if self.gpu_mem_gb <= 0 or not 0 < self.usable_fraction <= 1:
+            raise ValueError("plan: gpu_mem_gb must be positive and usable_fraction in (0, 1]")
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise ValueError(f"plan: zero_stage {self.zero_stage} must be 0, 1, 2 or 3")
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu_mem_gb - self.reserved_gb) * GB * self.usable_fraction
+
+    @classmethod
+    def from_run_config(cls, cfg, **kw) -> "PlanSettings":
+        """Settings that follow a RunConfig's data, capture and component choices."""
+        cap = cfg.cache.capture
+        comp = cfg.stage2.components
+        base = dict(
+            seq_len=cfg.data.seq_len,
+            micro_batch=cfg.stage2.micro_batch_size,
+            feature_dim=cfg.stage1.feature_dim,
+            gate=comp.gate,
+            conv=comp.conv,
+            ssm=comp.ssm,
+            conv_width=comp.conv_width,
+            capture_tensors=len(cap.tensors),
+            capture_bytes={"bfloat16": 2.0, "float32": 4.0, "fp8_e4m3": 1.0}[cap.dtype],
+            token_fraction=cap.token_fraction,
+            topk=cap.topk,
+            capture_layers=None if cap.layers == "all" else len(cap.layers),
+            budget=BudgetRule(split=tuple(cfg.budget.split)),
+            # a miniature teacher's vocabulary is the tokenizer's (trained on the data)
+            vocab_size=cfg.tokenizer.vocab_size if cfg.teacher.name_or_path is None and cfg.tokenizer.name_or_path is None else None,
+        )
+        base.update(kw)
+        return cls(**base)
+
+
+def _flavor(f: Flavor | Size | str) -> Flavor:
+    if isinstance(f, Size):
+        return f.flavor
+    return get_flavor(f) if isinstance(f, str) else f
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def count_params(flavor: Flavor | Size | str, vocab_size: int | None = None) -> int:
+    """Teacher (GPT-NeoX) parameter count, computed from the architecture."""
+    f = _flavor(flavor)
+    V, d, L = vocab_size or f.vocab_size, f.d_model, f.n_layers
+    per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f.d_ff + f.d_ff) + (f.d_ff * d + d)
+    return 2 * V * d + L * per_layer + 2 * d
+
+
+def student_param_breakdown(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> dict[str, int]:
+    """HedgeMamba parameters by part (see the module docstring)."""
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    V, d, L, H, P = s.vocab_size or f.vocab_size, f.d_model, f.n_layers, f.n_heads, f.head_dim
+    F = s.feature_dim or P
+    teacher = count_params(f, V)
+    parts = {
+        "embed_in": V * d,
+        "embed_out": V * d,
+        "teacher_blocks": teacher - 2 * V * d,
+        "feature_maps": L * H * (F * P + F),
+        "conv": L * (3 * d * s.conv_width + 3 * d) if s.conv else 0,
+        "gate": L * (d * d + d) if s.gate else 0,
+        "ssm": L * (d * H + 2 * H) if s.ssm else 0,
+    }
+    parts["total"] = sum(parts.values())
+    frozen = parts["embed_in"] + (parts["embed_out"] if s.freeze_embed_out else 0)
+    parts["trainable"] = parts["total"] - frozen
+    return parts
+
+
+def student_params(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> int:
+    return student_param_breakdown(flavor, settings)["total"]
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def activation_bytes_per_token_layer(flavor: Flavor, settings: PlanSettings, tp: int = 1) -> float:
+    """Bytes saved for backward per token by one HedgeMamba block (module docstring)."""
+    s = settings
+    d, H, P = flavor.d_model, flavor.n_heads, flavor.head_dim
+    F = s.feature_dim or P
+    N = 2 * F
+    replicated = 2 * (2 * d + 2 * d)  # LN1 and LN2 inputs/outputs, bf16
+    sharded_elems = 3 * d + (3 * d if s.conv else 0) + 2 * d + 2 * H * F + 2 * H * N + d + (3 * d if s.gate else 0) + 8 * d
+    sharded = 2 * sharded_elems + 4 * H * (P + 1) * N / s.chunk_size
+    return replicated + sharded / tp
+
+
+def train_memory(
+    flavor: Flavor | Size | str,
+    dp: int = 1,
+    tp: int = 1,
+    zero_stage: int = 0,
+    activation_checkpointing: bool = False,
+    settings: PlanSettings | None = None,
+) -> dict[str, float]:
+    """Per-GPU bytes for stage-2 training: parameters, gradients, optimizer, activations, total."""
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    parts = student_param_breakdown(f, s)
+    n_all, n_train = parts["total"], parts["trainable"]
+    V = s.vocab_size or f.vocab_size
+    params = 2 * n_all / tp / (dp if zero_stage >= 3 else 1)
+    grads = 2 * n_train / tp / (dp if zero_stage >= 2 else 1)
+    optim = 12 * n_train / tp / (dp if zero_stage >= 1 else 1)
+    tokens = s.micro_batch * s.seq_len
+    per_layer = activation_bytes_per_token_layer(f, s, tp)
+    if activation_checkpointing:
+        blocks = tokens * (f.n_layers * 2 * f.d_model + per_layer)
+    else:
+        blocks = tokens * f.n_layers * per_layer
+    head = tokens * (V * (2 + 4) / tp + 2 * 2 * f.d_model)  # logits bf16 + fp32 log-softmax; embeddings
+    acts = blocks + head
+    total = params + grads + optim + acts
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": acts, "total": total}
+
+
+def teacher_forward_memory(flavor: Flavor | Size | str, tp: int = 1, settings: PlanSettings | None = None) -> dict[str, float]:
+    """Per-GPU bytes for the teacher-forward (cache) workers."""
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    V = s.vocab_size or f.vocab_size
+    tokens = s.teacher_micro_batch * s.seq_len
+    params = 2 * count_params(f, V) / tp
+    working = tokens * 2 * (4 * f.d_model + 10 * f.d_model / tp)  # residual + LN replicated, rest sharded
+    logits = tokens * V * (4 if s.topk else 2) / tp
+    layers = s.capture_layers if s.capture_layers is not None else f.n_layers
+    captured = tokens * layers * s.capture_tensors * f.d_model * s.capture_bytes * s.token_fraction
+    acts = working + logits + captured
+    return {"params": params, "activations": acts, "total": params + acts}
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [t for t in range(1, min(n, cap) + 1) if n % t == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    zero_stage: int
+    activation_checkpointing: bool
+    bytes_per_gpu: float
+    free_bytes: float
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp
+
+
+def choose_layout(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> Layout:
+    """The smallest (dp, tp, ZeRO) layout whose stage-2 training state fits one GPU (module docstring)."""
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    budget = s.usable_bytes
+    tps = [s.tp] if s.tp else _divisors(f.n_heads, s.max_tp)
+    zeros = [s.zero_stage] if s.zero_stage is not None else [0, 1, 2, 3]
+    ckpts = [s.activation_checkpointing] if s.activation_checkpointing is not None else [False, True]
+    n = 1
+    while n <= s.max_gpus:
+        fits = []
+        for tp in tps:
+            if n % tp:
+                continue
+            dp = n // tp
+            for z in zeros:
+                if tp > 1 and z == 3:
+                    continue
+                if dp == 1 and z > 0 and s.zero_stage is None:
+                    continue  # ZeRO over one replica shards nothing
+                for ck in ckpts:
+                    total = train_memory(f, dp, tp, z, ck, s)["total"]
+                    if total <= budget:
+                        fits.append(Layout(dp, tp, z, ck, total, budget - total))
+        if fits:
+            return min(fits, key=lambda lay: (lay.activation_checkpointing, -lay.free_bytes, lay.zero_stage, lay.tp))
+        # grow: powers of two up to 8, then whole nodes (multiples of 8)
+        n = n + 1 if n < 8 else n + 8
+    raise ValueError(
+        f"plan: {f.name} does not fit in {s.max_gpus} GPUs of {s.gpu_mem_gb:g} GB at micro batch "
+        f"{s.micro_batch} x seq {s.seq_len}; lower the micro batch or raise --gpu-mem"
+    )
+
+
+def min_teacher_tp(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> int:
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    for tp in _divisors(f.n_heads, s.max_tp):
+        if teacher_forward_memory(f, tp, s)["total"] <= s.usable_bytes:
+            return tp
+    raise ValueError(f"plan: the {f.name} teacher forward does not fit {s.max_tp} GPUs of {s.gpu_mem_gb:g} GB")
+
+
+# --------------------------------------------------------------------------- cache and cost
+
+
+def cache_bytes_per_token(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> dict[str, float]:
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    layers = s.capture_layers if s.capture_layers is not None else f.n_layers
+    per_layer = layers * s.capture_tensors * f.d_model * s.capture_bytes * s.token_fraction + 8
+    topk = s.topk * (2 + 4) + (8 if s.topk else 0)
+    return {"layers": per_layer, "topk": topk}
+
+
+def cache_bytes(flavor: Flavor | Size | str, budget: Budget, settings: PlanSettings | None = None) -> float:
+    b = cache_bytes_per_token(flavor, settings)
+    return b["layers"] * budget.stage1_tokens + b["topk"] * budget.stage2_tokens
+
+
+def flops_per_token(flavor: Flavor | Size | str, settings: PlanSettings | None = None, activation_checkpointing: bool = False) -> dict[str, float]:
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    d, L, H, P = f.d_model, f.n_layers, f.n_heads, f.head_dim
+    F = s.feature_dim or P
+    N, Q = 2 * F, s.chunk_size
+    parts = student_param_breakdown(f, s)
+    cache = 2 * count_params(f, s.vocab_size) + 2 * L * s.seq_len * d
+    stage1 = 2 * 3 * d * d * L + 6 * parts["feature_maps"] + 3 * L * H * 4 * P * N
+    stage2 = (8 if activation_checkpointing else 6) * parts["total"] + 3 * L * H * (2 * Q * (N + P) + 4 * P * N)
+    return {"cache": float(cache), "stage1": float(stage1), "stage2": float(stage2)}
+
+
+def tokens_per_second(flavor: Flavor | Size | str, settings: PlanSettings | None = None, activation_checkpointing: bool = False) -> dict[str, float]:
+    """Tokens/s per GPU per stage: the measured table where it has the size, else the FLOP model."""
+    s = settings or PlanSettings()
+    f = _flavor(flavor)
+    measured = (s.throughput or {}).get(f.name, {}) or (s.throughput or {}).get("*", {})
+    fl = flops_per_token(f, s, activation_checkpointing)
+    out = {}
+    for st in STAGES:
+        if st in measured:
+            out[st] = float(measured[st])
+        else:
+            out[st] = s.mfu.get(st, DEFAULT_MFU[st]) * s.peak_tflops * 1e12 / fl[st]
+    return out
+
+
+def load_throughput(path: str | Path) -> dict:
+    """A measured-throughput table from JSON ``{size: {stage: tok/s}}`` or CSV ``size,stage,tokens_per_s``."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"throughput table {str(p)!r} does not exist")
+    if p.suffix == ".json":
+        raw = json.loads(p.read_text())
+    else:
+        raw = {}
+        with p.open() as fh:
+            for row in csv.DictReader(fh):
+                raw.setdefault(row["size"], {})[row["stage"]] = float(row["tokens_per_s"])
+    out = {}
+    for size, stages in raw.items():
+        from scaling.registry import canonical_name
+
+        key = size if size == "*" else canonical_name(size)
+        bad = set(stages) - set(STAGES)
+        if bad:
+            raise ValueError(f"throughput table: unknown stage(s) {sorted(bad)} for {size}; use {', '.join(STAGES)}")
+        out[key] = {k: float(v) for k, v in stages.items()}
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class SizePlan:
+    size: str
+    hub_id: str | None
+    layers: int
+    d_model: int
+    heads: int
+    head_dim: int
+    params: int
+    published_params: int | None
+    params_error: float | None  # relative, vs published
+    student_params: int
+    student_trainable: int
+    total_tokens: int
+    stage1_tokens: int
+    stage2_tokens: int
+    teacher_tp: int
+    teacher_mem_gb: float
+    dp: int
+    tp: int
+    zero_stage: int
+    activation_checkpointing: bool
+    gpus: int
+    train_params_gb: float
+    train_grads_gb: float
+    train_optimizer_gb: float
+    train_activations_gb: float
+    train_mem_gb: float
+    single_gpu_train_gb: float  # the whole training state on one GPU (dp=tp=1, ZeRO-0, checkpointing)
+    cache_bytes_per_token: float
+    cache_gb: float
+    tokens_per_s: dict = field(default_factory=dict)
+    gpu_hours: dict = field(default_factory=dict)
+    gpu_hours_total: float = 0.0
+    throughput_source: str = "model"
+
+    def row(self) -> dict:
+        """A flat dict (CSV-friendly)."""
+        out = asdict(self)
+        for st in STAGES:
+            out[f"tokens_per_s_{st}"] = self.tokens_per_s.get(st)
+            out[f"gpu_hours_{st}"] = self.gpu_hours.get(st)
+        del out["tokens_per_s"], out["gpu_hours"]
+        return out
+
+
+def plan_size(size: Size | Flavor | str, settings: PlanSettings | None = None, budget: Budget | None = None) -> SizePlan:
+    s = settings or PlanSettings()
+    f = _flavor(size)
+    params = count_params(f, s.vocab_size)
+    parts = student_param_breakdown(f, s)
+    bud = budget or s.budget.budget(f, params)
+    lay = choose_layout(f, s)
+    mem = train_memory(f, lay.dp, lay.tp, lay.zero_stage, lay.activation_checkpointing, s)
+    single = train_memory(f, 1, 1, 0, True, s)["total"]
+    ttp = min_teacher_tp(f, s)
+    tput = tokens_per_second(f, s, lay.activation_checkpointing)
+    cache_toks = {"cache": bud.stage1_tokens + (bud.stage2_tokens if s.topk else 0), "stage1": bud.stage1_tokens, "stage2": bud.stage2_tokens}
+    hours = {st: cache_toks[st] / tput[st] / 3600 for st in STAGES}
+    measured = (s.throughput or {}).get(f.name) or (s.throughput or {}).get("*")
+    pub = f.published_params if (s.vocab_size in (None, f.vocab_size)) else None
+    return SizePlan(
+        size=f.name,
+        hub_id=f.hub_id,
+        layers=f.n_layers,
+        d_model=f.d_model,
+        heads=f.n_heads,
+        head_dim=f.head_dim,
+        params=params,
+        published_params=pub,
+        params_error=None if not pub else (params - pub) / pub,
+        student_params=parts["total"],
+        student_trainable=parts["trainable"],
+        total_tokens=bud.total_tokens,
+        stage1_tokens=bud.stage1_tokens,
+        stage2_tokens=bud.stage2_tokens,
+        teacher_tp=ttp,
+        teacher_mem_gb=teacher_forward_memory(f, ttp, s)["total"] / GB,
+        dp=lay.dp,
+        tp=lay.tp,
+        zero_stage=lay.zero_stage,
+        activation_checkpointing=lay.activation_checkpointing,
+        gpus=lay.gpus,
+        train_params_gb=mem["params"] / GB,
+        train_grads_gb=mem["grads"] / GB,
+        train_optimizer_gb=mem["optimizer"] / GB,
+        train_activations_gb=mem["activations"] / GB,
+        train_mem_gb=mem["total"] / GB,
+        single_gpu_train_gb=single / GB,
+        cache_bytes_per_token=sum(cache_bytes_per_token(f, s).values()),
+        cache_gb=cache_bytes(f, bud, s) / GB,
+        tokens_per_s=tput,
+        gpu_hours=hours,
+        gpu_hours_total=sum(hours.values()),
+        throughput_source="measured" if measured else "model",
+    )
+
+
+def plan(sizes: str | Iterable[str] | None = None, settings: PlanSettings | None = None) -> list[SizePlan]:
+    s = settings or PlanSettings()
+    return [plan_size(sz, s) for sz in resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))]
+
+
+def write_plan(plans: list[SizePlan], csv_path: str | Path | None = None, json_path: str | Path | None = None) -> None:
+    from scaling.table import write_csv, write_json
+
+    rows = [p.row() for p in plans]
+    if csv_path:
+        write_csv(csv_path, rows)
+    if json_path:
+        write_json(json_path, rows)
+
+
+def settings_with(settings: PlanSettings, **kw) -> PlanSettings:
+    return replace(settings, **{k: v for k, v in kw.items() if v is not None})
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_hours(h: float) -> str:
+    if h == 0 or math.isnan(h):
+        return "0"
+    return f"{h:.3g}" if h >= 0.01 else f"{h:.1e}"

@@ -1,0 +1,396 @@
+"""The recipe repeated over sizes, as Ray tasks with per-size resources, collected into one table.
+
+    rows = run_sweep(["nano", "micro", "mini"], "runs/scale", overrides=["teacher.pretrain_steps=20"])
+
+Per size the sweep builds a RunConfig (teacher = the miniature flavour, or the published hub id;
+budget from the `BudgetRule` unless the config or overrides set ``budget.total_tokens``; run
+directory ``OUT/runs/<size>``; teacher caches under one shared root, ``OUT/cache`` unless
+``cache.root`` is given) and runs ``hmscale.recipe.run_recipe`` on it in a Ray task. Caches are
+keyed by teacher fingerprint + data-plan hash, so every run (and every rerun, and other sweeps
+pointed at the same root) with the same teacher and plan shares one cache.
+
+Resumable: a size whose run directory holds ``results.json`` is skipped and its results are read
+back; a failed size is recorded (status ``failed``, the error) and retried by the next run; the
+recipe itself resumes inside a size. The table (``OUT/results.csv``, ``OUT/results.json``) is
+rewritten atomically after every finished size, and the plots (``OUT/plots/*.png``) at the end.
+
+Resources: by default a size's task asks for ``cpus_per_size`` CPUs and, for a GPU run with the
+local engine, one GPU. With ``parallel.engine=ray`` the recipe starts its own Ray Train workers
+(which ask for their GPUs), so the size's task is a driver (no GPU). For GPU runs the planner's
+layout (workers, tp, ZeRO stage) is put into the config unless the config sets them. Pass
+``resources={size: {"num_cpus": .., "num_gpus": ..}}`` (or ``"*"`` for all) to override.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from hmscale.atomic import atomic_write_json
+from hmscale.config import RunConfig, apply_overrides, build_config
+from scaling.budget import BudgetRule
+from scaling.planner import PlanSettings, plan_size
+from scaling.registry import Size, resolve_sizes
+from scaling.table import write_csv, write_json
+
+DEFAULT_RECIPE = "hmscale.recipe:run_recipe"
+RESULTS = "results.json"
+
+# the leading columns of the results table (more follow: everything numeric the recipe reported)
+TABLE_COLUMNS = [
+    "size", "status", "params", "published_params", "student_params",
+    "teacher_ppl", "hedgehog_ppl", "hedgemamba_ppl", "gap", "gap_ratio",
+    "total_tokens", "stage1_tokens", "stage2_tokens", "wall_s", "task_wall_s",
+    "plan_gpus", "plan_dp", "plan_tp", "plan_zero_stage", "projected_gpu_hours",
+    "num_cpus", "num_gpus", "run_dir", "error",
+]
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _has_key(tree: dict, overrides: Iterable[str], dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            node = None
+            break
+        node = node[part]
+    if node is not None:
+        return True
+    return any(o.split("=", 1)[0].strip() == dotted for o in overrides)
+
+
+def _abs(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def size_config(
+    size: Size | str,
+    out_dir: str | os.PathLike,
+    base_tree: dict | None = None,
+    overrides: Iterable[str] = (),
+    rule: BudgetRule | None = None,
+    apply_plan: bool | None = None,
+) -> RunConfig:
+    """The RunConfig of one size in a sweep (see the module docstring)."""
+    size = size if isinstance(size, Size) else resolve_sizes(size)[0]
+    overrides = list(overrides)
+    out = Path(out_dir).expanduser().resolve()
+    tree = copy.deepcopy(base_tree or {})
+    teacher = tree.setdefault("teacher", {})
+    teacher["flavor"] = size.name
+    teacher["name_or_path"] = None if size.miniature else size.hub_id
+    rule = rule or BudgetRule()
+    if not _has_key(tree, overrides, "budget.total_tokens"):
+        tree.setdefault("budget", {})["total_tokens"] = rule.total_tokens(size.flavor)
+        if not _has_key(tree, overrides, "budget.split"):
+            tree["budget"]["split"] = list(rule.split)
+    if not _has_key(tree, overrides, "cache.root"):
+        tree.setdefault("cache", {})["root"] = str(out / "cache")
+    if not _has_key(tree, overrides, "data.cache_dir"):
+        tree.setdefault("data", {})["cache_dir"] = str(out / "data-cache")
+    tree = apply_overrides(tree, overrides)
+    tree["output_dir"] = str(out / "runs" / size.name)
+    cfg = build_config(tree)
+    # workers may start in another directory: make the shared paths absolute
+    cfg.cache.root = _abs(cfg.cache.root)
+    cfg.data.cache_dir = _abs(cfg.data.cache_dir)
+    if apply_plan is None:
+        apply_plan = cfg.parallel.use_gpu
+    user_set = any(_has_key(base_tree or {}, overrides, k) for k in ("parallel.tp", "parallel.zero_stage", "parallel.num_workers"))
+    if apply_plan and not user_set:
+        p = plan_size(size, PlanSettings.from_run_config(cfg))
+        tree2 = cfg.model_dump(mode="json")
+        tree2["parallel"].update(tp=p.tp, zero_stage=p.zero_stage, num_workers=p.gpus)
+        if p.gpus > 1:
+            tree2["parallel"]["engine"] = "ray"
+        cfg = build_config(tree2)
+    return cfg
+
+
+def default_resources(cfg: RunConfig, cpus_per_size: float = 1) -> dict:
+    par = cfg.parallel
+    if par.engine == "ray":
+        return {"num_cpus": cpus_per_size, "num_gpus": 0}
+    return {"num_cpus": cpus_per_size, "num_gpus": 1 if par.use_gpu else 0}
+
+
+# --------------------------------------------------------------------------- results
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict:
+    out: dict = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}{k}_"))
+    else:
+        out[prefix[:-1]] = obj
+    return out
+
+
+def _num(x) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _pick(flat: dict, *names: str):
+    for n in names:
+        if n in flat and _num(flat[n]) is not None:
+            return _num(flat[n])
+    return None
+
+
+def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
+    """One table row from a recipe's results dict (tolerant to nesting: `tokens: {stage1: ..}` etc.)."""
+    flat = {k: v for k, v in _flatten(results).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    row: dict = {}
+    row["teacher_ppl"] = _pick(flat, "teacher_ppl", "ppl_teacher", "perplexity_teacher", "teacher_perplexity")
+    row["hedgehog_ppl"] = _pick(flat, "hedgehog_ppl", "ppl_hedgehog", "perplexity_hedgehog", "hedgehog_perplexity")
+    row["hedgemamba_ppl"] = _pick(flat, "hedgemamba_ppl", "ppl_hedgemamba", "perplexity_hedgemamba", "hedgemamba_perplexity")
+    t, s = row["teacher_ppl"], row["hedgemamba_ppl"]
+    row["gap"] = None if t is None or s is None else s - t
+    row["gap_ratio"] = None if not t or s is None else s / t
+    s1 = _pick(flat, "stage1_tokens", "tokens_stage1", "stage1_tokens_seen", "stage1_tokens_trained")
+    s2 = _pick(flat, "stage2_tokens", "tokens_stage2", "stage2_tokens_seen", "stage2_tokens_trained")
+    row["stage1_tokens"] = int(s1) if s1 is not None else cfg.budget.stage1_tokens
+    row["stage2_tokens"] = int(s2) if s2 is not None else cfg.budget.stage2_tokens
+    tot = _pick(flat, "total_tokens", "tokens_total")
+    row["total_tokens"] = int(tot) if tot is not None else row["stage1_tokens"] + row["stage2_tokens"]
+    wall = _pick(flat, "wall_s", "wall_time_s", "total_wall_s", "wall_total", "wall_time_total", "wall_s_total", "total_s")
+    if wall is None:
+        walls = [v for k, v in flat.items() if ("wall" in k or k.endswith("_s") or "seconds" in k) and "total" not in k and not k.startswith("_")]
+        wall = sum(walls) if walls else None
+    row["wall_s"] = wall
+    row["task_wall_s"] = _pick(flat, "_sweep_task_wall_s")
+    n = _pick(flat, "teacher_params", "params_teacher", "teacher_n_params")
+    if n is not None:
+        row["params"] = int(n)
+    for k, v in flat.items():  # everything else the recipe reported, for the record
+        if k not in row and not k.startswith("_"):
+            row[f"r_{k}"] = v
+    return row
+
+
+# --------------------------------------------------------------------------- the task
+
+
+def _resolve_recipe(recipe: str | Callable) -> Callable:
+    if callable(recipe):
+        return recipe
+    mod, _, attr = recipe.partition(":")
+    return getattr(importlib.import_module(mod), attr or "run_recipe")
+
+
+def run_size(cfg_tree: dict, recipe: str | Callable = DEFAULT_RECIPE, tag: str = "") -> dict:
+    """Run the recipe for one size (inside a Ray task or in-process); returns its results dict."""
+    import torch
+
+    threads = int(os.environ.get("HMSCALE_SWEEP_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = RunConfig.model_validate(cfg_tree)
+    fn = _resolve_recipe(recipe)
+
+    def log(*args, **kw):
+        print(f"[{tag}]", *args, flush=True)
+
+    t0 = time.time()
+    results = fn(cfg, log=log)
+    results = dict(results or {})
+    res_path = Path(cfg.output_dir) / RESULTS
+    if not res_path.exists():  # a recipe that only returns: keep the sweep resumable anyway
+        atomic_write_json(res_path, results)
+    results.setdefault("_sweep_task_wall_s", time.time() - t0)
+    return results
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def _ensure_ray(address: str | None, num_cpus: int | None):
+    import ray
+
+    if not ray.is_initialized():
+        kw: dict = dict(address=address, ignore_reinit_error=True, log_to_driver=True)
+        if address is None:
+            kw.update(include_dashboard=False)
+            if num_cpus is not None:
+                kw["num_cpus"] = num_cpus
+        ray.init(**kw)
+    return ray
+
+
+def run_sweep(
+    sizes: str | Iterable[str] | None,
+    out_dir: str | os.PathLike,
+    overrides: Iterable[str] = (),
+    base_tree: dict | None = None,
+    rule: BudgetRule | None = None,
+    engine: str = "ray",
+    ray_address: str | None = None,
+    ray_num_cpus: int | None = None,
+    cpus_per_size: float = 1,
+    resources: dict | None = None,
+    recipe: str | Callable = DEFAULT_RECIPE,
+    plan_settings: PlanSettings | None = None,
+    plots: bool = True,
+    log: Callable = print,
+) -> list[dict]:
+    """Run (or resume) a sweep; returns the table rows, one per size, in the order asked."""
+    if engine not in ("ray", "local"):
+        raise ValueError(f"engine {engine!r} must be ray or local")
+    out = Path(out_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = list(overrides)
+    sizes_ = resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))
+    cfgs = {s.name: size_config(s, out, base_tree, overrides, rule) for s in sizes_}
+    atomic_write_json(out / "sweep.json", {
+        "sizes": [s.name for s in sizes_], "overrides": overrides, "base": base_tree or {},
+        "recipe": recipe if isinstance(recipe, str) else f"{recipe.__module__}:{recipe.__qualname__}",
+    })
+
+    rows: dict[str, dict] = {}
+    plans: dict[str, Any] = {}
+    res_of: dict[str, dict] = {}
+    for s in sizes_:
+        cfg = cfgs[s.name]
+        res = dict(default_resources(cfg, cpus_per_size))
+        res.update((resources or {}).get("*", {}))
+        res.update((resources or {}).get(s.name, {}))
+        res_of[s.name] = res
+        settings = plan_settings or PlanSettings.from_run_config(cfg)
+        try:
+            from scaling.budget import Budget
+
+            plans[s.name] = plan_size(s, settings, Budget(cfg.budget.total_tokens, tuple(cfg.budget.split)))
+        except ValueError as err:  # does not fit: still run it, without a projection
+            log(f"[scale] {s.name}: no plan ({err})")
+            plans[s.name] = None
+        rows[s.name] = _base_row(s, cfg, plans[s.name], res)
+
+    def finish(name: str, results: dict | None, status: str, error: str | None = None):
+        row = rows[name]
+        row["status"] = status
+        row["error"] = error
+        if results is not None:
+            row.update(summarize(next(x for x in sizes_ if x.name == name), cfgs[name], results))
+        _write_table(out, [rows[s.name] for s in sizes_])
+
+    todo = []
+    for s in sizes_:
+        res_path = Path(cfgs[s.name].output_dir) / RESULTS
+        if res_path.exists():
+            log(f"[scale] {s.name}: finished earlier ({res_path}); skipping")
+            finish(s.name, json.loads(res_path.read_text()), "skipped")
+        else:
+            todo.append(s)
+            rows[s.name]["status"] = "pending"
+    _write_table(out, [rows[s.name] for s in sizes_])
+
+    if engine == "local":
+        for s in todo:
+            log(f"[scale] {s.name}: running in-process")
+            try:
+                finish(s.name, run_size(cfgs[s.name].model_dump(mode="json"), recipe, s.name), "done")
+            except Exception as err:  # noqa: BLE001 - one size failing must not stop the others
+                log(f"[scale] {s.name}: failed: {err}")
+                finish(s.name, None, "failed", f"{type(err).__name__}: {err}")
+                (out / "runs" / s.name).mkdir(parents=True, exist_ok=True)
+                (out / "runs" / s.name / "sweep_error.txt").write_text(traceback.format_exc())
+    elif todo:
+        ray = _ensure_ray(ray_address, ray_num_cpus)
+        if callable(recipe):
+            _pickle_by_value(recipe)
+        remote = ray.remote(run_size)
+        pending = {}
+        for s in todo:
+            r = res_of[s.name]
+            log(f"[scale] {s.name}: submitting (num_cpus={r['num_cpus']}, num_gpus={r['num_gpus']})")
+            ref = remote.options(
+                num_cpus=r["num_cpus"], num_gpus=r["num_gpus"], name=f"hmscale-scale-{s.name}",
+                max_retries=1, retry_exceptions=False,
+                **{k: v for k, v in r.items() if k not in ("num_cpus", "num_gpus")},
+            ).remote(cfgs[s.name].model_dump(mode="json"), recipe, s.name)
+            pending[ref] = s.name
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                name = pending.pop(ref)
+                try:
+                    finish(name, ray.get(ref), "done")
+                    log(f"[scale] {name}: done")
+                except Exception as err:  # noqa: BLE001
+                    msg = str(err).strip().splitlines()
+                    log(f"[scale] {name}: failed: {msg[-1] if msg else err!r}")
+                    finish(name, None, "failed", f"{type(err).__name__}: {msg[-1] if msg else ''}")
+    table = [rows[s.name] for s in sizes_]
+    _write_table(out, table)
+    if plots:
+        from scaling.plots import plot_all
+
+        plot_all(table, [p.row() for p in plans.values() if p is not None], out / "plots")
+    return table
+
+
+def _pickle_by_value(fn: Callable) -> None:
+    """Ship a recipe callable from outside the installed packages (a test, a notebook) by value."""
+    import sys
+
+    name = getattr(fn, "__module__", "") or ""
+    mod = sys.modules.get(name)
+    if mod is None or name == "__main__" or name.split(".")[0] in ("hmscale", "scaling", "ray_jobs", "kernels"):
+        return
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(mod)
+
+
+def _base_row(size: Size, cfg: RunConfig, plan, res: dict) -> dict:
+    from scaling.planner import count_params
+
+    row = {k: None for k in TABLE_COLUMNS}
+    row.update(
+        size=size.name,
+        status="pending",
+        params=count_params(size.flavor, _teacher_vocab(cfg)),
+        published_params=size.published_params,
+        total_tokens=cfg.budget.total_tokens,
+        stage1_tokens=cfg.budget.stage1_tokens,
+        stage2_tokens=cfg.budget.stage2_tokens,
+        num_cpus=res.get("num_cpus"),
+        num_gpus=res.get("num_gpus"),
+        run_dir=cfg.output_dir,
+    )
+    if plan is not None:
+        row.update(
+            student_params=plan.student_params,
+            plan_gpus=plan.gpus, plan_dp=plan.dp, plan_tp=plan.tp, plan_zero_stage=plan.zero_stage,
+            projected_gpu_hours=plan.gpu_hours_total,
+        )
+    return row
+
+
+def _teacher_vocab(cfg: RunConfig) -> int | None:
+    """A miniature teacher's vocabulary is the tokenizer's; a published one keeps its own."""
+    if cfg.teacher.name_or_path is None and cfg.tokenizer.name_or_path is None:
+        return cfg.tokenizer.vocab_size
+    return None
+
+
+def _write_table(out: Path, rows: list[dict]) -> None:
+    cols = list(TABLE_COLUMNS)
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    write_csv(out / "results.csv", rows, cols)
+    write_json(out / "results.json", rows)

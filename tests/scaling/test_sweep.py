@@ -1,0 +1,128 @@
+"""The sweep: per-size configs, the recipe per size as Ray tasks, resumability, the table and the plots.
+
+The end-to-end test runs the real recipe (hmscale.recipe.run_recipe) over the 3 miniature flavours
+on a local Ray cluster; the others use a stand-in recipe passed as a parameter.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hmscale.atomic import atomic_write_json
+from hmscale.teacher.flavors import get_flavor
+from scaling.budget import BudgetRule
+from scaling.sweep import default_resources, run_sweep, size_config, summarize
+from scaling.registry import resolve_sizes
+from scaling.table import read_csv
+
+MINIS = ["pythia-nano", "pythia-micro", "pythia-mini"]
+RECIPE_PRESENT = (Path(__file__).resolve().parents[2] / "hmscale" / "recipe.py").exists()
+
+
+def standin_recipe(cfg, log=print):
+    """Writes results.json like the recipe does; PPL falls with width. Counts its calls."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "calls.txt", "a") as fh:
+        fh.write("call\n")
+    if cfg.teacher.flavor == "pythia-micro" and os.environ.get("STANDIN_FAIL_MICRO") == "1":
+        raise RuntimeError("boom")
+    d = get_flavor(cfg.teacher.flavor).d_model
+    t = 10 + 2000 / d
+    res = {
+        "teacher_ppl": t, "hedgehog_ppl": t * 1.3, "hedgemamba_ppl": t * 1.05,
+        "stage1": {"tokens": cfg.budget.stage1_tokens, "wall_s": 0.1},
+        "stage2": {"tokens": cfg.budget.stage2_tokens, "wall_s": 0.2},
+    }
+    log("stand-in done")
+    atomic_write_json(out / "results.json", res)
+    return res
+
+
+def calls(out, size):
+    p = Path(out) / "runs" / size / "calls.txt"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def test_size_config(tmp_path):
+    cfg = size_config("nano", tmp_path, overrides=["teacher.pretrain_steps=3"])
+    assert cfg.teacher.flavor == "pythia-nano" and cfg.teacher.name_or_path is None
+    assert cfg.output_dir == str(tmp_path.resolve() / "runs" / "pythia-nano")
+    assert cfg.cache.root == str(tmp_path.resolve() / "cache") and cfg.teacher.pretrain_steps == 3
+    assert cfg.budget.total_tokens == BudgetRule().miniature_tokens
+    # a published size loads its hub id and gets the rule's budget
+    big = size_config("410m", tmp_path, rule=BudgetRule(kind="fixed", tokens=5000, split=(0.2, 0.8)))
+    assert big.teacher.name_or_path == "EleutherAI/pythia-410m"
+    assert big.budget.total_tokens == 5000 and tuple(big.budget.split) == (0.2, 0.8)
+    # user settings win over the rule; the same cache root is shared by every size
+    c2 = size_config("micro", tmp_path, overrides=["budget.total_tokens=999", "cache.root=/tmp/x"])
+    assert c2.budget.total_tokens == 999 and c2.cache.root == "/tmp/x"
+    assert default_resources(cfg) == {"num_cpus": 1, "num_gpus": 0}
+    # GPU runs get the planner's layout
+    g = size_config("12b", tmp_path, overrides=["parallel.use_gpu=true"])
+    assert g.parallel.num_workers > 1 and (g.parallel.tp > 1 or g.parallel.zero_stage == 3) and g.parallel.engine == "ray"
+    assert default_resources(g)["num_gpus"] == 0  # the task is a driver; Ray Train workers hold the GPUs
+    g1 = size_config("70m", tmp_path, overrides=["parallel.use_gpu=true"])
+    assert default_resources(g1) == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_summarize_tolerates_nesting():
+    s = resolve_sizes("nano")[0]
+    cfg = size_config(s, "/tmp/unused-scale")
+    row = summarize(s, cfg, {"teacher_ppl": 10.0, "hedgehog_ppl": 12.0, "hedgemamba_ppl": 11.0,
+                             "tokens": {"stage1": 100, "stage2": 900}, "wall_s": {"stage1": 1.0, "stage2": 2.0}})
+    assert row["gap"] == pytest.approx(1.0) and row["gap_ratio"] == pytest.approx(1.1)
+    assert (row["stage1_tokens"], row["stage2_tokens"], row["total_tokens"]) == (100, 900, 1000)
+    assert row["wall_s"] == pytest.approx(3.0)
+
+
+def test_local_sweep_resumes_and_records_failures(tmp_path, monkeypatch):
+    out = tmp_path / "scale"
+    monkeypatch.setenv("STANDIN_FAIL_MICRO", "1")
+    rows = run_sweep(MINIS, out, engine="local", recipe=standin_recipe, log=lambda *a: None)
+    assert [r["status"] for r in rows] == ["done", "failed", "done"]
+    assert "boom" in rows[1]["error"]
+    monkeypatch.setenv("STANDIN_FAIL_MICRO", "0")
+    rows = run_sweep(MINIS, out, engine="local", recipe=standin_recipe, log=lambda *a: None)
+    assert [r["status"] for r in rows] == ["skipped", "done", "skipped"]
+    assert [calls(out, s) for s in MINIS] == [1, 2, 1]
+    table = read_csv(out / "results.csv")
+    assert [r["size"] for r in table] == MINIS and all(float(r["gap"]) > 0 for r in table)
+    assert json.loads((out / "results.json").read_text())[0]["teacher_ppl"] > 0
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _check_outputs(out, rows):
+    assert [r["size"] for r in rows] == MINIS
+    table = read_csv(out / "results.csv")
+    assert [r["size"] for r in table] == MINIS
+    for r in table:
+        for k in ("teacher_ppl", "hedgemamba_ppl", "gap", "total_tokens", "wall_s", "params"):
+            assert r[k] not in ("", None), (r["size"], k)
+    assert json.loads((out / "results.json").read_text())[2]["size"] == "pythia-mini"
+    for name in ("ppl_vs_params", "gap_vs_tokens", "projected_cost"):
+        png = out / "plots" / f"{name}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+
+
+@pytest.mark.ray
+def test_ray_sweep_with_standin(tmp_path, ray_cluster):
+    out = tmp_path / "scale"
+    rows = run_sweep(MINIS, out, recipe=standin_recipe, log=lambda *a: None)
+    assert [r["status"] for r in rows] == ["done"] * 3
+    _check_outputs(out, rows)
+    rows = run_sweep(MINIS, out, recipe=standin_recipe, log=lambda *a: None)
+    assert [r["status"] for r in rows] == ["skipped"] * 3
+    assert [calls(out, s) for s in MINIS] == [1, 1, 1]
