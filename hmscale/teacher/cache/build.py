@@ -1,0 +1,270 @@
+"""`build_cache`: plan the cache (key, bytes, disk), skip finished shards, run an engine, keep the manifest.
+
+Engines: "local" runs the shards in this process; "ray" hands them to teacher-forward actors
+(`ray_jobs.cache_teacher.run_ray`, imported lazily: the Ray wrapper sits in the top layer).
+Either way only this driver writes the manifest.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hmscale.teacher.cache.format import (
+    CacheError,
+    CaptureSpec,
+    ShardInfo,
+    TeacherShape,
+    bytes_per_sample,
+    cache_key,
+    layout,
+    layout_json,
+    shard_name,
+)
+from hmscale.teacher.cache.manifest import Manifest
+from hmscale.teacher.cache.writer import sha256_file
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def teacher_fingerprint(model) -> str:
+    from hmscale.teacher.fingerprint import teacher_fingerprint as fp
+
+    return fp(model)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@dataclass
+class CachePlan:
+    """Everything decided before any teacher work."""
+
+    cache_dir: Path
+    key: str
+    spec: CaptureSpec
+    shape: TeacherShape
+    fingerprint: str
+    plan_hash: str
+    shard_ids: list[int]
+    seq_len: int
+    tokens: int  # tokens of the requested shards
+    bytes_per_token: float
+    total_bytes: int
+    fields: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return (
+            f"cache {self.key}: {len(self.shard_ids)} shards, {self.tokens:,} tokens x {len(self.spec.layers)} layers "
+            f"({','.join(self.spec.tensors) or 'no layer tensors'}, {self.spec.dtype}"
+            f"{', top-%d' % self.spec.topk if self.spec.topk else ''}"
+            f"{', %.0f%% of positions' % (100 * self.spec.token_fraction) if self.spec.token_fraction < 1 else ''}): "
+            f"{self.bytes_per_token:,.0f} bytes/token, {_human(self.total_bytes)} in total"
+        )
+
+
+def plan_cache(cfg, plan, teacher, fingerprint: str | None = None) -> CachePlan:
+    shape = TeacherShape.of(teacher)
+    spec = CaptureSpec.from_config(cfg.cache.capture, shape.n_layers)
+    fp = fingerprint or teacher_fingerprint(teacher)
+    key = cache_key(fp, plan.hash, spec)
+    n = plan.num_shards
+    if cfg.cache.max_tokens:
+        per_shard = plan.sequences_per_shard * plan.seq_len
+        n = min(n, -(-cfg.cache.max_tokens // per_shard))
+    ids = list(range(n))
+    sequences = sum(plan.shard_size(i) for i in ids) if hasattr(plan, "shard_size") else n * plan.sequences_per_shard
+    tokens = sequences * plan.seq_len
+    fields = layout(spec, shape, plan.seq_len)
+    per_sample = bytes_per_sample(fields)
+    total = per_sample * sequences + 10240 * n  # + end-of-archive record per shard
+    return CachePlan(
+        cache_dir=Path(cfg.cache.root) / key, key=key, spec=spec, shape=shape, fingerprint=fp, plan_hash=plan.hash,
+        shard_ids=ids, seq_len=plan.seq_len, tokens=tokens, bytes_per_token=per_sample / plan.seq_len,
+        total_bytes=total, fields=fields,
+    )
+
+
+def check_disk(cp: CachePlan, missing_bytes: int, allow_exceed: bool, log=_log) -> None:
+    probe = cp.cache_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if missing_bytes > free:
+        msg = (
+            f"cache needs {_human(missing_bytes)} more ({cp.bytes_per_token:,.0f} bytes/token x {cp.tokens:,} tokens, "
+            f"{len(cp.spec.layers)} layers) but only {_human(free)} is free under {probe}; capture fewer layers/tokens "
+            f"(cache.capture.layers, cache.capture.token_fraction, cache.max_tokens) or set cache.allow_exceed_disk=true"
+        )
+        if not allow_exceed:
+            raise CacheError(msg)
+        log(f"cache: warning: {msg} (going ahead: cache.allow_exceed_disk=true)")
+
+
+class Progress:
+    def __init__(self, total_shards: int, done_before: int, log=_log, every_s: float = 5.0):
+        self.total, self.done, self.log, self.every = total_shards, done_before, log, every_s
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.bytes = 0
+        self.shards_now = 0
+        self._last = 0.0
+
+    def shard_done(self, info: ShardInfo) -> None:
+        self.done += 1
+        self.shards_now += 1
+        self.tokens += info.tokens
+        self.bytes += info.bytes
+        now = time.perf_counter()
+        if now - self._last >= self.every or self.done == self.total:
+            self._last = now
+            self.log(self.line())
+
+    def rate(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+
+    def line(self) -> str:
+        return (
+            f"cache: {self.done}/{self.total} shards done | {self.rate():,.0f} tokens/s | "
+            f"{_human(self.bytes)} written | {time.perf_counter() - self.t0:.1f} s"
+        )
+
+
+def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
+    """Shards recorded in the manifest whose file is present with the recorded size and sha256."""
+    good = set()
+    recorded = manifest.shards
+    for sid in shard_ids:
+        entry = recorded.get(sid)
+        if entry is None:
+            continue
+        path = manifest.cache_dir / entry["file"]
+        if path.exists() and path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]:
+            good.add(sid)
+        else:
+            log(f"cache: {entry['file']} is missing or does not match the manifest; redoing it")
+            manifest.drop_shard(sid)
+    return good
+
+
+def _clean_temporaries(cache_dir: Path) -> None:
+    for p in cache_dir.glob(".shard-*.tmp"):
+        p.unlink(missing_ok=True)
+
+
+def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_fn=None, device=None) -> Path:
+    """Cache the teacher's per-layer tensors (and top-k) over the data plan; returns the cache directory.
+
+    Reuses a finished cache with the same (teacher fingerprint, plan hash, capture spec) without any
+    teacher forward; a partial one is completed (finished shards are verified and skipped).
+    """
+    if data is None:
+        from hmscale.data import prepare_data
+
+        data = prepare_data(cfg)
+    if teacher is None:
+        from hmscale.teacher import get_teacher
+
+        teacher = get_teacher(cfg, data)
+    plan = data.plan
+    engine = engine or cfg.cache.engine or cfg.parallel.engine
+    if engine not in ("local", "ray"):
+        raise CacheError(f"cache engine {engine!r}: choose 'local' or 'ray'")
+
+    cp = plan_cache(cfg, plan, teacher)
+    cache_dir = cp.cache_dir
+    log(f"cache: {cp.describe()}")
+    try:
+        manifest = Manifest.load(cache_dir)
+    except CacheError:
+        manifest = None
+    if manifest is not None and manifest.data.get("key") != cp.key:
+        raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
+    if manifest is None:
+        manifest = Manifest.new(
+            cache_dir,
+            key=cp.key,
+            teacher={"fingerprint": cp.fingerprint, "n_layers": cp.shape.n_layers, "d_model": cp.shape.d_model,
+                     "n_heads": cp.shape.n_heads, "head_dim": cp.shape.head_dim, "vocab_size": cp.shape.vocab_size,
+                     "name_or_path": cfg.teacher.name_or_path, "flavor": cfg.teacher.flavor},
+            plan={"hash": plan.hash, "num_shards": plan.num_shards, "seq_len": plan.seq_len,
+                  "sequences_per_shard": plan.sequences_per_shard},
+            capture=cp.spec.to_json(),
+            layout={"fields": layout_json(cp.fields), "kept_positions": cp.spec.kept_positions(plan.seq_len),
+                    "seq_len": plan.seq_len, "bytes_per_token": cp.bytes_per_token},
+            config_hash=cfg.hash("teacher", "tokenizer", "data", "cache"),
+        )
+
+    done = existing_shards(manifest, cp.shard_ids, log=log)
+    pending = [s for s in cp.shard_ids if s not in done]
+    if not pending:
+        if not (manifest.complete and set(manifest.data["requested_shards"]) >= set(cp.shard_ids)):
+            manifest.set_requested(cp.shard_ids)
+            manifest.update_complete()
+            manifest.save()
+        log(f"cache: reusing {cache_dir}: all {len(cp.shard_ids)} shards present and verified; no teacher forward needed")
+        return cache_dir
+
+    missing = int(cp.total_bytes * len(pending) / max(len(cp.shard_ids), 1))
+    check_disk(cp, missing, cfg.cache.allow_exceed_disk, log=log)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    manifest.set_requested(cp.shard_ids)
+    manifest.update_complete()
+    manifest.save()
+    if done:
+        log(f"cache: {len(done)} shards already done in {cache_dir}; computing the other {len(pending)}")
+
+    progress = Progress(len(cp.shard_ids), len(done), log=log)
+    seen_keys: dict[str, int] = {}
+    last_save = [time.perf_counter()]
+
+    def on_done(info: ShardInfo) -> None:
+        for k in info.keys:
+            if seen_keys.setdefault(k, info.shard) != info.shard:
+                raise CacheError(f"sample key {k} appears in shards {seen_keys[k]} and {info.shard}; the data plan is not deterministic")
+        manifest.add_shard(info)
+        progress.shard_done(info)
+        if time.perf_counter() - last_save[0] > 2.0:
+            manifest.save()
+            last_save[0] = time.perf_counter()
+
+    try:
+        if engine == "local":
+            run_local(cfg, plan, teacher, cp, pending, on_done, device=device, capture_fn=capture_fn)
+        else:
+            from ray_jobs.cache_teacher import run_ray
+
+            run_ray(cfg, plan, teacher, cp, pending, on_done, log=log, capture_fn=capture_fn)
+    finally:
+        manifest.update_complete()
+        manifest.save()
+    _clean_temporaries(cache_dir)
+    if not manifest.complete:
+        raise CacheError(f"cache {cache_dir} is incomplete after the run; rerun `hmscale cache` to finish it")
+    log(f"cache: done: {progress.line()} -> {cache_dir}")
+    return cache_dir
+
+
+def run_local(cfg, plan, teacher, cp: CachePlan, pending, on_done, *, device=None, capture_fn=None) -> None:
+    from hmscale.teacher.cache.worker import ShardWorker
+
+    worker = ShardWorker(teacher, plan, cp.spec, cp.cache_dir, batch_size=cfg.cache.batch_size, device=device,
+                         capture_fn=capture_fn)
+    for sid in pending:
+        try:
+            info = worker.run_shard(sid)
+        except CacheError:
+            raise
+        except Exception as err:
+            raise CacheError(f"teacher forward failed on {shard_name(sid)}: {type(err).__name__}: {err}") from err
+        on_done(info)

@@ -1,0 +1,248 @@
+"""The teacher-cache format, version 1 (written down in docs/CACHE_FORMAT.md).
+
+A cache directory `{cache.root}/{key}/` holds `manifest.json` and `shard-NNNNNN.tar` files
+(webdataset tars, one per data-plan shard). Each sample is a group of `.npy` members
+`{sample_key}.{field}.npy`, raw arrays only (`allow_pickle=False` on both sides).
+
+This module is pure layout: field names, storage dtypes, encode/decode of tensors, expected
+shapes, the directory key and the bytes-per-token estimate. It has no I/O besides bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+FORMAT_NAME = "hmscale-teacher-cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = ("attn_input", "attn_output")
+STORAGE_DTYPES = ("bfloat16", "float32", "fp8_e4m3")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
+
+
+class CacheError(RuntimeError):
+    """A cache problem; the message is one line naming the cache / shard and what to do."""
+
+
+class CacheCorruptError(CacheError):
+    """A shard whose bytes, checksum or contents do not match the manifest."""
+
+    def __init__(self, shard: str, reason: str, cache_dir=None):
+        self.shard = shard
+        self.reason = reason
+        where = f" in {cache_dir}" if cache_dir is not None else ""
+        super().__init__(
+            f"cache shard {shard}{where} is corrupted: {reason}; do not train on it "
+            f"(rerun `hmscale cache` with the same config to rebuild it, or delete it)"
+        )
+
+
+def shard_name(shard_id: int) -> str:
+    return f"shard-{shard_id:06d}.tar"
+
+
+def layer_field(layer: int, tensor: str) -> str:
+    return f"l{layer:03d}_{tensor}"
+
+
+def check_sample_key(key: str) -> str:
+    if not _KEY_RE.match(key):
+        raise CacheError(f"sample key {key!r} from the data plan has characters a webdataset key cannot hold; use [A-Za-z0-9_-/]")
+    return key
+
+
+# ---------------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class TeacherShape:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def of(cls, model) -> "TeacherShape":
+        c = model.config
+        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What is stored per sample; part of the directory key."""
+
+    layers: tuple[int, ...]
+    tensors: tuple[str, ...]
+    dtype: str = "bfloat16"
+    token_fraction: float = 1.0
+    seed: int = 0
+    topk: int = 0
+    topk_dtype: str = "float16"
+
+    @classmethod
+    def from_config(cls, capture, n_layers: int) -> "CaptureSpec":
+        layers = list(range(n_layers)) if capture.layers == "all" else sorted(set(int(i) for i in capture.layers))
+        bad = [i for i in layers if not 0 <= i < n_layers]
+        if bad:
+            raise CacheError(f"cache.capture.layers: {bad} out of range for a {n_layers}-layer teacher; use 0..{n_layers - 1} or 'all'")
+        return cls(
+            layers=tuple(layers),
+            tensors=tuple(t for t in TENSORS if t in capture.tensors),
+            dtype=capture.dtype,
+            token_fraction=float(capture.token_fraction),
+            seed=int(capture.seed),
+            topk=int(capture.topk),
+            topk_dtype=capture.topk_dtype,
+        )
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CaptureSpec":
+        return cls(**{**d, "layers": tuple(d["layers"]), "tensors": tuple(d["tensors"])})
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layers"], d["tensors"] = list(self.layers), list(self.tensors)
+        return d
+
+    def kept_positions(self, seq_len: int) -> int:
+        return seq_len if self.token_fraction >= 1.0 else max(1, int(round(self.token_fraction * seq_len)))
+
+
+def cache_key(teacher_fingerprint: str, plan_hash: str, spec: CaptureSpec) -> str:
+    blob = json.dumps(
+        {"format_version": FORMAT_VERSION, "teacher": teacher_fingerprint, "plan": plan_hash, "capture": spec.to_json()},
+        sort_keys=True,
+    )
+    return f"v{FORMAT_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
+
+
+def positions_for(spec: CaptureSpec, key: str, seq_len: int) -> np.ndarray | None:
+    """The sorted positions whose attn_output is kept (None = all): a function of (seed, key) only."""
+    if spec.token_fraction >= 1.0:
+        return None
+    m = spec.kept_positions(seq_len)
+    rng = np.random.default_rng(np.random.SeedSequence([spec.seed, zlib.crc32(key.encode())]))
+    return np.sort(rng.choice(seq_len, size=m, replace=False)).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    npy_dtype: str  # numpy dtype string of the stored array
+    shape: tuple[int, ...]
+    storage: str  # logical dtype: int32, bfloat16, float32, fp8_e4m3, float16, uint16 ...
+
+
+def index_dtype(vocab_size: int) -> str:
+    return "<u2" if vocab_size <= 65536 else "<i4"
+
+
+def layout(spec: CaptureSpec, shape: TeacherShape, seq_len: int) -> dict[str, FieldSpec]:
+    """Every member of one sample: field name -> stored dtype and shape."""
+    L, d, h, p = seq_len, shape.d_model, shape.n_heads, shape.head_dim
+    m = spec.kept_positions(L)
+    out = {"tokens": FieldSpec("<i4", (L,), "int32"), "seq_idx": FieldSpec("<i4", (L,), "int32")}
+    if spec.token_fraction < 1.0:
+        out["positions"] = FieldSpec("<i4", (m,), "int32")
+    npy = {"bfloat16": "<u2", "float32": "<f4", "fp8_e4m3": "|u1"}[spec.dtype]
+    for i in spec.layers:
+        for t in spec.tensors:
+            shp = (L, d) if t == "attn_input" else (m, h, p)
+            name = layer_field(i, t)
+            out[name] = FieldSpec(npy, shp, spec.dtype)
+            if spec.dtype == "fp8_e4m3":
+                out[name + "_scale"] = FieldSpec("<f4", shp[:-1], "float32")
+    if spec.topk:
+        out["topk_logprobs"] = FieldSpec("<u2" if spec.topk_dtype == "bfloat16" else "<f2", (L, spec.topk), spec.topk_dtype)
+        out["topk_indices"] = FieldSpec(index_dtype(shape.vocab_size), (L, spec.topk), "index")
+    return out
+
+
+def layout_json(fields: dict[str, FieldSpec]) -> dict:
+    return {k: {"npy_dtype": v.npy_dtype, "shape": list(v.shape), "storage": v.storage} for k, v in fields.items()}
+
+
+_TAR_BLOCK = 512
+_NPY_HEADER = 128
+
+
+def bytes_per_sample(fields: dict[str, FieldSpec]) -> int:
+    """Exact tar bytes of one sample (header block + npy header + data, padded to 512)."""
+    total = 0
+    for f in fields.values():
+        data = _NPY_HEADER + int(np.prod(f.shape)) * np.dtype(f.npy_dtype).itemsize
+        total += _TAR_BLOCK + -(-data // _TAR_BLOCK) * _TAR_BLOCK
+    return total
+
+
+# ---------------------------------------------------------------------------------- tensors
+
+
+def encode(x: torch.Tensor, storage: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A float tensor -> (stored numpy array, per-row fp32 scales or None). CPU or device input."""
+    if storage == "bfloat16":
+        return x.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16), None
+    if storage == "float32":
+        return x.to(torch.float32).cpu().numpy(), None
+    if storage == "fp8_e4m3":
+        x = x.to(torch.float32)
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        return q.cpu().numpy(), scale[..., 0].cpu().numpy()
+    if storage == "float16":
+        return x.to(torch.float16).cpu().numpy(), None
+    raise CacheError(f"unknown storage dtype {storage!r}; choose one of {', '.join(STORAGE_DTYPES)}")
+
+
+def decode(arr: np.ndarray, storage: str, scale: np.ndarray | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inverse of `encode`: bf16 -> torch.bfloat16 (bit-exact), fp8 -> dequantised float32, else as stored."""
+    if storage == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+    elif storage == "fp8_e4m3":
+        q = torch.from_numpy(np.ascontiguousarray(arr)).view(torch.float8_e4m3fn).to(torch.float32)
+        t = q * torch.from_numpy(np.ascontiguousarray(scale))[..., None]
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t if dtype is None else t.to(dtype)
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+def load_npy(data: bytes) -> np.ndarray:
+    """Parse .npy bytes; never unpickles (an object array raises)."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+@dataclass
+class ShardInfo:
+    shard: int
+    file: str
+    sha256: str
+    bytes: int
+    samples: int
+    tokens: int
+    seconds: float = 0.0
+    keys: list[str] = field(default_factory=list)
+
+    def manifest_entry(self) -> dict:
+        return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "samples": self.samples, "tokens": self.tokens}

@@ -1,0 +1,114 @@
+"""`verify_cache(dir)`: every shard's size, sha256, tar structure, member dtypes and shapes, sample keys."""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hmscale.teacher.cache.format import CacheError, load_npy
+from hmscale.teacher.cache.manifest import Manifest
+from hmscale.teacher.cache.writer import sha256_file
+
+_SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
+
+
+@dataclass
+class VerifyReport:
+    cache_dir: Path
+    shards_ok: list[str] = field(default_factory=list)
+    bad: dict[str, str] = field(default_factory=dict)  # shard file -> reason
+    problems: list[str] = field(default_factory=list)  # cache-level problems
+    samples: int = 0
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"ok: {self.cache_dir}: {len(self.shards_ok)} shards, {self.samples:,} samples, {self.bytes:,} bytes verified"
+        lines = [f"FAILED: {self.cache_dir}: {len(self.bad)} bad shard(s), {len(self.problems)} other problem(s)"]
+        lines += [f"  bad shard {name}: {why}" for name, why in sorted(self.bad.items())]
+        lines += [f"  {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _check_shard(path: Path, entry: dict, fields: dict) -> tuple[str | None, list[str]]:
+    if not path.exists():
+        return "the file is missing", []
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"{size} bytes on disk, the manifest says {entry['bytes']} (truncated or appended)", []
+    got = sha256_file(path)
+    if got != entry["sha256"]:
+        return f"sha256 {got} does not match the manifest's {entry['sha256']}", []
+    seen: dict[str, set] = {}
+    try:
+        with tarfile.open(path, mode="r:") as tf:
+            for ti in tf:
+                if not ti.isfile():
+                    return f"member {ti.name!r} is not a regular file", []
+                key, _, rest = ti.name.partition(".")
+                if not rest.endswith(".npy"):
+                    return f"member {ti.name!r} is not a .npy array", []
+                fname = rest[: -len(".npy")]
+                if fname not in fields:
+                    return f"member {ti.name!r}: unknown field {fname!r}", []
+                try:
+                    arr = load_npy(tf.extractfile(ti).read())
+                except ValueError as err:
+                    return f"member {ti.name!r} is not a plain .npy array ({err})", []
+                spec = fields[fname]
+                if list(arr.shape) != spec["shape"] or arr.dtype != np.dtype(spec["npy_dtype"]):
+                    return (f"member {ti.name!r} has shape {list(arr.shape)} {arr.dtype}, "
+                            f"expected {spec['shape']} {spec['npy_dtype']}"), []
+                seen.setdefault(key, set()).add(fname)
+    except (tarfile.TarError, OSError, EOFError) as err:
+        return f"not a readable tar ({err})", []
+    for key, got_fields in seen.items():
+        if got_fields != set(fields):
+            return f"sample {key} lacks {sorted(set(fields) - got_fields)}", []
+    if len(seen) != entry["samples"]:
+        return f"{len(seen)} samples, the manifest says {entry['samples']}", []
+    return None, sorted(seen)
+
+
+def verify_cache(path) -> VerifyReport:
+    """Check a cache directory; never raises for a bad shard (see `report.ok`, `report.bad`)."""
+    path = Path(path)
+    report = VerifyReport(path)
+    try:
+        manifest = Manifest.load(path)
+    except CacheError as err:
+        report.problems.append(str(err))
+        return report
+    fields = manifest.data["layout"]["fields"]
+    entries = manifest.shards
+    owner: dict[str, str] = {}
+    for sid in sorted(entries):
+        entry = entries[sid]
+        reason, keys = _check_shard(path / entry["file"], entry, fields)
+        if reason:
+            report.bad[entry["file"]] = reason
+            continue
+        dup = [k for k in keys if k in owner]
+        if dup:
+            report.bad[entry["file"]] = f"sample {dup[0]} also in {owner[dup[0]]} (duplicated)"
+            continue
+        owner.update({k: entry["file"] for k in keys})
+        report.shards_ok.append(entry["file"])
+        report.samples += len(keys)
+        report.bytes += entry["bytes"]
+    missing = [s for s in manifest.data.get("requested_shards", []) if s not in entries]
+    if missing:
+        report.problems.append(f"{len(missing)} requested shard(s) not built yet (e.g. shard {missing[0]}); rerun `hmscale cache`")
+    known = {e["file"] for e in entries.values()}
+    for p in sorted(path.iterdir()):
+        if _SHARD_RE.match(p.name) and p.name not in known:
+            report.problems.append(f"{p.name} is not in the manifest (stray shard)")
+    return report

@@ -1,0 +1,140 @@
+"""Ray teacher-forward workers for the teacher cache.
+
+    python -m ray_jobs.cache_teacher --config configs/x.yaml [-s cache.workers=8 ...]
+    ray job submit --working-dir . -- python -m ray_jobs.cache_teacher --config configs/x.yaml
+
+The driver (`hmscale.teacher.cache.build_cache`) plans the cache and owns the manifest; `run_ray`
+starts `cache.workers` actors (`num_gpus=1` each when the cluster has GPUs, at most one per GPU),
+and hands out pending shard ids one at a time (a dynamic queue: fast workers take more shards).
+An actor that dies has its shard put back at the front of the queue and is replaced (up to
+`cache.max_retries` restarts); a shard whose task raises is retried up to `cache.max_retries`
+times. Shards are written atomically by the actors, so a dead actor leaves only a hidden
+temporary file, which the driver removes at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import deque
+
+import ray
+
+from hmscale.teacher.cache.format import CacheError, shard_name
+from hmscale.teacher.cache.worker import FAULT_ENV
+
+
+@ray.remote
+class CacheWorkerActor:
+    def __init__(self, teacher, plan, spec, cache_dir, batch_size, capture_fn=None, threads=None):
+        import torch
+
+        from hmscale.teacher.cache.worker import ShardWorker
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+        self.worker = ShardWorker(teacher, plan, spec, cache_dir, batch_size=batch_size, device=device, capture_fn=capture_fn)
+
+    def run_shard(self, shard_id: int):
+        return self.worker.run_shard(shard_id)
+
+    def stats(self) -> dict:
+        return {"pid": os.getpid(), "forwards": self.worker.forwards, "device": str(self.worker.device)}
+
+
+def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=None) -> None:
+    """Run the pending shards on Ray actors; `on_done(ShardInfo)` is called in the driver per finished shard."""
+    own = not ray.is_initialized()
+    if own:
+        ray.init(address=cfg.parallel.ray_address, include_dashboard=False, log_to_driver=True)
+    try:
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        n = min(cfg.cache.workers, len(pending), gpus if gpus else cfg.cache.workers)
+        env = {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}
+        opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=1)
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
+        teacher_ref, plan_ref = ray.put(teacher.to("cpu")), ray.put(plan)
+        threads = None if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)) // max(n, 1))
+
+        def start():
+            return CacheWorkerActor.options(**opts).remote(
+                teacher_ref, plan_ref, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, capture_fn, threads
+            )
+
+        actors = {i: start() for i in range(n)}
+        log(f"cache: {n} Ray teacher-forward workers ({'1 GPU' if gpus else '1 CPU'} each), {len(pending)} shards to do")
+        queue = deque(pending)
+        idle = list(actors)
+        inflight: dict = {}
+        failures: dict[int, int] = {}
+        restarts = 0
+        while queue or inflight:
+            while queue and idle:
+                a = idle.pop()
+                sid = queue.popleft()
+                inflight[actors[a].run_shard.remote(sid)] = (a, sid)
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ref = ready[0]
+            a, sid = inflight.pop(ref)
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                restarts += 1
+                log(f"cache: worker {a} died on {shard_name(sid)} ({type(err).__name__}); "
+                    f"the shard goes back to the queue, restarting the worker ({restarts}/{cfg.cache.max_retries})")
+                if restarts > cfg.cache.max_retries:
+                    raise CacheError(f"teacher-forward workers died {restarts} times (last on {shard_name(sid)}); "
+                                     f"see the worker logs, or raise cache.max_retries") from None
+                queue.appendleft(sid)
+                try:
+                    ray.kill(actors[a])
+                except Exception:
+                    pass
+                actors[a] = start()
+                idle.append(a)
+                continue
+            except ray.exceptions.RayTaskError as err:
+                failures[sid] = failures.get(sid, 0) + 1
+                cause = str(err).strip().splitlines()[-1]
+                log(f"cache: {shard_name(sid)} failed on worker {a} ({cause}); retry {failures[sid]}/{cfg.cache.max_retries}")
+                if failures[sid] > cfg.cache.max_retries:
+                    raise CacheError(f"{shard_name(sid)} failed {failures[sid]} times; last error: {cause}") from None
+                queue.append(sid)
+                idle.append(a)
+                continue
+            idle.append(a)
+            on_done(info)
+        for actor in actors.values():
+            ray.kill(actor)
+    finally:
+        if own:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hmscale.config import ConfigError, load_config
+    from hmscale.teacher.cache import build_cache
+
+    ap = argparse.ArgumentParser(prog="python -m ray_jobs.cache_teacher", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="YAML config (default: the embedded demo config)")
+    ap.add_argument("-s", "--set", dest="overrides", action="append", default=[], help="dotted override, repeatable")
+    ap.add_argument("--engine", default="ray", choices=["ray", "local"])
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        path = build_cache(cfg, engine=args.engine)
+    except ConfigError as err:
+        print(f"cache_teacher: error: {err}", file=sys.stderr)
+        return 2
+    except CacheError as err:
+        print(f"cache_teacher: error: {err}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
