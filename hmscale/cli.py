@@ -47,9 +47,29 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
 
 
 @app.command()
-def cache(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
-    """Run the teacher over the data plan and write cached shards (Ray workers)."""
-    not_built("cache")
+def cache(
+    config: Optional[str] = ConfigArg,
+    target: Optional[str] = typer.Argument(None, help="with `verify`: the cache directory to check"),
+    overrides: Optional[List[str]] = OverridesOpt,
+    engine: Optional[str] = typer.Option(None, help="local | ray (default: cache.engine, else parallel.engine)"),
+):
+    """Cache the teacher's per-layer tensors over the data plan (`hmscale cache CONFIG`); `hmscale cache verify DIR` checks one."""
+    from hmscale.teacher.cache import CacheError, build_cache, verify_cache
+
+    if config == "verify":
+        if not target:
+            fail("cache verify: name the cache directory, e.g. hmscale cache verify .cache/hmscale/teacher/v1-...")
+        report = verify_cache(target)
+        typer.echo(report.summary(), err=not report.ok)
+        raise typer.Exit(0 if report.ok else 1)
+    if target:
+        fail(f"cache: unexpected argument {target!r}; use `hmscale cache CONFIG` or `hmscale cache verify DIR`")
+    cfg = _config(config, overrides)
+    try:
+        path = build_cache(cfg, engine=engine)
+    except (CacheError, ConfigError) as err:
+        fail(str(err), code=1)
+    typer.echo(str(path))
 
 
 @app.command()
