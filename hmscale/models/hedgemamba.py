@@ -1,0 +1,527 @@
+"""Stage-2 model: HedgeMamba, a pure SSD (Mamba-2 style) language model initialised from a Hedgehog student.
+
+Block (GPT-NeoX layout, parallel residual or not, as the teacher): ``LN1 -> mixer``, ``LN2 -> MLP``.
+
+Mixer, per head (h heads of size P, feature size F, d_state N = 2F, one B/C group per head):
+
+- ``in_proj``: the teacher's fused ``query_key_value`` (interleaved ``[q_i|k_i|v_i]`` per head), unchanged;
+- ``conv``: causal depthwise conv (width ``conv_width``) on the q, k, v channels; identity at init
+  (weight 1 on the current-token tap, 0 elsewhere, bias 0);
+- rotary on q, k (NeoX partial rotary), then the Hedgehog feature map: ``C = phi(q)``, ``B = phi(k)``, ``x = v``;
+- SSD (``kernels.ssd`` / ``kernels.ssd_step``), ``normalize=True`` (the attention normaliser) by default:
+
+  * ``dt = exp(clip(dt_proj(h)))`` with ``dt_proj`` (weight and bias) zero at init, so ``dt == 1`` exactly;
+    the clip keeps ``dt`` in ``[dt_min, dt_max]``;
+  * ``A = -exp(A_log) * relu(A_scale)`` with ``A_scale`` zero at init, so ``A == 0`` and the decay
+    ``exp(dt A) == 1`` exactly. ``relu`` passes its gradient straight through (so ``A_scale`` can always
+    recover) and keeps ``A <= 0`` (no growth);
+  * ``D`` (skip) zero at init;
+
+- gate: ``y * 2 sigmoid(z_proj(h))``, ``z_proj`` zero at init, so the gate is exactly 1;
+- ``out_proj``: the teacher's ``dense``.
+
+With every component on, the model at init computes exactly the Hedgehog student (tested).
+Ablations (``gate``, ``conv``, ``ssm``, ``normalize``, ``feature_dim``) remove the component and its
+parameters (``ssm=False``: ``dt = 1``, ``A = 0``, no ``D``).
+
+``generate()`` keeps a :class:`HedgeMambaCache` per call: for each layer the conv state (last
+``conv_width - 1`` inputs) and the SSD state ``(b, h, P[+1], N)``: O(1) memory per token. The prompt
+goes through the chunked kernel (``return_final_state=True``), each new token through ``ssd_step``.
+Left padding (``attention_mask`` zeros) is supported: padded tokens get ``dt = 0`` and zero inputs,
+so they are invisible to the state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.utils import ModelOutput
+
+import kernels
+
+from .feature_map import HedgehogFeatureMap, feature_map_init
+from .hedgehog import causal_lm_loss
+from .neox_attention import apply_rotary, rotary_cos_sin, split_qkv
+
+__all__ = [
+    "HedgeMambaConfig",
+    "HedgeMambaForCausalLM",
+    "HedgeMambaModel",
+    "HedgeMambaCache",
+    "HedgeMambaMixer",
+    "HedgeMambaBlock",
+    "CausalDepthwiseConv",
+    "HedgeMambaCausalLMOutput",
+]
+
+
+class HedgeMambaConfig(PretrainedConfig):
+    model_type = "hedgemamba"
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        hidden_size: int = 512,
+        num_hidden_layers: int = 6,
+        num_attention_heads: int = 8,
+        intermediate_size: int | None = None,
+        hidden_act: str = "gelu",
+        layer_norm_eps: float = 1e-5,
+        rotary_pct: float = 0.25,
+        rotary_emb_base: float = 10000.0,
+        use_parallel_residual: bool = True,
+        attention_bias: bool = True,
+        feature_dim: int | None = None,
+        gate: bool = True,
+        conv: bool = True,
+        ssm: bool = True,
+        normalize: bool = True,
+        conv_width: int = 4,
+        chunk_size: int = 64,
+        dt_min: float = 1e-4,
+        dt_max: float = 100.0,
+        max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        bos_token_id: int | None = 0,
+        eos_token_id: int | None = 0,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size or 4 * hidden_size
+        self.hidden_act = hidden_act
+        self.layer_norm_eps = layer_norm_eps
+        self.rotary_pct = rotary_pct
+        self.rotary_emb_base = rotary_emb_base
+        self.use_parallel_residual = use_parallel_residual
+        self.attention_bias = attention_bias
+        self.feature_dim = feature_dim or hidden_size // num_attention_heads
+        self.gate = gate
+        self.conv = conv
+        self.ssm = ssm
+        self.normalize = normalize
+        self.conv_width = conv_width
+        self.chunk_size = chunk_size
+        self.dt_min = dt_min
+        self.dt_max = dt_max
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_ndims(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+    @property
+    def d_state(self) -> int:
+        return 2 * self.feature_dim
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class HedgeMambaCache:
+    """Recurrent generation state: per layer a conv state (b, C, W-1) and an SSD state (b, h, P[+1], N).
+
+    Its size does not grow with the number of tokens. ``seqlen`` counts the tokens consumed.
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.conv_states: list[torch.Tensor | None] = [None] * num_layers
+        self.ssm_states: list[torch.Tensor | None] = [None] * num_layers
+        self.seqlen = 0
+
+    @property
+    def is_linear(self):
+        return [True] * self.num_layers
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seqlen
+
+    def __len__(self):
+        return self.num_layers
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for i in range(self.num_layers):
+            for states in (self.conv_states, self.ssm_states):
+                if states[i] is not None:
+                    states[i] = states[i].index_select(0, beam_idx.to(states[i].device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for states in (self.conv_states, self.ssm_states):
+            for i, s in enumerate(states):
+                if s is not None:
+                    states[i] = s.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def crop(self, max_length: int):
+        raise NotImplementedError("HedgeMambaCache is recurrent and cannot be cropped")
+
+    def nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for st in (self.conv_states, self.ssm_states) for s in st if s is not None)
+
+
+# --------------------------------------------------------------------------- mixer pieces
+
+
+def _doc_ids(seq_idx: torch.Tensor) -> torch.Tensor:
+    """seq_idx (b, l) -> document ids counting the changes (0 for the first document)."""
+    change = (seq_idx[:, 1:] != seq_idx[:, :-1]).long()
+    return torch.cat([torch.zeros_like(change[:, :1]), torch.cumsum(change, dim=1)], dim=1)
+
+
+class CausalDepthwiseConv(nn.Module):
+    """Causal depthwise conv over channels: ``y_t = b + sum_j w[:, j] x_{t - (W-1) + j}`` (tap W-1 = current token).
+
+    Identity at init. Runs from a carried state (the previous W-1 inputs) and respects document boundaries.
+    """
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.channels = channels
+        self.width = width
+        self.weight = nn.Parameter(self.identity_weight(channels, width))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    @staticmethod
+    def identity_weight(channels: int, width: int) -> torch.Tensor:
+        w = torch.zeros(channels, width)
+        w[:, -1] = 1.0
+        return w
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None):
+        """x (b, l, C); state (b, C, W-1) or None. Returns (y (b, l, C), new state (b, C, W-1))."""
+        b, l, c = x.shape
+        W = self.width
+        if state is None:
+            prev = x.new_zeros(b, W - 1, c)
+        else:
+            prev = state.transpose(1, 2).to(x.dtype)
+        xp = torch.cat([prev, x], dim=1)  # (b, W-1+l, C)
+        w = self.weight.to(x.dtype)
+        doc = docp = None
+        if seq_idx is not None:
+            doc = _doc_ids(seq_idx)
+            docp = torch.cat([doc.new_zeros(b, W - 1), doc], dim=1)  # carried inputs belong to document 0
+        y = xp[:, W - 1:] * w[:, W - 1]
+        for j in range(W - 1):
+            term = xp[:, j:j + l] * w[:, j]
+            if doc is not None:
+                term = term * (docp[:, j:j + l] == doc).unsqueeze(-1).to(x.dtype)
+            y = y + term
+        y = y + self.bias.to(x.dtype)
+        new_state = xp[:, xp.shape[1] - (W - 1):]
+        if doc is not None and W > 1:
+            keep = (docp[:, docp.shape[1] - (W - 1):] == doc[:, -1:]).unsqueeze(-1).to(x.dtype)
+            new_state = new_state * keep
+        return y, new_state.transpose(1, 2).contiguous()
+
+
+class _ReluStraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class HedgeMambaMLP(nn.Module):
+    def __init__(self, config: HedgeMambaConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class HedgeMambaMixer(nn.Module):
+    """The SSD mixer replacing one attention layer (see the module docstring)."""
+
+    def __init__(self, config: HedgeMambaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d = config.hidden_size
+        self.n_heads = config.num_attention_heads  # local heads (tensor parallelism shards them)
+        self.head_dim = config.head_dim
+        self.in_proj = nn.Linear(d, 3 * d, bias=config.attention_bias)
+        self.conv = CausalDepthwiseConv(3 * d, config.conv_width) if config.conv else None
+        self.feature_map = HedgehogFeatureMap(self.n_heads, self.head_dim, config.feature_dim)
+        if config.ssm:
+            self.dt_proj = nn.Linear(d, self.n_heads, bias=True)
+            self.A_log = nn.Parameter(torch.zeros(self.n_heads))
+            self.A_scale = nn.Parameter(torch.zeros(self.n_heads))
+            self.D = nn.Parameter(torch.zeros(self.n_heads))
+        self.z_proj = nn.Linear(d, d, bias=True) if config.gate else None
+        self.out_proj = nn.Linear(d, d, bias=config.attention_bias)
+        self.reset_exact_init()
+
+    @torch.no_grad()
+    def reset_exact_init(self) -> None:
+        """The identity-at-init values of the recurrent parts (conv, feature map, dt, A, D, gate)."""
+        if self.conv is not None:
+            init.copy_(self.conv.weight, CausalDepthwiseConv.identity_weight(*self.conv.weight.shape))
+            init.zeros_(self.conv.bias)
+        fm = self.feature_map
+        init.copy_(fm.weight, feature_map_init(fm.n_heads, fm.head_dim, fm.feature_dim))
+        init.zeros_(fm.bias)
+        if self.config.ssm:
+            init.zeros_(self.dt_proj.weight)
+            init.zeros_(self.dt_proj.bias)
+            init.zeros_(self.A_log)
+            init.zeros_(self.A_scale)
+            init.zeros_(self.D)
+        if self.z_proj is not None:
+            init.zeros_(self.z_proj.weight)
+            init.zeros_(self.z_proj.bias)
+
+    def ssm_parameters(self, h: torch.Tensor):
+        """dt (b, l, h) fp32, A (h,) fp32, D (h,) or None for the LayerNorm-ed input h (b, l, d)."""
+        b, l, _ = h.shape
+        if not self.config.ssm:
+            return (torch.ones(b, l, self.n_heads, dtype=torch.float32, device=h.device),
+                    torch.zeros(self.n_heads, dtype=torch.float32, device=h.device), None)
+        z = self.dt_proj(h).float().clamp(math.log(self.config.dt_min), math.log(self.config.dt_max))
+        dt = torch.exp(z)
+        A = -torch.exp(self.A_log.float()) * _ReluStraightThrough.apply(self.A_scale.float())
+        return dt, A, self.D
+
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cache: HedgeMambaCache | None = None,
+                seq_idx: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, l, _ = h.shape
+        H, P = self.n_heads, self.head_dim
+        i = self.layer_idx
+        conv_state = cache.conv_states[i] if cache is not None else None
+        ssm_state = cache.ssm_states[i] if cache is not None else None
+        qkv = self.in_proj(h)
+        if token_mask is not None:
+            qkv = qkv * token_mask.unsqueeze(-1).to(qkv.dtype)
+        if self.conv is not None:
+            qkv, new_conv = self.conv(qkv, conv_state, seq_idx)
+            if cache is not None:
+                cache.conv_states[i] = new_conv
+        q, k, v = split_qkv(qkv, H)
+        r = self.config.rotary_ndims
+        cos, sin = rotary_cos_sin(position_ids, r, self.config.rotary_emb_base, dtype=h.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        Cf, Bf = self.feature_map(q), self.feature_map(k)
+        dt, A, D = self.ssm_parameters(h)
+        if token_mask is not None:
+            dt = dt * token_mask.unsqueeze(-1).to(dt.dtype)
+        norm = self.config.normalize
+        if cache is not None and ssm_state is not None and l == 1 and seq_idx is None:
+            y, ssm_state = kernels.ssd_step(ssm_state, v[:, 0], dt[:, 0], A, Bf[:, 0], Cf[:, 0], D=D, normalize=norm)
+            y = y.unsqueeze(1)
+        elif cache is not None:
+            y, ssm_state = kernels.ssd(v, dt, A, Bf, Cf, chunk_size=self.config.chunk_size, D=D,
+                                       initial_state=ssm_state, seq_idx=seq_idx, normalize=norm,
+                                       return_final_state=True)
+        else:
+            y = kernels.ssd(v, dt, A, Bf, Cf, chunk_size=self.config.chunk_size, D=D, seq_idx=seq_idx,
+                            normalize=norm)
+        if cache is not None:
+            cache.ssm_states[i] = ssm_state
+        if token_mask is not None:
+            y = torch.where(token_mask[:, :, None, None], y, torch.zeros_like(y))
+        if self.z_proj is not None:
+            y = y * (2.0 * torch.sigmoid(self.z_proj(h))).view(b, l, H, P).to(y.dtype)
+        return self.out_proj(y.reshape(b, l, H * P))
+
+
+class HedgeMambaBlock(nn.Module):
+    def __init__(self, config: HedgeMambaConfig, layer_idx: int):
+        super().__init__()
+        self.use_parallel_residual = config.use_parallel_residual
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mixer = HedgeMambaMixer(config, layer_idx)
+        self.mlp = HedgeMambaMLP(config)
+
+    def forward(self, x, position_ids, cache=None, seq_idx=None, token_mask=None):
+        a = self.mixer(self.input_layernorm(x), position_ids, cache, seq_idx, token_mask)
+        if self.use_parallel_residual:
+            return x + a + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------- HF classes
+
+
+@dataclass
+class HedgeMambaOutput(ModelOutput):
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: HedgeMambaCache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class HedgeMambaCausalLMOutput(ModelOutput):
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: HedgeMambaCache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class HedgeMambaPreTrainedModel(PreTrainedModel):
+    config_class = HedgeMambaConfig
+    config: HedgeMambaConfig
+    base_model_prefix = "backbone"
+    _no_split_modules = ["HedgeMambaBlock"]
+    supports_gradient_checkpointing = False
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, HedgeMambaMixer):
+            module.reset_exact_init()  # runs after its children (post-order), so it wins
+        elif isinstance(module, (CausalDepthwiseConv, HedgehogFeatureMap)):
+            pass  # set by the parent mixer
+        else:
+            super()._init_weights(module)
+
+
+class HedgeMambaModel(HedgeMambaPreTrainedModel):
+    def __init__(self, config: HedgeMambaConfig):
+        super().__init__(config)
+        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([HedgeMambaBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_in
+
+    def set_input_embeddings(self, value):
+        self.embed_in = value
+
+    def forward(self, input_ids=None, inputs_embeds=None, position_ids=None, cache=None, use_cache=False,
+                seq_idx=None, attention_mask=None, output_hidden_states=False, **kwargs) -> HedgeMambaOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("HedgeMamba: pass exactly one of input_ids or inputs_embeds")
+        x = self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
+        b, l = x.shape[:2]
+        if use_cache and cache is None:
+            cache = HedgeMambaCache(self.config.num_hidden_layers)
+        if not use_cache:
+            cache = None
+        offset = cache.seqlen if cache is not None else 0
+        token_mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError("HedgeMamba: attention_mask must be 2-D (batch, length) of 0/1")
+            am = attention_mask[:, -l:].bool()
+            if not bool(am.all()):
+                token_mask = am
+                if position_ids is None:
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -l:]
+        if position_ids is None:
+            position_ids = (torch.arange(l, device=x.device) + offset)[None, :]
+        if seq_idx is not None:
+            seq_idx = seq_idx.to(torch.int32)
+        hidden = [x] if output_hidden_states else None
+        for layer in self.layers:
+            x = layer(x, position_ids, cache, seq_idx, token_mask)
+            if hidden is not None:
+                hidden.append(x)
+        x = self.final_layer_norm(x)
+        if cache is not None:
+            cache.seqlen += l
+        return HedgeMambaOutput(last_hidden_state=x, cache=cache, hidden_states=tuple(hidden) if hidden else None)
+
+
+class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
+    def __init__(self, config: HedgeMambaConfig):
+        super().__init__(config)
+        self.backbone = HedgeMambaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # we bring our own recurrent cache (created in forward when use_cache)
+
+    def get_input_embeddings(self):
+        return self.backbone.embed_in
+
+    def set_input_embeddings(self, value):
+        self.backbone.embed_in = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new):
+        self.lm_head = new
+
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
+                                      use_cache=None, position_ids=None, next_sequence_length=None,
+                                      is_first_iteration=False, **kwargs):
+        past = cache.seqlen if cache is not None else 0
+        inputs = {}
+        if inputs_embeds is not None and past == 0:
+            inputs["inputs_embeds"] = inputs_embeds
+            length = inputs_embeds.shape[1]
+        else:
+            ids = input_ids[:, past:]
+            inputs["input_ids"] = ids.contiguous()
+            length = ids.shape[1]
+        if attention_mask is not None and not bool(attention_mask.all()):
+            if position_ids is None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            inputs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            position_ids = position_ids[..., -length:]
+        inputs.update(cache=cache, use_cache=True if use_cache is None else use_cache, position_ids=position_ids)
+        for key in ("output_hidden_states", "seq_idx"):
+            if key in kwargs:
+                inputs[key] = kwargs[key]
+        return inputs
+
+    def forward(self, input_ids=None, inputs_embeds=None, labels=None, cache=None, use_cache=None,
+                position_ids=None, seq_idx=None, attention_mask=None, logits_to_keep=0,
+                output_hidden_states=None, return_dict=None, **kwargs) -> HedgeMambaCausalLMOutput:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        out = self.backbone(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+                            cache=cache, use_cache=bool(use_cache) or cache is not None, seq_idx=seq_idx,
+                            attention_mask=attention_mask, output_hidden_states=bool(output_hidden_states))
+        x = out.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            x = x[:, logits_to_keep]
+        logits = self.lm_head(x)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        result = HedgeMambaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+        if return_dict is False:
+            return result.to_tuple()
+        return result
