@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -85,32 +87,92 @@ def stage2(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = O
 
 
 @app.command("eval")
-def eval_(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
-    """Perplexity of teacher and students on held-out data; lm-eval-harness tasks."""
-    not_built("eval")
+def eval_(
+    config: Optional[str] = ConfigArg,
+    overrides: Optional[List[str]] = OverridesOpt,
+    tasks: Optional[str] = typer.Option(None, help="comma-separated lm-eval-harness tasks for the final model"),
+    include_path: Optional[str] = typer.Option(None, help="folder of custom lm-eval task YAMLs"),
+    limit: Optional[int] = typer.Option(None, help="at most this many documents per task"),
+):
+    """Perplexity of teacher and students on held-out data; lm-eval-harness tasks on the final model."""
+    cfg = _config(config, overrides)
+    from hmscale.recipe import RecipeError, evaluate_run
+
+    task_list = [t for t in (tasks or "").split(",") if t] or list(cfg.eval.tasks)
+    try:
+        res = evaluate_run(cfg, tasks=task_list, include_path=include_path, limit=limit)
+    except RecipeError as err:
+        fail(str(err))
+    typer.echo(json.dumps(res, indent=2))
 
 
 @app.command()
-def generate(model: str = typer.Argument(..., help="a saved HedgeMamba directory")):
-    """Generate text with the recurrent cache."""
-    not_built("generate")
+def generate(
+    model: str = typer.Argument(..., help="a saved HedgeMamba directory (e.g. runs/demo/model)"),
+    prompt: str = typer.Option("def ", help="text to continue"),
+    max_new_tokens: int = typer.Option(64, min=1),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
+    seed: int = 0,
+):
+    """Generate text with the recurrent cache (O(1) memory per new token)."""
+    from hmscale.eval.generation import generate_text
+
+    if not Path(model).exists():
+        fail(f"model directory {model!r} does not exist; pass a saved model such as runs/demo/model")
+    text, stats = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    typer.echo(text)
+    typer.echo(f"[{stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s]", err=True)
 
 
 @app.command()
 def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
-    """The whole recipe: cache, stage 1, stage 2, eval, into one run directory."""
-    not_built("run")
+    """The whole recipe: cache, stage 1, stage 2, eval, into one run directory (resumable)."""
+    cfg = _config(config, overrides)
+    from hmscale.recipe import RecipeError, run_recipe
+
+    try:
+        res = run_recipe(cfg)
+    except RecipeError as err:
+        fail(str(err))
+    print_results(res)
+
+
+def print_results(res: dict) -> None:
+    if "teacher_ppl" not in res:
+        return
+    t = res["teacher_ppl"]
+    typer.echo("")
+    typer.echo(f"{'model':<24}{'val ppl':>10}{'/ teacher':>12}")
+    for key, name in (("teacher_ppl", "teacher"), ("hedgehog_ppl", "Hedgehog (stage 1)"),
+                      ("hedgemamba_ppl", "HedgeMamba (stage 2)")):
+        typer.echo(f"{name:<24}{res[key]:>10.3f}{res[key] / t:>12.3f}")
+
+
+@app.command()
+def submit(
+    config: Optional[str] = ConfigArg,
+    overrides: Optional[List[str]] = OverridesOpt,
+    address: str = typer.Option(..., help="Ray dashboard address, e.g. http://head:8265"),
+    token_file: Optional[str] = typer.Option(None, help="Ray auth token file (default: $RAY_AUTH_TOKEN, ~/.ray/auth_token)"),
+    follow: bool = typer.Option(True, help="stream logs until the job ends"),
+    timeout: Optional[float] = typer.Option(None, help="stop the job after this many seconds"),
+):
+    """Submit a recipe run to a Ray cluster (job submission API, token auth)."""
+    cfg = _config(config, overrides)
+    from hmscale.submit import SubmitError, submit as submit_job
+
+    try:
+        status = submit_job(cfg, address, token_file=token_file, follow=follow, timeout_s=timeout,
+                            log=lambda m: typer.echo(m))
+    except SubmitError as err:
+        fail(str(err))
+    if status not in ("SUCCEEDED", "PENDING"):
+        raise typer.Exit(1)
 
 
 from scaling.cli import scale_app  # noqa: E402  (scaling studies: `hmscale scale plan | run`)
 
 app.add_typer(scale_app, name="scale")
-
-
-@app.command()
-def submit(config: Optional[str] = ConfigArg, address: str = typer.Option(..., help="Ray dashboard address")):
-    """Submit a recipe run to a Ray cluster (job submission API)."""
-    not_built("submit")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,201 @@
+"""The whole HedgeMamba recipe from one resolved config into one run directory.
+
+    data -> teacher -> cache -> stage 1 (Hedgehog) -> stage 2 (HedgeMamba) -> eval -> report
+
+Run directory (`cfg.output_dir`):
+    config.yaml      the resolved config
+    results.json     per-stage records as they finish, then teacher/hedgehog/hedgemamba perplexity
+    stage1/ stage2/  each stage's checkpoints, metrics.jsonl, TensorBoard logs and exports
+    model/           the final HedgeMamba model + tokenizer (HF format, `from_pretrained`-able)
+    report.md, *.png the results table and plots
+
+Resumable stage by stage: a stage recorded in results.json is skipped on a rerun; an interrupted
+stage resumes from its own last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from hmscale.atomic import atomic_write_json
+from hmscale.config import RunConfig, save_resolved
+
+
+class RecipeError(RuntimeError):
+    pass
+
+
+def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
+    path = run_dir / "results.json"
+    if not path.exists():
+        return {"config_hash": cfg.hash(), "stages": {}}
+    results = json.loads(path.read_text())
+    if results.get("config_hash") != cfg.hash():
+        raise RecipeError(f"output_dir: {run_dir} holds a run of a different config; "
+                          "choose another output_dir or delete that directory")
+    return results
+
+
+def run_recipe(cfg: RunConfig, log=print) -> dict:
+    """Run (or resume) every stage; returns the contents of results.json."""
+    from hmscale.data import prepare_data
+    from hmscale.eval import perplexity
+    from hmscale.teacher import get_teacher
+
+    t_start = time.time()
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = _load_results(run_dir, cfg)
+    save_resolved(cfg, run_dir)
+    stages = results["stages"]
+
+    def record(name: str, t0: float, **info):
+        stages[name] = {"seconds": round(time.time() - t0, 2), **info}
+        atomic_write_json(run_dir / "results.json", results)
+        log(f"[recipe] {name} done in {stages[name]['seconds']:.1f} s")
+
+    def done(name: str) -> bool:
+        if name in stages:
+            log(f"[recipe] {name}: already done in {run_dir} (skipped)")
+            return True
+        return False
+
+    engine = cfg.parallel.engine
+    if engine == "ray":
+        from hmscale.ray_cluster import connect
+
+        connect(cfg.parallel.ray_address, log=log)
+
+    t0 = time.time()
+    data = prepare_data(cfg, log=log)
+    teacher = get_teacher(cfg, data, log=log)
+    if not done("prepare"):
+        record("prepare", t0, train_tokens=int(data.plan.total_tokens), val_rows=int(len(data.val_tokens)),
+               vocab_size=int(data.vocab_size))
+
+    cache_dir = None
+    if cfg.cache.enabled:
+        from hmscale.teacher.cache import build_cache
+
+        t0 = time.time()
+        cache_dir = build_cache(cfg, data=data, teacher=teacher, engine=engine)
+        if not done("cache"):
+            record("cache", t0, dir=str(cache_dir))
+
+    if engine == "ray":
+        from ray_jobs.distill import run_distill
+
+        stage_fns = {"stage1": lambda: run_distill(cfg, run_dir, stages=("stage1",), cache_dir=cache_dir),
+                     "stage2": lambda: run_distill(cfg, run_dir, stages=("stage2",), cache_dir=cache_dir)}
+    else:
+        from hmscale.train.stage1 import run_stage1
+        from hmscale.train.stage2 import run_stage2
+
+        stage_fns = {"stage1": lambda: run_stage1(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir),
+                     "stage2": lambda: run_stage2(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir)}
+    for name in ("stage1", "stage2"):
+        if not done(name):
+            t0 = time.time()
+            summary = stage_fns[name]() or {}
+            record(name, t0, tokens=int(summary.get("tokens", 0)), summary=_plain(summary))
+
+    if not done("eval"):
+        t0 = time.time()
+        from hmscale.train.stage1 import load_hedgehog
+
+        rows = data.val_tokens[: cfg.eval.max_sequences]
+        hedgehog = load_hedgehog(run_dir, teacher)
+        hedgemamba = load_final_model(run_dir, data)
+        bs = cfg.stage2.micro_batch_size
+        ppl = {
+            "teacher_ppl": perplexity(teacher, rows, bs),
+            "hedgehog_ppl": perplexity(hedgehog, rows, bs),
+            "hedgemamba_ppl": perplexity(hedgemamba, rows, bs),
+        }
+        results.update(ppl)
+        results["eval_tokens"] = int(rows.shape[0] * (rows.shape[1] - 1))
+        record("eval", t0, **ppl)
+    results["wall_seconds"] = round(sum(s.get("seconds", 0) for s in stages.values()), 2)
+    results["tokens"] = {k: stages[k].get("tokens", 0) for k in ("stage1", "stage2") if k in stages}
+    atomic_write_json(run_dir / "results.json", results)
+    write_report(run_dir, results, cfg)
+    log(f"[recipe] finished in {time.time() - t_start:.1f} s -> {run_dir}/report.md")
+    return results
+
+
+def load_final_model(run_dir: Path, data=None):
+    """The exported HedgeMamba of a run (stage2/hf), copied with the tokenizer into run_dir/model."""
+    from transformers import AutoModelForCausalLM
+
+    import hmscale.models  # noqa: F401  (registers HedgeMamba with the Auto classes)
+
+    src, model_dir = Path(run_dir) / "stage2" / "hf", Path(run_dir) / "model"
+    if not model_dir.exists():
+        if not src.exists():
+            raise RecipeError(f"{src} is missing: stage 2 did not export its model; rerun `hmscale run` to resume it")
+        tmp = model_dir.with_name(".model.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        if data is not None:
+            data.tokenizer.save_pretrained(tmp)
+        tmp.rename(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def _plain(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
+    """report.md: the results table, per-stage tokens and time, loss-curve plots."""
+    from hmscale.report import loss_plot
+
+    lines = [f"# hmscale run: {run_dir}", ""]
+    if "teacher_ppl" in results:
+        t = results["teacher_ppl"]
+        lines += ["| model | validation perplexity | / teacher |", "| --- | --- | --- |"]
+        for key, name in (("teacher_ppl", "teacher (GPT-NeoX)"), ("hedgehog_ppl", "Hedgehog (stage 1)"),
+                          ("hedgemamba_ppl", "HedgeMamba (stage 2)")):
+            lines.append(f"| {name} | {results[key]:.3f} | {results[key] / t:.3f} |")
+        lines += ["", f"Evaluated on {results.get('eval_tokens', 0):,} held-out tokens.", ""]
+    lines += ["| stage | seconds | tokens |", "| --- | --- | --- |"]
+    for name, s in results["stages"].items():
+        lines.append(f"| {name} | {s.get('seconds', 0):.1f} | {s.get('tokens', '')} |")
+    plot = loss_plot(run_dir)
+    if plot is not None:
+        lines += ["", f"![losses]({plot.name})"]
+    lines += ["", f"Teacher: `{cfg.teacher.name_or_path or cfg.teacher.flavor}`; budget {cfg.budget.total_tokens:,} tokens, "
+              f"split {list(cfg.budget.split)}; engine {cfg.parallel.engine}."]
+    out = run_dir / "report.md"
+    from hmscale.atomic import atomic_write_text
+
+    atomic_write_text(out, "\n".join(lines) + "\n")
+    return out
+
+
+def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: str | None = None,
+                 limit: int | None = None, log=print) -> dict:
+    """Perplexity of the teacher and both students of a finished run; lm-eval tasks on the final model."""
+    from hmscale.data import prepare_data
+    from hmscale.eval import perplexity
+    from hmscale.teacher import get_teacher
+    from hmscale.train.stage1 import load_hedgehog
+
+    run_dir = Path(cfg.output_dir)
+    if not (run_dir / "results.json").exists():
+        raise RecipeError(f"output_dir: {run_dir} holds no run; run `hmscale run` first or point output_dir at a run")
+    data = prepare_data(cfg, log=log)
+    teacher = get_teacher(cfg, data, log=log)
+    final = load_final_model(run_dir, data)
+    rows = data.val_tokens[: cfg.eval.max_sequences]
+    bs = cfg.stage2.micro_batch_size
+    out = {"teacher_ppl": perplexity(teacher, rows, bs), "hedgehog_ppl": perplexity(load_hedgehog(run_dir, teacher), rows, bs),
+           "hedgemamba_ppl": perplexity(final, rows, bs)}
+    if tasks:
+        from hmscale.eval.lm_eval_adapter import evaluate_tasks
+
+        out["tasks"] = evaluate_tasks(final, data.tokenizer, tasks, include_path=include_path, limit=limit)
+    return out

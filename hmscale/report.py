@@ -1,0 +1,46 @@
+"""Plots for run reports (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _series(path: Path, key: str = "loss") -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    if not path.exists():
+        return steps, values
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if key in row and "step" in row and row.get("kind", "train") == "train":
+            steps.append(int(row["step"]))
+            values.append(float(row[key]))
+    return steps, values
+
+
+def loss_plot(run_dir: str | Path) -> Path | None:
+    """losses.png: stage-1 cosine loss and stage-2 training loss against steps; None when no metrics exist."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    curves = {name: _series(run_dir / name / "metrics.jsonl") for name in ("stage1", "stage2")}
+    if not any(steps for steps, _ in curves.values()):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, (name, (steps, values)), ylabel in zip(axes, curves.items(), ("1 - cos (attention outputs)", "cross-entropy")):
+        ax.plot(steps, values)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = run_dir / "losses.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

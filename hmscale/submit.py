@@ -1,0 +1,94 @@
+"""`hmscale submit`: send a recipe run to a Ray cluster through Ray's job submission API.
+
+The job runs `python -m ray_jobs.run_recipe` in a copy of the working directory on the cluster, with
+the resolved config passed in the job's environment. Authentication: Ray token auth (Ray >= 2.52).
+The token comes from --token-file, $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, and is
+sent as a bearer token. A remote address without a token is refused: an open job API executes any
+code it is sent, so a cluster must never expose one.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import yaml
+
+from hmscale.config import RunConfig
+
+EXCLUDES = [".venv", ".git", "runs", ".cache", ".whl", ".anchors", "__pycache__", "*.egg-info", ".pytest_cache"]
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+def find_token(token_file: str | None = None) -> str | None:
+    if token_file:
+        p = Path(token_file).expanduser()
+        if not p.exists():
+            raise SubmitError(f"--token-file {token_file!r} does not exist; point it at the cluster's auth token")
+        return p.read_text().strip()
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    for p in (os.environ.get("RAY_AUTH_TOKEN_PATH"), "~/.ray/auth_token"):
+        if p and Path(p).expanduser().exists():
+            return Path(p).expanduser().read_text().strip()
+    return None
+
+
+def _is_local(address: str) -> bool:
+    host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
+    return host in {"localhost", "127.0.0.1", "::1"}
+
+
+def encode_config(cfg: RunConfig) -> str:
+    return base64.b64encode(yaml.safe_dump(cfg.model_dump(mode="json")).encode()).decode()
+
+
+def decode_config(blob: str) -> dict:
+    return yaml.safe_load(base64.b64decode(blob.encode()).decode())
+
+
+def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, working_dir: str = ".",
+           follow: bool = True, timeout_s: float | None = None, log=print) -> str:
+    """Submit; with follow, stream the job's logs until it ends. Returns the final status (or 'PENDING')."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = find_token(token_file)
+    if token is None and not _is_local(address):
+        raise SubmitError(f"no Ray auth token for {address}; start the cluster with RAY_AUTH_MODE=token and pass "
+                          "--token-file (or set RAY_AUTH_TOKEN): an open job API runs any code it is sent")
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    if "://" not in address:
+        address = f"http://{address}"
+    client = JobSubmissionClient(address, headers=headers)
+    entrypoint = "python -m ray_jobs.run_recipe"
+    job_id = client.submit_job(
+        entrypoint=entrypoint,
+        runtime_env={"working_dir": working_dir, "excludes": EXCLUDES,
+                     "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1"}},
+        metadata={"hmscale_run": cfg.output_dir},
+    )
+    log(f"[submit] job {job_id} submitted to {address}: {entrypoint} (output_dir={cfg.output_dir})")
+    if not follow:
+        return "PENDING"
+    start, shown = time.time(), 0
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        logs = client.get_job_logs(job_id)
+        if len(logs) > shown:
+            log(logs[shown:].rstrip("\n"))
+            shown = len(logs)
+        if status in TERMINAL:
+            log(f"[submit] job {job_id}: {status}")
+            return status
+        if timeout_s is not None and time.time() - start > timeout_s:
+            log(f"[submit] job {job_id}: still {status} after {timeout_s:.0f} s; stopping it")
+            client.stop_job(job_id)
+            return "STOPPED"
+        time.sleep(2)
