@@ -266,3 +266,19 @@ def test_max_tokens_caches_a_prefix_then_extends(tmp_path, teacher, data, tools)
     assert CacheReader(path).num_samples == 6
     assert build_cache(tools.make_cfg(tmp_path), data, teacher, engine="local") == path
     assert CacheReader(path).num_samples == 12
+
+
+def test_shards_read_with_webdataset(tmp_path, teacher, data, tools):
+    wds = pytest.importorskip("webdataset")
+    path = build_cache(tools.make_cfg(tmp_path, **{"cache.capture.topk": 2}), data, teacher, engine="local")
+    url = str(path / "shard-000001.tar")
+    samples = list(wds.WebDataset(url, shardshuffle=False))
+    assert [s["__key__"] for s in samples] == data.plan.shard_keys(1)
+    s = samples[0]
+    assert set(k for k in s if k.endswith(".npy")) == {
+        "tokens.npy", "seq_idx.npy", "l000_attn_input.npy", "l000_attn_output.npy", "l001_attn_input.npy",
+        "l001_attn_output.npy", "topk_logprobs.npy", "topk_indices.npy"}
+    toks = load_npy(s["tokens.npy"])
+    assert np.array_equal(toks, data.plan.shard(1)["tokens"][0])
+    raw = load_npy(s["l001_attn_input.npy"])
+    assert torch.equal(decode(raw, "bfloat16"), CacheReader(path).sample(1, 0, layers=[1])["layers"][1]["attn_input"])
