@@ -1,1 +1,19 @@
+"""Parallelism applied from outside the (plain PyTorch) model code: dp x tp mesh, parallel linears,
+tensor-parallel sharding of HedgeMamba, and the mpu object DeepSpeed takes."""
 
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .mesh import ParallelMesh, build_mesh, trivial_mesh
+from .mpu import MeshMPU
+from .tp import apply_tensor_parallel, check_tp_divides, gather_tensor_parallel_state_dict
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelMesh",
+    "build_mesh",
+    "trivial_mesh",
+    "MeshMPU",
+    "apply_tensor_parallel",
+    "check_tp_divides",
+    "gather_tensor_parallel_state_dict",
+]

@@ -1,0 +1,95 @@
+"""Tensor parallelism for HedgeMamba, applied from outside the model code.
+
+Whole heads per rank: rank r of a tp group of size t keeps heads ``[r h/t, (r+1) h/t)``. GPT-NeoX's fused
+``query_key_value`` is interleaved per head (``[q_i|k_i|v_i]``), so a rank's rows of ``in_proj`` (and
+the conv channels) are one contiguous block of ``3 P h/t`` rows. Per-head pieces (feature maps, dt
+projection, ``A_log``, ``A_scale``, ``D``, gate projection rows) are sliced the same way; ``out_proj`` is
+row-parallel over the same heads. The MLP is column-parallel in ``dense_h_to_4h`` and row-parallel in
+``dense_4h_to_h``. Embeddings, LayerNorms and the LM head stay replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hmscale.models.hedgemamba import HedgeMambaBlock
+
+from .layers import ColumnParallelLinear, RowParallelLinear, mark_tp_param
+from .mesh import ParallelMesh
+
+__all__ = ["apply_tensor_parallel", "check_tp_divides", "gather_tensor_parallel_state_dict"]
+
+
+def check_tp_divides(n_heads: int, tp: int, intermediate_size: int | None = None) -> None:
+    if n_heads % tp:
+        raise ValueError(f"parallel.tp: {tp} does not divide the model's {n_heads} attention heads; pick a divisor of {n_heads}")
+    if intermediate_size is not None and intermediate_size % tp:
+        raise ValueError(f"parallel.tp: {tp} does not divide the MLP width {intermediate_size}; pick a divisor of it")
+
+
+def _slice_param(p: nn.Parameter, index: torch.Tensor, dim: int = 0) -> nn.Parameter:
+    new = nn.Parameter(p.detach().index_select(dim, index.to(p.device)).clone(), requires_grad=p.requires_grad)
+    return mark_tp_param(new, dim)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    """Shard a ``HedgeMambaForCausalLM`` (or ``HedgeMambaModel``) in place over ``mesh``'s tp group; returns it."""
+    cfg = model.config
+    tp = mesh.tp_size
+    check_tp_divides(cfg.num_attention_heads, tp, cfg.intermediate_size)
+    model.tp_mesh = mesh
+    if tp == 1:
+        return model
+    r = mesh.tp_rank
+    H, P = cfg.num_attention_heads, cfg.head_dim
+    hl = H // tp
+    heads = torch.arange(r * hl, (r + 1) * hl)
+    qkv_rows = torch.arange(r * hl * 3 * P, (r + 1) * hl * 3 * P)  # interleaved [q|k|v] per head: contiguous
+    head_rows = torch.arange(r * hl * P, (r + 1) * hl * P)
+    il = cfg.intermediate_size // tp
+    mlp_rows = torch.arange(r * il, (r + 1) * il)
+    for block in [m for m in model.modules() if isinstance(m, HedgeMambaBlock)]:
+        mx = block.mixer
+        if mx.n_heads != H:
+            raise ValueError("apply_tensor_parallel: the model is already sharded")
+        mx.in_proj = ColumnParallelLinear.from_linear(mx.in_proj, qkv_rows, mesh)
+        if mx.conv is not None:
+            mx.conv.weight = _slice_param(mx.conv.weight, qkv_rows)
+            mx.conv.bias = _slice_param(mx.conv.bias, qkv_rows)
+            mx.conv.channels = len(qkv_rows)
+        fm = mx.feature_map
+        fm.weight = _slice_param(fm.weight, heads)
+        fm.bias = _slice_param(fm.bias, heads)
+        fm.n_heads = hl
+        if cfg.ssm:
+            mx.dt_proj = ColumnParallelLinear.from_linear(mx.dt_proj, heads, mesh)
+            mx.A_log = _slice_param(mx.A_log, heads)
+            mx.A_scale = _slice_param(mx.A_scale, heads)
+            mx.D = _slice_param(mx.D, heads)
+        if mx.z_proj is not None:
+            mx.z_proj = ColumnParallelLinear.from_linear(mx.z_proj, head_rows, mesh)
+        mx.out_proj = RowParallelLinear.from_linear(mx.out_proj, head_rows, mesh)
+        mx.n_heads = hl
+        mlp = block.mlp
+        mlp.dense_h_to_4h = ColumnParallelLinear.from_linear(mlp.dense_h_to_4h, mlp_rows, mesh)
+        mlp.dense_4h_to_h = RowParallelLinear.from_linear(mlp.dense_4h_to_h, mlp_rows, mesh)
+    return model
+
+
+@torch.no_grad()
+def gather_tensor_parallel_state_dict(model: nn.Module, mesh: ParallelMesh) -> dict:
+    """The full (unsharded) state dict of a tensor-parallel model (collective over the tp group)."""
+    out = {}
+    params = dict(model.named_parameters())
+    for name, t in model.state_dict().items():
+        p = params.get(name)
+        dim = getattr(p, "tp_split_dim", None) if p is not None else None
+        if dim is None or mesh.tp_size == 1:
+            out[name] = t.detach().clone()
+            continue
+        parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=mesh.tp_group)
+        out[name] = torch.cat(parts, dim=dim)
+    return out
