@@ -1,0 +1,124 @@
+"""Tensor parallelism: tp=2 over two gloo processes on CPU equals tp=1 (outputs and gradients, fp32)."""
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from test_hedgemamba import make_model  # noqa: E402
+
+from hmscale.models.hedgemamba import HedgeMambaCache  # noqa: E402
+from hmscale.parallel import (  # noqa: E402
+    MeshMPU,
+    ParallelMesh,
+    apply_tensor_parallel,
+    build_mesh,
+    gather_tensor_parallel_state_dict,
+    trivial_mesh,
+)
+
+VOCAB = 97
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(0, VOCAB, (2, 37), generator=g)
+
+
+def _run(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    (out.loss + out.logits.float().pow(2).mean()).backward()
+    with torch.no_grad():
+        cache = HedgeMambaCache(model.config.num_hidden_layers)
+        pre = model(ids[:, :30], cache=cache, use_cache=True).logits
+        steps = [model(ids[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(30, 37)]
+    return out.logits.detach(), torch.cat([pre, *steps], 1)
+
+
+def _worker(rank, world, port, model, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = build_mesh(tp=2)
+        mpu = MeshMPU(mesh)
+        info = dict(tp_rank=mpu.get_model_parallel_rank(), tp_size=mpu.get_tensor_model_parallel_world_size(),
+                    dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+                    src=mpu.get_tensor_model_parallel_src_rank())
+        apply_tensor_parallel(model, mesh)
+        logits, decoded = _run(model, _inputs())
+        grads = {n: (p.grad.detach().clone(), getattr(p, "tp_split_dim", None)) for n, p in model.named_parameters()}
+        full_sd = gather_tensor_parallel_state_dict(model, mesh)
+        torch.save(dict(info=info, logits=logits, decoded=decoded, grads=grads, sd=full_sd, n_heads=model.backbone.layers[0].mixer.n_heads),
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tp2_equals_tp1(tmp_path, parallel):
+    model = make_model(parallel=parallel)  # recurrent parts perturbed away from identity
+    ref_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    mp.start_processes(_worker, args=(2, _free_port(), model, str(tmp_path)), nprocs=2, start_method="fork", join=True)
+    ref_logits, ref_decoded = _run(model, _inputs())
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["info"]["tp_rank"] for r in res] == [0, 1]
+    assert all(r["info"]["tp_size"] == 2 and r["info"]["dp_size"] == 1 and r["info"]["dp_rank"] == 0 for r in res)
+    assert all(r["info"]["src"] == 0 for r in res)
+    assert all(r["n_heads"] == model.config.num_attention_heads // 2 for r in res)
+    for r in res:
+        assert _rel(r["logits"], ref_logits) <= 1e-5
+        assert _rel(r["decoded"], ref_decoded) <= 1e-5
+    assert set(res[0]["grads"]) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        g0, dim = res[0]["grads"][name]
+        g1, _ = res[1]["grads"][name]
+        full = g0 if dim is None else torch.cat([g0, g1], dim=dim)
+        if dim is None:  # replicated parameters get the same gradient on both ranks
+            assert _rel(g1, ref) <= 1e-5, name
+        assert full.shape == ref.shape, name
+        assert _rel(full, ref) <= 1e-5, name
+    for k, v in ref_sd.items():
+        assert torch.equal(res[0]["sd"][k], v), k
+
+
+def test_tp_must_divide_heads():
+    model = make_model(perturb=False)  # 4 heads
+    mesh = ParallelMesh(world_size=3, rank=0, tp_size=3, dp_size=1, tp_rank=0, dp_rank=0)
+    with pytest.raises(ValueError, match=r"parallel.tp: 3 does not divide the model's 4 attention heads"):
+        apply_tensor_parallel(model, mesh)
+
+
+def test_trivial_mesh_and_mpu_without_distributed():
+    assert not dist.is_initialized()
+    mesh = build_mesh(tp=1)
+    assert mesh == trivial_mesh()
+    mpu = MeshMPU(mesh)
+    assert (mpu.get_model_parallel_world_size(), mpu.get_data_parallel_world_size()) == (1, 1)
+    assert mpu.get_pipe_parallel_world_size() == 1
+    with pytest.raises(ValueError, match="parallel.tp"):
+        build_mesh(tp=2)
+    model = make_model(perturb=False)
+    ids = _inputs()
+    with torch.no_grad():
+        before = model(ids).logits
+        apply_tensor_parallel(model, mesh)  # tp=1: unchanged
+        assert torch.equal(model(ids).logits, before)
