@@ -1,0 +1,192 @@
+"""Text sources: a Hugging Face dataset, local files (txt / jsonl / parquet), or the embedded corpus.
+
+Every source yields whole documents (strings) for a split, "train" or "validation". The
+split is deterministic: the embedded corpus buckets files by a hash of their relative path,
+the other sources bucket documents by a hash of their text (duplicates land on the same side).
+`description` is machine-independent (it enters the shard-plan hash); `key(split)` is a
+cheap identity of a split's content used to key on-disk caches.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from pathlib import Path
+
+from hmscale.data.corpus import EmbeddedCorpus, split_of, val_cap
+
+
+class TextSource:
+    description: str = ""
+
+    def documents(self, split: str) -> list[str]:
+        raise NotImplementedError
+
+    def key(self, split: str) -> str:
+        raise NotImplementedError
+
+    def training_texts(self, max_chars: int | None) -> list[str]:
+        """The first train documents (sorted, deterministic) up to about max_chars characters."""
+        out, n = [], 0
+        for doc in self.documents("train"):
+            if max_chars is not None and n >= max_chars:
+                break
+            out.append(doc)
+            n += len(doc)
+        return out
+
+
+class EmbeddedSource(TextSource):
+    def __init__(self, val_fraction: float = 0.05, max_documents: int | None = None, include_tests: bool = False, root=None):
+        self.corpus = EmbeddedCorpus(val_fraction, max_documents, include_tests, root)
+        self.description = self.corpus.description
+
+    def documents(self, split: str) -> list[str]:
+        return self.corpus.documents(split)
+
+    def files(self, split: str) -> list[str]:
+        return self.corpus.files(split)
+
+    def key(self, split: str) -> str:
+        return _sha(self.description, split, self.corpus.listing_digest(split))
+
+
+class _TableSource(TextSource):
+    """Documents from a `datasets.Dataset` column, split by a hash of each text."""
+
+    def __init__(self, val_fraction: float, max_documents: int | None):
+        self.val_fraction = val_fraction
+        self.max_documents = max_documents
+        self._splits: dict[str, list[str]] | None = None
+
+    def _load_texts(self) -> list[str]:
+        raise NotImplementedError
+
+    def _split(self) -> dict[str, list[str]]:
+        if self._splits is None:
+            texts = [t for t in self._load_texts() if isinstance(t, str) and t]
+            parts: dict[str, list[str]] = {"train": [], "validation": []}
+            for t in texts:
+                parts[split_of(hashlib.sha256(t.encode()).hexdigest(), self.val_fraction)].append(t)
+            caps = {"train": self.max_documents, "validation": val_cap(self.max_documents, self.val_fraction)}
+            self._splits = {s: (docs[: caps[s]] if caps[s] is not None else docs) for s, docs in parts.items()}
+        return self._splits
+
+    def documents(self, split: str) -> list[str]:
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+        return self._split()[split]
+
+    def key(self, split: str) -> str:
+        return _sha(self.description, split, self._identity())
+
+    def _identity(self) -> str:
+        return ""
+
+
+class HFSource(_TableSource):
+    """`datasets.load_dataset(dataset, dataset_config, split=split)[text_field]`."""
+
+    def __init__(self, dataset: str, dataset_config: str | None = None, split: str = "train", text_field: str = "text",
+                 val_fraction: float = 0.05, max_documents: int | None = None):
+        super().__init__(val_fraction, max_documents)
+        self.dataset, self.dataset_config, self.split, self.text_field = dataset, dataset_config, split, text_field
+        self.description = (
+            f"hf:{dataset}:{dataset_config}:{split}:{text_field}:val={val_fraction}:max_documents={max_documents}"
+        )
+        self._ds = None
+
+    def _dataset(self):
+        if self._ds is None:
+            import datasets
+
+            try:
+                self._ds = datasets.load_dataset(self.dataset, self.dataset_config, split=self.split)
+            except Exception as err:  # noqa: BLE001 - re-raised with the config field named
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise RuntimeError(f"data.dataset: could not load {self.dataset!r} (split {self.split!r}): {first}") from err
+            if self.text_field not in self._ds.column_names:
+                raise ValueError(
+                    f"data.text_field: {self.text_field!r} is not a column of {self.dataset!r}; "
+                    f"choose one of {', '.join(self._ds.column_names)}"
+                )
+        return self._ds
+
+    def _load_texts(self) -> list[str]:
+        return list(self._dataset()[self.text_field])
+
+    def _identity(self) -> str:
+        return getattr(self._dataset(), "_fingerprint", "") or ""
+
+
+class FileSource(_TableSource):
+    """Local files through `datasets`: .txt (one document per file), .jsonl/.json and .parquet (one per row)."""
+
+    BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+    def __init__(self, paths: list[str], text_field: str = "text", val_fraction: float = 0.05, max_documents: int | None = None):
+        super().__init__(val_fraction, max_documents)
+        files: list[str] = []
+        for p in paths:
+            hits = sorted(glob.glob(os.path.expanduser(p)))
+            if not hits:
+                raise FileNotFoundError(f"data.paths: {p!r} does not exist; fix the path or remove it")
+            files.extend(h for h in hits if Path(h).is_file())
+        self.files = sorted(dict.fromkeys(files))
+        for f in self.files:
+            if Path(f).suffix.lower() not in self.BUILDERS:
+                raise ValueError(f"data.paths: {f!r} has an unsupported extension; use .txt, .jsonl or .parquet")
+        self.text_field = text_field
+        # machine independent: names and content hashes, not absolute paths
+        self._digests = [(Path(f).name, _file_sha(f)) for f in self.files]
+        listing = _sha(*(f"{n}:{d}" for n, d in self._digests))[:16]
+        self.description = f"files:{len(self.files)}:{listing}:{text_field}:val={val_fraction}:max_documents={max_documents}"
+
+    def _load_texts(self) -> list[str]:
+        import datasets
+
+        texts: list[str] = []
+        by_builder: dict[str, list[str]] = {}
+        for f in self.files:
+            by_builder.setdefault(self.BUILDERS[Path(f).suffix.lower()], []).append(f)
+        for builder in sorted(by_builder):
+            for f in by_builder[builder]:  # file by file: keeps the sorted order of documents
+                kw = {"sample_by": "document"} if builder == "text" else {}
+                ds = datasets.load_dataset(builder, data_files=[f], split="train", **kw)
+                field = "text" if builder == "text" else self.text_field
+                if field not in ds.column_names:
+                    raise ValueError(f"data.text_field: {field!r} is not a column of {f!r}; choose one of {', '.join(ds.column_names)}")
+                texts.extend(ds[field])
+        return texts
+
+    def _identity(self) -> str:
+        return self.description
+
+
+def source_from_config(data_cfg) -> TextSource:
+    """Build the source a `DataConfig` describes."""
+    if data_cfg.source == "embedded":
+        return EmbeddedSource(data_cfg.val_fraction, data_cfg.max_documents)
+    if data_cfg.source == "hf":
+        return HFSource(data_cfg.dataset, data_cfg.dataset_config, data_cfg.split, data_cfg.text_field,
+                        data_cfg.val_fraction, data_cfg.max_documents)
+    if data_cfg.source == "files":
+        return FileSource(list(data_cfg.paths), data_cfg.text_field, data_cfg.val_fraction, data_cfg.max_documents)
+    raise ValueError(f"data.source: unknown source {data_cfg.source!r}; use embedded, hf or files")
+
+
+def _sha(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(str(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _file_sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
