@@ -84,6 +84,8 @@ class ColumnParallelLinear(nn.Module):
             if linear.bias is not None:
                 new.bias.copy_(linear.bias.detach()[index])
         new.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            new.bias.requires_grad_(linear.bias.requires_grad)
         return new
 
     def forward(self, x):
@@ -114,6 +116,9 @@ class RowParallelLinear(nn.Module):
             new.weight.copy_(w[:, index])
             if linear.bias is not None:
                 new.bias.copy_(linear.bias.detach())
+        new.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            new.bias.requires_grad_(linear.bias.requires_grad)
         return new
 
     def forward(self, x):
