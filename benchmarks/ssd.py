@@ -48,7 +48,7 @@ def load_mamba():
         return None
 
 
-def bench(fn, warmup=25, rep=100):
+def bench(fn, warmup=10, rep=50):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 

@@ -43,6 +43,8 @@ def _check(x, dt, A, B, C, chunk_size):
         raise ValueError(f"dt must be (b, l, h) = {(b, l, h)} and A (h,); got {tuple(dt.shape)}, {tuple(A.shape)}")
     if B.shape != C.shape or B.shape[:2] != (b, l) or h % B.shape[2] != 0:
         raise ValueError(f"B, C must be (b, l, g, n) with h % g == 0; got {tuple(B.shape)}, {tuple(C.shape)}")
+    if l * h * (p + 1) >= 2 ** 31 or l * B.shape[2] * B.shape[3] >= 2 ** 31:
+        raise ValueError("one sequence over 2^31 elements: the kernels index within a sequence in int32")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton kernel, got {chunk_size}")
 

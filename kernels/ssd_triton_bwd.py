@@ -52,13 +52,13 @@ def _chunk_dstate_bwd(dy_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr,
     offs_n = nb * BN + tl.arange(0, BN)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    dy = tl.load(dy_ptr + ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :],
+    dy = tl.load((dy_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
                  mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-    Ct = tl.load(C_ptr + ((b * L + offs_t[:, None]) * G + grp) * N + offs_n[None, :],
+    Ct = tl.load((C_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
                  mask=mask_t[:, None] & mask_n[None, :], other=0.0)
     dyw = (dy.to(tl.float32) * win[:, None]).to(IN_DTYPE)
-    dS = tl.dot(tl.trans(dyw), Ct, input_precision=PREC)
-    tl.store(dst_ptr + ((bh * NC + c) * P + offs_p[:, None]) * N + offs_n[None, :], dS,
+    dS = tl.dot(tl.trans(dyw), Ct.to(IN_DTYPE), input_precision=PREC)
+    tl.store((dst_ptr + (bh * NC + c) * P * N) + (offs_p[:, None] * N + offs_n[None, :]), dS.to(dst_ptr.dtype.element_ty),
              mask=mask_p[:, None] & mask_n[None, :])
 
 
@@ -75,19 +75,40 @@ def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC
         dS = tl.zeros([BLOCK], dtype=tl.float32)
     dbase = dst_ptr + bh * NC * PN + offs
     sbase = st_ptr + bh * NC * PN + offs
-    c0 = NC - 1
-    nxt_d = tl.load(dbase + c0 * PN, mask=mask, other=0.0)
-    nxt_s = tl.load(sbase + c0 * PN, mask=mask, other=0.0)
-    for i in range(NC):
-        c = NC - 1 - i
-        loc = nxt_d
-        sprev = nxt_s
-        nxt_d = tl.load(dbase + tl.maximum(c - 1, 0) * PN, mask=mask, other=0.0)
-        nxt_s = tl.load(sbase + tl.maximum(c - 1, 0) * PN, mask=mask, other=0.0)
-        g = tl.load(gdec_ptr + bh * NC + c)
-        tl.store(dg_ptr + (bh * NBLK + blk) * NC + c, tl.sum(dS * sprev, axis=0))
-        tl.store(dbase + c * PN, dS, mask=mask)
-        dS = g * dS + loc
+    gbase = gdec_ptr + bh * NC
+    dgbase = dg_ptr + (bh * NBLK + blk) * NC
+    for i0 in range(0, NC, 4):  # four chunks per step, loads first (see _state_pass_fwd)
+        c0 = NC - 1 - i0
+        c1 = tl.maximum(c0 - 1, 0)
+        c2 = tl.maximum(c0 - 2, 0)
+        c3 = tl.maximum(c0 - 3, 0)
+        d0 = tl.load(dbase + c0 * PN, mask=mask, other=0.0).to(tl.float32)
+        d1 = tl.load(dbase + c1 * PN, mask=mask, other=0.0).to(tl.float32)
+        d2 = tl.load(dbase + c2 * PN, mask=mask, other=0.0).to(tl.float32)
+        d3 = tl.load(dbase + c3 * PN, mask=mask, other=0.0).to(tl.float32)
+        s0 = tl.load(sbase + c0 * PN, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sbase + c1 * PN, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sbase + c2 * PN, mask=mask, other=0.0).to(tl.float32)
+        s3 = tl.load(sbase + c3 * PN, mask=mask, other=0.0).to(tl.float32)
+        g0 = tl.load(gbase + c0)
+        g1 = tl.load(gbase + c1)
+        g2 = tl.load(gbase + c2)
+        g3 = tl.load(gbase + c3)
+        tl.store(dgbase + c0, tl.sum(dS * s0, axis=0))
+        tl.store(dbase + c0 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+        dS = g0 * dS + d0
+        if i0 + 1 < NC:
+            tl.store(dgbase + c1, tl.sum(dS * s1, axis=0))
+            tl.store(dbase + c1 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+            dS = g1 * dS + d1
+        if i0 + 2 < NC:
+            tl.store(dgbase + c2, tl.sum(dS * s2, axis=0))
+            tl.store(dbase + c2 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+            dS = g2 * dS + d2
+        if i0 + 3 < NC:
+            tl.store(dgbase + c3, tl.sum(dS * s3, axis=0))
+            tl.store(dbase + c3 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+            dS = g3 * dS + d3
     if HAS_DINIT:
         tl.store(dinit_ptr + bh * PN + offs, dS, mask=mask)
 
@@ -107,18 +128,19 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
     offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     offs_p = pb * BP + tl.arange(0, BP)
     mask_p = offs_p < P
+    bc_base = (b * L * G + grp) * N
     accGT = tl.zeros([Q, Q], dtype=tl.float32)  # [s, t] = B_s . C_t
     accZ = tl.zeros([Q, BP], dtype=tl.float32)  # [s, p] = (dS B_s)_p
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
-        bc_off = ((b * L + offs_t[:, None]) * G + grp) * N + offs_n[None, :]
+        bc_off = offs_t[:, None] * (G * N) + offs_n[None, :]
         bc_mask = mask_t[:, None] & mask_n[None, :]
-        Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0)
-        Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
+        Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
-        dSt = tl.load(dst_ptr + ((bh * NC + c) * P + offs_p[None, :]) * N + offs_n[:, None],
-                      mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = dS^T
+        dSt = tl.load((dst_ptr + (bh * NC + c) * P * N) + (offs_p[None, :] * N + offs_n[:, None]),
+                      mask=mask_p[None, :] & mask_n[:, None], other=0.0).to(tl.float32)  # (BN, BP) = dS^T
         accZ += tl.dot(Bt.to(tl.float32), dSt, input_precision=SPREC)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
@@ -128,11 +150,11 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
         keep = keep & (doc[:, None] == doc[None, :])
         wend = tl.where(doc == doc_end, wend, 0.0)
     decayT = tl.exp(tl.where(keep, cs[None, :] - cs[:, None], float("-inf")))
-    dy = tl.load(dy_ptr + ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :],
+    dy = tl.load((dy_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
                  mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(IN_DTYPE)
     dx = tl.dot((accGT * decayT).to(IN_DTYPE), dy, input_precision=PREC)
     dx = dt[:, None] * (dx + wend[:, None] * accZ)
-    tl.store(dx_ptr + ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :],
+    tl.store((dx_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
              dx.to(dx_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
 
 
@@ -153,10 +175,11 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
     mask_n = offs_n < N
     offs_tt = c * Q + tl.arange(0, Q)
     mask_tt = offs_tt < L
-    bc_off = ((b * L + offs_tt[:, None]) * G + grp) * N + offs_n[None, :]
+    bc_base = (b * L * G + grp) * N
+    bc_off = offs_tt[:, None] * (G * N) + offs_n[None, :]
     bc_mask = mask_tt[:, None] & mask_n[None, :]
-    Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0)
-    Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
+    Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+    Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
     Gnb = tl.dot(Ct, tl.trans(Bt), input_precision=PREC)  # [t, s], partial over this n tile
     Bf = Bt.to(tl.float32)
     Cf = Ct.to(tl.float32)
@@ -168,22 +191,24 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
         h = grp * HPG + hh
         bh = b * H + h
         offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+        x_base = (b * L * H + h) * P
+        s_base = (bh * NC + c) * P * N
         accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
         accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
         accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
         for p0 in range(0, P, BP):
             offs_p = p0 + tl.arange(0, BP)
             mask_p = offs_p < P
-            xo = ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :]
+            xo = offs_t[:, None] * (H * P) + offs_p[None, :]
             xm = mask_t[:, None] & mask_p[None, :]
-            x = tl.load(x_ptr + xo, mask=xm, other=0.0)
-            dy = tl.load(dy_ptr + xo, mask=xm, other=0.0)
-            accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x), input_precision=PREC)
-            so = ((bh * NC + c) * P + offs_p[:, None]) * N + offs_n[None, :]
+            x = tl.load(x_ptr + x_base + xo, mask=xm, other=0.0)
+            dy = tl.load(dy_ptr + x_base + xo, mask=xm, other=0.0)
+            accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
+            so = offs_p[:, None] * N + offs_n[None, :]
             sm = mask_p[:, None] & mask_n[None, :]
-            dS = tl.load(dst_ptr + so, mask=sm, other=0.0)
+            dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)
             accXS += tl.dot(x.to(tl.float32), dS, input_precision=SPREC)
-            S0 = tl.load(st_ptr + so, mask=sm, other=0.0)
+            S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)
             accDYS += tl.dot(dy.to(tl.float32), S0, input_precision=SPREC)
         keep = causal
         win = tl.exp(cs)
@@ -195,8 +220,8 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
             wend = tl.where(doc == doc_end, wend, 0.0)
         decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
         Pm = decay * accDYX  # [t, s]
-        dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt, input_precision=PREC) + win[:, None] * accDYS
-        dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct, input_precision=PREC)
+        dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
+        dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
         PG = Pm * Gnb
         colPG = tl.sum(PG, axis=0)  # per s
@@ -210,8 +235,8 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
         po = (bh * NNB + nb) * (NC * Q) + c * Q + tt
         tl.store(ddt_ptr + po, ddt_direct)
         tl.store(dcs_ptr + po, dcs)
-    tl.store(dB_ptr + bc_off, dB.to(dB_ptr.dtype.element_ty), mask=bc_mask)
-    tl.store(dC_ptr + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
+    tl.store(dB_ptr + bc_base + bc_off, dB.to(dB_ptr.dtype.element_ty), mask=bc_mask)
+    tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -224,12 +249,19 @@ def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: b
     nc = states.shape[2]
     dev = x.device
     prec, sprec = precisions(x.dtype)
-    in_dtype = _TL_DTYPE[x.dtype]
+    # dtype of the dots that involve dy: the input dtype, except when dy is fp32 for 16-bit inputs
+    # (normalize: the normaliser's gradient can exceed the fp16 range): then fp32 operands, tf32 dots
+    if dy.dtype == torch.float32 and x.dtype != torch.float32:
+        in_dtype, prec = tl.float32, "tf32"
+    else:
+        in_dtype = _TL_DTYPE[x.dtype]
     BP, BN = block_sizes(p, n, Q)
+    BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
+    BP_dbc, BN_dbc = 16, min(64, _pow2(n))
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
-    dst = torch.empty_like(states)
+    dst = torch.empty_like(states)  # same storage dtype as the forward states
     grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
     _chunk_dstate_bwd[grid1](dy, dt, A, C, doc_arg, dst, l, h, g, p, n, nc,
                              Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype,
@@ -245,17 +277,17 @@ def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: b
                                    HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=4)
     dx = torch.empty_like(x)
     _chunk_bwd_dx[(nc, b * h, triton.cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
-                                                  Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=prec,
-                                                  SPREC=sprec, IN_DTYPE=in_dtype, num_warps=4)
-    nnb = triton.cdiv(n, BN)
+                                                  Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
+                                                  SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
+    nnb = triton.cdiv(n, BN_dbc)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
     ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
     dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
     _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                      l, h, g, p, n, nc, nnb,
-                                     Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-                                     IN_DTYPE=in_dtype, num_warps=4)
+                                     Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
+                                     IN_DTYPE=in_dtype, num_warps=8, num_stages=1)
     # d cs -> d a (reverse cumulative sum within each chunk), then dt and A
     dcs = dcs_part.sum(1).view(b, h, nc, Q)
     dg_tot = dg.sum(1).view(b, h, nc) * gdec.view(b, h, nc)

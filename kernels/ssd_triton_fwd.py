@@ -29,7 +29,7 @@ def _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q: tl.constexpr):
     """Offsets, mask, dt and within-chunk inclusive cumulative log-decay of chunk c."""
     offs_t = c * Q + tl.arange(0, Q)
     mask_t = offs_t < L
-    dt = tl.load(dt_ptr + (b * L + offs_t) * H + h, mask=mask_t, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
     cs = tl.cumsum(dt * A, axis=0)
     cs_end = tl.sum(tl.where(tl.arange(0, Q) == Q - 1, cs, 0.0), axis=0)
@@ -41,11 +41,11 @@ def _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q: tl.constexpr):
     """Document id of each token (padding takes the last real token's), of the chunk's last token,
     and of the token before the chunk (0 before the sequence: initial_state belongs to document 0)."""
     last = tl.minimum(c * Q + Q, L) - 1
-    doc_end = tl.load(doc_ptr + b * L + last)
-    doc = tl.load(doc_ptr + b * L + offs_t, mask=mask_t, other=0)
+    doc_end = tl.load((doc_ptr + b * L) + last)
+    doc = tl.load((doc_ptr + b * L) + offs_t, mask=mask_t, other=0)
     doc = tl.where(mask_t, doc, doc_end)
     prev_idx = tl.maximum(c * Q - 1, 0)
-    doc_prev = tl.load(doc_ptr + b * L + prev_idx)
+    doc_prev = tl.load((doc_ptr + b * L) + prev_idx)
     doc_prev = tl.where(c > 0, doc_prev, 0)
     return doc, doc_end, doc_prev
 
@@ -73,13 +73,13 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
     offs_n = nb * BN + tl.arange(0, BN)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    x = tl.load(x_ptr + ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :],
+    x = tl.load((x_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-    Bt = tl.load(B_ptr + ((b * L + offs_t[:, None]) * G + grp) * N + offs_n[None, :],
+    Bt = tl.load((B_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
                  mask=mask_t[:, None] & mask_n[None, :], other=0.0)
     xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
     S = tl.dot(tl.trans(xw), Bt, input_precision=PREC)
-    tl.store(st_ptr + ((bh * NC + c) * P + offs_p[:, None]) * N + offs_n[None, :], S,
+    tl.store((st_ptr + (bh * NC + c) * P * N) + (offs_p[:, None] * N + offs_n[None, :]), S.to(st_ptr.dtype.element_ty),
              mask=mask_p[:, None] & mask_n[None, :])
     if pn == 0:
         g = tl.exp(cs_end)
@@ -100,13 +100,32 @@ def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
     else:
         S = tl.zeros([BLOCK], dtype=tl.float32)
     base = st_ptr + bh * NC * PN + offs
-    nxt = tl.load(base, mask=mask, other=0.0)
-    for c in range(NC):
-        loc = nxt
-        nxt = tl.load(base + tl.minimum(c + 1, NC - 1) * PN, mask=mask, other=0.0)  # last one is a harmless reload
-        g = tl.load(gdec_ptr + bh * NC + c)
-        tl.store(base + c * PN, S, mask=mask)
-        S = g * S + loc
+    gbase = gdec_ptr + bh * NC
+    # four chunks per step: their loads are issued together (independent of S), then the
+    # sequential updates; hides most of the memory latency of this otherwise serial loop
+    for c0 in range(0, NC, 4):
+        c1 = tl.minimum(c0 + 1, NC - 1)
+        c2 = tl.minimum(c0 + 2, NC - 1)
+        c3 = tl.minimum(c0 + 3, NC - 1)
+        l0 = tl.load(base + c0 * PN, mask=mask, other=0.0).to(tl.float32)
+        l1 = tl.load(base + c1 * PN, mask=mask, other=0.0).to(tl.float32)
+        l2 = tl.load(base + c2 * PN, mask=mask, other=0.0).to(tl.float32)
+        l3 = tl.load(base + c3 * PN, mask=mask, other=0.0).to(tl.float32)
+        g0 = tl.load(gbase + c0)
+        g1 = tl.load(gbase + c1)
+        g2 = tl.load(gbase + c2)
+        g3 = tl.load(gbase + c3)
+        tl.store(base + c0 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+        S = g0 * S + l0
+        if c0 + 1 < NC:
+            tl.store(base + c1 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+            S = g1 * S + l1
+        if c0 + 2 < NC:
+            tl.store(base + c2 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+            S = g2 * S + l2
+        if c0 + 3 < NC:
+            tl.store(base + c3 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+            S = g3 * S + l3
     tl.store(final_ptr + bh * PN + offs, S, mask=mask)
 
 
@@ -124,18 +143,19 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr,
     offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     offs_p = pb * BP + tl.arange(0, BP)
     mask_p = offs_p < P
+    bc_base = (b * L * G + grp) * N
     accG = tl.zeros([Q, Q], dtype=tl.float32)
     accS = tl.zeros([Q, BP], dtype=tl.float32)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
-        bc_off = ((b * L + offs_t[:, None]) * G + grp) * N + offs_n[None, :]
+        bc_off = offs_t[:, None] * (G * N) + offs_n[None, :]
         bc_mask = mask_t[:, None] & mask_n[None, :]
-        Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
-        Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
-        Sp = tl.load(st_ptr + ((bh * NC + c) * P + offs_p[None, :]) * N + offs_n[:, None],
-                     mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = S_prev^T
+        Sp = tl.load((st_ptr + (bh * NC + c) * P * N) + (offs_p[None, :] * N + offs_n[:, None]),
+                     mask=mask_p[None, :] & mask_n[:, None], other=0.0).to(tl.float32)  # (BN, BP) = S_prev^T
         accS += tl.dot(Ct.to(tl.float32), Sp, input_precision=SPREC)
     tt = tl.arange(0, Q)
     keep = tt[:, None] >= tt[None, :]
@@ -146,11 +166,11 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr,
         win = tl.where(doc == doc_prev, win, 0.0)
     decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
     M = accG * decay * dt[None, :]
-    x = tl.load(x_ptr + ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :],
+    x = tl.load((x_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
     y = tl.dot(M.to(x.dtype), x, input_precision=PREC)
     y += accS * win[:, None]
-    tl.store(y_ptr + ((b * L + offs_t[:, None]) * H + h) * P + offs_p[None, :],
+    tl.store((y_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
              y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
 
 
@@ -169,6 +189,15 @@ def precisions(dtype: torch.dtype):
     return "ieee", "tf32"
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the per-chunk states between kernels (accumulation is always fp32).
+
+    bf16 inputs: bf16 storage halves the dominant memory traffic (the states are read back into tf32
+    dots, so their rounding is of the same order as the inputs'). fp16 inputs keep fp32 (range), fp32 too.
+    """
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def block_sizes(p: int, n: int, Q: int):
     BP = min(64, _pow2(p))
     BN = min(64, _pow2(n))
@@ -181,7 +210,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None):
     g, n = B.shape[2], B.shape[3]
     nc = triton.cdiv(l, Q)
     dev = x.device
-    states = torch.empty(b, h, nc, p, n, device=dev, dtype=torch.float32)
+    states = torch.empty(b, h, nc, p, n, device=dev, dtype=state_dtype(x.dtype))
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     final = torch.empty(b, h, p, n, device=dev, dtype=torch.float32)
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
@@ -200,5 +229,6 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None):
                            HAS_INIT=has_init, BLOCK=BLOCK, num_warps=4)
     grid3 = (nc, b * h, triton.cdiv(p, BP))
     _chunk_scan_fwd[grid3](x, dt, A, B, C, doc_arg, states, y, l, h, g, p, n, nc,
-                           Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=prec, SPREC=sprec, num_warps=4)
+                           Q=Q, BP=BP, BN=min(128 if x.dtype != torch.float32 else 64, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
+                           num_warps=8)
     return y, final, states, gdec
