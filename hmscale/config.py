@@ -92,7 +92,8 @@ class CacheConfig(_Section):
     allow_exceed_disk: bool = False
     engine: Literal["local", "ray"] | None = None  # None = parallel.engine
     batch_size: int = Field(8, gt=0)  # sequences per teacher forward
-    max_tokens: int | None = Field(None, gt=0)  # cache only the first plan shards covering this many tokens (None = all)
+    # cache the first plan shards covering this many tokens; None = the budget's stage-1 tokens (all budget tokens when capture.topk > 0)
+    max_tokens: int | None = Field(None, gt=0)
     max_retries: int = Field(3, ge=0)  # per shard, and worker restarts per run (ray engine)
 
 

@@ -1,0 +1,427 @@
+"""DeepSpeed engine, schedule, checkpoints and metrics shared by stage 1 and stage 2.
+
+- `init_distributed()`  joins (or creates) the process group: Ray Train's when it exists, else a
+  one-process gloo group (NCCL on GPU).
+- `ds_config_for(...)`  a ds_configs/*.json filled from the recipe config (micro batch, accumulation,
+  lr, clipping, bf16, ZeRO stage); the file supplies everything else (buckets, offload, betas).
+- `build_engine(...)`   `deepspeed.initialize` with a warmup + cosine LambdaLR and an optional mpu.
+- `Checkpointer`        DeepSpeed save/load with client state (step, data position) under
+                        `<stage_dir>/checkpoints/step_XXXXXXXX/` (DeepSpeed tag `state`, plus `meta.json`);
+                        keeps the last `keep` good checkpoints; a checkpoint is complete when meta.json exists.
+- `MetricsLogger`       JSONL (`metrics.jsonl`) + TensorBoard (`tb/`) + a progress bar, rank 0 only.
+- `train_loop(...)`     the optimizer-step loop with accumulation, all-reduced loss, NaN/inf stop,
+                        periodic checkpoints, periodic eval, an `on_checkpoint` hook (Ray reports).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hmscale.atomic import atomic_write_json, atomic_write_text
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+
+class TrainingError(RuntimeError):
+    """A training failure with a one-line message meant for the user."""
+
+
+class NonFiniteLoss(TrainingError):
+    """The loss became NaN or inf; the run stopped and the last good checkpoint was kept."""
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_for(use_gpu: bool) -> torch.device:
+    if use_gpu and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
+    """Make sure torch.distributed and deepspeed.comm are up; returns (rank, world_size).
+
+    Under Ray Train (or torchrun) the process group already exists / env vars are set; otherwise a
+    single-process group is created (gloo on CPU, NCCL on GPU).
+    """
+    import deepspeed
+
+    backend = "nccl" if (use_gpu and torch.cuda.is_available()) else "gloo"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if use_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(device_for(True))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_mean(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean over ranks of a small fp32 CPU/GPU tensor (a copy)."""
+    t = values.detach().clone().float()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+    return t
+
+
+def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
+    t = values.detach().clone().float()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+# --------------------------------------------------------------------------- config + schedule
+
+
+@dataclass
+class OptimSpec:
+    """The recipe side of a DeepSpeed config (everything the engine fills into the JSON file)."""
+
+    lr: float
+    micro_batch_size: int
+    grad_accum: int = 1
+    warmup_steps: int = 0
+    total_steps: int = 1
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 2
+    bf16: bool = False
+    ds_config: str | None = None  # path; None = ds_configs/zero{stage}.json
+
+
+def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
+    if path:
+        p = Path(path)
+        if not p.is_absolute() and not p.exists():
+            p = REPO_ROOT / p
+        if not p.exists():
+            raise TrainingError(f"parallel.ds_config: {path!r} does not exist; point it at a ds_configs/*.json")
+        return p
+    stage = max(int(zero_stage), 1)  # ZeRO 0 uses the zero1 file with stage set to 0
+    return DS_CONFIG_DIR / f"zero{stage}.json"
+
+
+def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
+    """Read the DeepSpeed JSON and fill in the recipe values (no "auto" anywhere)."""
+    path = ds_config_path(spec.zero_stage, spec.ds_config)
+    conf = json.loads(path.read_text())
+    conf["train_micro_batch_size_per_gpu"] = int(spec.micro_batch_size)
+    conf["gradient_accumulation_steps"] = int(spec.grad_accum)
+    conf["train_batch_size"] = int(spec.micro_batch_size * spec.grad_accum * dp_world)
+    conf["gradient_clipping"] = float(spec.grad_clip)
+    conf.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    params = conf["optimizer"].setdefault("params", {})
+    params["lr"] = float(spec.lr)
+    params["weight_decay"] = float(spec.weight_decay)
+    if not torch.cuda.is_available():
+        params["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA
+    conf.pop("scheduler", None)  # the schedule comes from the recipe (LambdaLR below)
+    conf["bf16"] = {"enabled": bool(spec.bf16)}
+    conf.pop("fp16", None)
+    zero = conf.setdefault("zero_optimization", {})
+    if spec.ds_config is None or "stage" not in zero:
+        zero["stage"] = int(spec.zero_stage)
+    if not torch.cuda.is_available():
+        for k in ("offload_optimizer", "offload_param"):
+            if k in zero:
+                zero[k]["pin_memory"] = False
+    for k, v in list(conf.items()):
+        if v == "auto":
+            raise TrainingError(f"{path.name}: field {k!r} is 'auto'; the engine needs real values")
+    return conf
+
+
+def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=None, params=None):
+    """deepspeed.initialize with the recipe's config, schedule and (optionally) an mpu."""
+    import deepspeed
+
+    conf = ds_config_for(spec, dp_world)
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise TrainingError("nothing to train: the model has no parameter with requires_grad=True")
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_multiplier(s, spec.warmup_steps, spec.total_steps, spec.min_lr_ratio)
+        )
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=params, config=conf, mpu=mpu, lr_scheduler=scheduler
+    )
+    return engine
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+TAG = "state"
+
+
+@dataclass
+class Checkpointer:
+    """DeepSpeed checkpoints under `root/step_XXXXXXXX/` (tag `state` + meta.json), last `keep` kept."""
+
+    root: Path
+    keep: int = 2
+    rank: int = 0
+
+    def path_for(self, step: int) -> Path:
+        return Path(self.root) / f"step_{step:08d}"
+
+    def complete(self) -> list[Path]:
+        root = Path(self.root)
+        if not root.exists():
+            return []
+        return sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / "meta.json").exists())
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, engine, step: int, client_state: dict, meta: dict | None = None) -> Path:
+        path = self.path_for(step)
+        if self.rank == 0 and path.exists():  # a stale partial checkpoint from a killed attempt
+            shutil.rmtree(path, ignore_errors=True)
+        barrier()
+        engine.save_checkpoint(str(path), tag=TAG, client_state=dict(client_state))
+        barrier()
+        if self.rank == 0:
+            atomic_write_json(path / "meta.json", {"step": step, "tag": TAG, **(meta or {}), **_jsonable(client_state)})
+            for old in self.complete()[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+        return path
+
+    @staticmethod
+    def load(engine, path: str | os.PathLike) -> dict:
+        load_path, client = engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise TrainingError(f"checkpoint {str(path)!r} could not be loaded (no DeepSpeed state under tag {TAG!r})")
+        return client or {}
+
+
+def _jsonable(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v):
+            out[k] = list(v)
+    return out
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class MetricsLogger:
+    """Rank-0 metrics: JSONL lines, TensorBoard scalars and a progress bar (others: no-ops)."""
+
+    def __init__(self, stage_dir: Path, name: str, total_steps: int, start_step: int = 0, rank: int = 0,
+                 progress: bool = True, tensorboard: bool = True):
+        self.rank, self.name = rank, name
+        self.path = Path(stage_dir) / "metrics.jsonl"
+        self._tb = self._bar = None
+        if rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step == 0 and self.path.exists():
+            self.path.unlink()  # a fresh run; a resumed one appends
+        elif start_step > 0 and self.path.exists():
+            self._truncate_after(start_step)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(stage_dir) / "tb"), purge_step=start_step or None)
+            except Exception:  # tensorboard missing: JSONL only
+                self._tb = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", file=sys.stderr,
+                             dynamic_ncols=True, mininterval=1.0, disable=os.environ.get("HMSCALE_NO_PROGRESS") == "1")
+
+    def _truncate_after(self, start_step: int):
+        """Drop lines of steps >= start_step (written by an attempt that died before its checkpoint)."""
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", -1) < start_step or rec.get("kind") == "event":
+                keep.append(line)
+        atomic_write_text(self.path, "".join(l + "\n" for l in keep))
+
+    def log(self, step: int, metrics: dict, kind: str = "train"):
+        if self.rank != 0:
+            return
+        rec = {"kind": kind, "step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                    self._tb.add_scalar(f"{self.name}/{kind}/{k}", float(v), step)
+        if self._bar is not None and kind == "train":
+            self._bar.update(1)
+            self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in ("loss", "lr") if k in metrics}, refresh=False)
+        elif self._bar is not None and kind == "eval":
+            self._bar.write(f"{self.name} step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()
+                                                                    if isinstance(v, (int, float))))
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+
+
+def read_metrics(path: str | os.PathLike, kind: str = "train") -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    recs = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return [r for r in recs if r.get("kind") == kind]
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class LoopResult:
+    start_step: int
+    end_step: int
+    losses: list[float] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+def train_loop(
+    *,
+    name: str,
+    engine,
+    micro_step: Callable[[int, int], tuple[torch.Tensor, dict]],
+    total_steps: int,
+    grad_accum: int,
+    start_step: int,
+    checkpointer: Checkpointer,
+    checkpoint_every: int,
+    logger: MetricsLogger,
+    client_state: Callable[[int], dict],
+    tokens_per_step: int = 0,
+    stop_at_step: int | None = None,
+    eval_fn: Callable[[int], dict] | None = None,
+    eval_every: int = 0,
+    on_checkpoint: Callable[[int, Path, dict], None] | None = None,
+    reduce_group=None,
+    fault_hook: Callable[[int], None] | None = None,
+) -> LoopResult:
+    """Optimizer steps start_step..total_steps-1. `micro_step(step, micro)` returns (loss, extras);
+    extras are floats or 1-d tensors, all-reduced (mean) over `reduce_group` before logging."""
+    res = LoopResult(start_step=start_step, end_step=start_step)
+    last_ckpt = checkpointer.latest()
+    res.last_checkpoint = str(last_ckpt) if last_ckpt else None
+    end = total_steps if stop_at_step is None else min(total_steps, stop_at_step)
+    t_start = time.perf_counter()
+    step = start_step
+    for step in range(start_step, end):
+        if fault_hook is not None:
+            fault_hook(step)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros(())
+        extra_sum: dict[str, torch.Tensor] = {}
+        for micro in range(grad_accum):
+            loss, extras = micro_step(step, micro)
+            # all ranks agree on finiteness before touching the weights
+            flag = all_reduce_sum(torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device))
+            if flag.item() > 0:
+                where = f"last good checkpoint: {res.last_checkpoint}" if res.last_checkpoint else "no checkpoint was written yet"
+                raise NonFiniteLoss(
+                    f"{name}: loss is {loss.item()} at step {step} (micro batch {micro}); stopped, {where}"
+                )
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float().cpu()
+            for k, v in extras.items():
+                v = torch.as_tensor(v, dtype=torch.float32).detach().cpu()
+                extra_sum[k] = extra_sum.get(k, 0) + v
+        vals = [loss_sum.reshape(1) / grad_accum] + [extra_sum[k].reshape(-1) / grad_accum for k in sorted(extra_sum)]
+        flat = torch.cat(vals)
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
+        flat = all_reduce_mean(flat.to(dev), group=reduce_group).cpu()
+        loss_val = float(flat[0])
+        metrics: dict[str, Any] = {"loss": loss_val}
+        off = 1
+        for k in sorted(extra_sum):
+            n = extra_sum[k].numel()
+            chunk = flat[off : off + n]
+            off += n
+            if n == 1:
+                metrics[k] = float(chunk[0])
+            else:
+                for i, x in enumerate(chunk.tolist()):
+                    metrics[f"{k}/{i}"] = x
+        dt = time.perf_counter() - t0
+        lr = engine.get_lr()[0] if engine.get_lr() else 0.0
+        gn = engine.get_global_grad_norm()
+        metrics.update(lr=lr, step_seconds=dt)
+        if gn is not None:
+            metrics["grad_norm"] = float(gn)
+        if tokens_per_step:
+            metrics["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
+            res.tokens += tokens_per_step
+        logger.log(step, metrics)
+        res.losses.append(loss_val)
+        res.end_step = step + 1
+        if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == total_steps):
+            logger.log(step, eval_fn(step), kind="eval")
+        if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps or step + 1 == end:
+            path = checkpointer.save(engine, step + 1, client_state(step + 1), {"stage": name, "loss": loss_val})
+            res.last_checkpoint = str(path)
+            if on_checkpoint is not None:
+                on_checkpoint(step + 1, path, {"stage": name, "step": step + 1, "loss": loss_val})
+    res.seconds = time.perf_counter() - t_start
+    return res

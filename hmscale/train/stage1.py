@@ -1,0 +1,373 @@
+"""Stage 1: train the Hedgehog feature maps (attention transfer), layer-local.
+
+The loss of layer l is `1 - cos(o_lin, o_teacher)` (`hmscale.models.hedgehog_loss`) on that layer's
+teacher attention input only, so:
+- `stage1.source=cache`: batches come from the teacher cache (the layers' `attn_input`, and their
+  `attn_output` when cached, else the teacher output is recomputed from attn_input); no model forward.
+- `stage1.source=online`: the live teacher runs on token batches and its per-layer inputs are captured.
+- `stage1.layer_parallel=true`: layer l trains on worker l % world (each worker reads only its
+  layers from the cache); otherwise every worker trains all layers on its share of the data (ZeRO dp).
+
+The logged `loss` is the mean over layers; `layer_loss/<l>` per layer.
+
+Run dir (`<run_dir>/stage1/`):
+  checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json
+  metrics.jsonl, tb/           loss, layer_loss/<l>, lr, grad_norm
+  student/feature_maps.safetensors   the phi weights (`{layer}.weight` (h, F, P), `{layer}.bias` (h, F))
+  student/student.json         teacher reference (name_or_path or saved copy), feature_dim, shapes, losses
+  student/teacher/             a saved copy of the teacher when it has no name_or_path (miniatures)
+  summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hmscale.atomic import atomic_write_json
+from hmscale.train.common import seed_everything, setup_layout, stage_dir
+from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch
+from hmscale.train.engine import Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine, train_loop
+
+
+class LayerParallelMPU:
+    """DeepSpeed `mpu` for layer-parallel stage 1: every rank holds different parameters (the
+    "model-parallel" group is the whole world), the data-parallel group of a rank is itself."""
+
+    def __init__(self):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self._rank, self._world = rank, world
+        self._mp_group = dist.group.WORLD
+        self._dp_group = None
+        for r in range(world):  # every rank must create every group
+            g = dist.new_group([r])
+            if r == rank:
+                self._dp_group = g
+
+    def get_model_parallel_rank(self):
+        return self._rank
+
+    def get_model_parallel_world_size(self):
+        return self._world
+
+    def get_model_parallel_group(self):
+        return self._mp_group
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_group(self):
+        return self._dp_group
+
+    # newer DeepSpeed spellings
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+
+class Stage1Trainable(nn.Module):
+    """What DeepSpeed sees: only the feature maps of `layers`. The teacher's attention modules are
+    held outside the module tree (frozen, never partitioned)."""
+
+    def __init__(self, student, layers: list[int], owners: dict[int, int], world: int):
+        super().__init__()
+        self.layers = list(layers)
+        self.maps = nn.ModuleDict({str(l): student.feature_maps[l] for l in self.layers})
+        self._attn = {l: student.layers[l].attention for l in self.layers}
+        self._config = student.config
+        self._chunk = getattr(student, "chunk_size", 64)
+        self._n_layers = student.config.num_hidden_layers
+        self._weights = {l: world / owners[l] / self._n_layers for l in self.layers}
+
+    def forward(self, attn_inputs: dict, targets: dict, positions: torch.Tensor | None = None):
+        """attn_inputs {l: (b, L, d)}; targets {l: (b, m, h, p) at `positions` or None}.
+        Returns (weighted loss for backward, per-layer losses (n_layers,) for logging)."""
+        from hmscale.models.hedgehog import hedgehog_layer_output, hedgehog_loss
+
+        per_layer = torch.zeros(self._n_layers)
+        total = 0.0
+        for l in self.layers:
+            attn = self._attn[l]
+            x = attn_inputs[l].to(next(attn.parameters()).dtype)
+            tgt = targets.get(l)
+            o_lin, o_t = hedgehog_layer_output(attn, self.maps[str(l)], x, self._config, with_teacher=tgt is None,
+                                               chunk_size=self._chunk)
+            if tgt is not None:
+                if positions is not None and tgt.shape[1] != o_lin.shape[1]:
+                    o_lin = torch.gather(o_lin, 1, positions[:, :, None, None].expand(-1, -1, *o_lin.shape[2:]))
+                o_t = tgt
+            loss_l = hedgehog_loss(o_lin, o_t.to(o_lin.dtype))
+            per_layer[l] = loss_l.detach().float().cpu() * (self._weights[l] * self._n_layers)
+            total = total + loss_l * self._weights[l]
+        return total, per_layer
+
+
+def stage1_steps(cfg, tokens_per_step: int) -> int:
+    if cfg.stage1.steps:
+        return int(cfg.stage1.steps)
+    return max(1, cfg.budget.stage1_tokens // max(tokens_per_step, 1))
+
+
+def _teacher_ref(cfg, teacher) -> str | None:
+    ref = cfg.teacher.name_or_path or getattr(teacher, "name_or_path", None) or getattr(teacher.config, "_name_or_path", "")
+    return str(ref) if ref else None
+
+
+def export_student(student, out_dir: Path, cfg, teacher, extra: dict | None = None) -> Path:
+    """feature_maps.safetensors + student.json (+ a saved teacher when it has no reference); rank 0 only."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in student.feature_maps.state_dict().items()}
+    tmp = out_dir / "feature_maps.safetensors.tmp"
+    save_file(state, str(tmp))
+    os.replace(tmp, out_dir / "feature_maps.safetensors")
+    ref = _teacher_ref(cfg, teacher)
+    if ref is None or not (ref and (Path(ref).exists() or "/" in ref)):
+        teacher.save_pretrained(str(out_dir / "teacher"))
+        ref = "teacher"  # relative to the student directory
+    try:
+        from hmscale.teacher.fingerprint import teacher_fingerprint
+
+        fp = teacher_fingerprint(teacher)
+    except Exception:
+        fp = None
+    tcfg = teacher.config
+    meta = {
+        "format": "hmscale-hedgehog-student/1",
+        "teacher": ref,
+        "teacher_fingerprint": fp,
+        "teacher_dtype": cfg.teacher.dtype,
+        "feature_dim": int(student.feature_dim),
+        "n_layers": int(tcfg.num_hidden_layers),
+        "n_heads": int(tcfg.num_attention_heads),
+        "head_dim": int(tcfg.hidden_size // tcfg.num_attention_heads),
+        **(extra or {}),
+    }
+    atomic_write_json(out_dir / "student.json", meta)
+    return out_dir
+
+
+def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
+    """The Hedgehog student exported by stage 1 (`<run_dir>/stage1/student` or that directory itself)."""
+    from safetensors.torch import load_file
+
+    from hmscale.models.convert import to_hedgehog
+
+    d = Path(run_dir_or_student_dir)
+    if not (d / "student.json").exists():
+        d = d / "stage1" / "student"
+    if not (d / "student.json").exists():
+        raise TrainingError(f"no stage-1 student under {str(run_dir_or_student_dir)!r}; run `hmscale stage1` first")
+    meta = json.loads((d / "student.json").read_text())
+    if teacher is None:
+        from hmscale.teacher.load import load_teacher
+
+        ref = meta["teacher"]
+        path = d / ref if not Path(ref).is_absolute() and (d / ref).exists() else ref
+        teacher = load_teacher(path, dtype=meta.get("teacher_dtype", "float32"))
+    student = to_hedgehog(teacher, feature_dim=meta["feature_dim"])
+    state = load_file(str(d / "feature_maps.safetensors"))
+    student.load_feature_map_state_dict({k: v.to(next(student.feature_maps.parameters()).dtype) for k, v in state.items()})
+    return student
+
+
+def _get_teacher(cfg, data, layout):
+    from hmscale.teacher import get_teacher
+
+    return get_teacher(cfg, data, device=str(layout.device))
+
+
+def run_stage1(
+    cfg,
+    run_dir: str | os.PathLike,
+    *,
+    data=None,
+    teacher=None,
+    cache_dir: str | os.PathLike | None = None,
+    source=None,
+    resume: bool = True,
+    resume_from: str | os.PathLike | None = None,
+    stop_at_step: int | None = None,
+    on_checkpoint: Callable[[int, Path, dict], None] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    export: bool = True,
+) -> dict:
+    """Train phi on this process's share (of the data, or of the layers); returns a summary dict.
+
+    cache_dir: a built teacher cache (stage1.source=cache); None with source=cache builds/reuses it
+               (`build_cache`, rank 0) — pass data/teacher to avoid rebuilding them.
+    source: rows to train from (a train.data source); overrides cache_dir / data (tests).
+    Other arguments as in `run_stage2`.
+    """
+    s1, par = cfg.stage1, cfg.parallel
+    out = stage_dir(run_dir, "stage1")
+    layout = setup_layout(cfg, tp=1, zero_stage=par.zero_stage)
+    seed_everything(cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    mode = s1.source if source is None else ("cache" if isinstance(source, CacheSource) else "online")
+
+    if data is None and (mode == "online" and source is None or teacher is None):
+        from hmscale.data import prepare_data
+
+        data = prepare_data(cfg)
+    if teacher is None:
+        teacher = _get_teacher(cfg, data, layout)
+    teacher.to(layout.device)
+    from hmscale.models.convert import to_hedgehog
+
+    student = to_hedgehog(teacher, feature_dim=s1.feature_dim)
+    n_layers = teacher.config.num_hidden_layers
+
+    # which layers this worker trains
+    if s1.layer_parallel and layout.world > 1:
+        if layout.world > n_layers:
+            raise TrainingError(f"stage1.layer_parallel: {layout.world} workers for {n_layers} layers; use at most {n_layers} workers or layer_parallel=false")
+        mine = [l for l in range(n_layers) if l % layout.world == layout.rank]
+        owners = {l: 1 for l in range(n_layers)}
+        mpu = LayerParallelMPU()
+        dp_rank, dp_size = 0, 1
+        for l in mine:
+            for p in student.feature_maps[l].parameters():
+                p.model_parallel = True
+                p.tensor_model_parallel = True
+    else:
+        mine = list(range(n_layers))
+        owners = {l: layout.world for l in range(n_layers)}
+        mpu, dp_rank, dp_size = None, layout.rank, layout.world
+
+    if source is None:
+        if mode == "cache":
+            if cache_dir is None:
+                cache_dir = _ensure_cache(cfg, data, teacher, layout)
+            from hmscale.teacher.cache import CacheReader
+
+            reader = CacheReader(cache_dir)
+            missing = [l for l in mine if l not in reader.layers]
+            if missing:
+                raise TrainingError(f"the teacher cache {cache_dir} has no layers {missing}; set cache.capture.layers=all and rebuild")
+            source = CacheSource(reader, layers=mine, topk=False)
+        else:
+            source = PlanSource(data.plan)
+    cached = isinstance(source, CacheSource)
+
+    module = Stage1Trainable(student, mine, owners, layout.world).to(layout.device)
+    tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len * (layout.world if mpu is not None else 1)
+    total_steps = stage1_steps(cfg, tokens_per_step)
+    spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,
+                     total_steps=total_steps, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
+                     zero_stage=par.zero_stage, bf16=False, ds_config=par.ds_config)
+    engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu)
+
+    ckpt = Checkpointer(out / "checkpoints", keep=par.keep_checkpoints, rank=layout.rank)
+    start_step = 0
+    load_from = Path(resume_from) if resume_from else (ckpt.latest() if resume else None)
+    if load_from is not None:
+        start_step = int(Checkpointer.load(engine, load_from).get("step", 0))
+    # layer-parallel: every rank reads the same rows (its own layers of them)
+    sampler = Sampler(source.num_sequences, seed=cfg.seed + 1)
+    bplan = BatchPlan(s1.micro_batch_size, 1, dp_rank, dp_size)
+    logger = MetricsLogger(out, "stage1", total_steps, start_step, rank=layout.rank, progress=True)
+    if layout.rank == 0 and start_step == 0:
+        logger.log(0, {"event": "start", "mode": "cache" if cached else "online", "layer_parallel": mpu is not None,
+                       "trainable_params": sum(p.numel() for p in module.parameters()), "total_steps": total_steps,
+                       "tokens_per_step": tokens_per_step}, kind="event")
+
+    def micro_step(step: int, micro: int):
+        batch = get_batch(source, sampler, bplan, step, micro, layout.device)
+        if cached:
+            inputs = {l: batch[f"layer{l}.attn_input"] for l in mine}
+            targets = {l: batch.get(f"layer{l}.attn_output") for l in mine}
+            targets = {l: t for l, t in targets.items() if t is not None}
+            positions = batch.get("positions")
+        else:
+            from hmscale.teacher.capture import capture_layers
+
+            with torch.no_grad():
+                caps = capture_layers(teacher, batch["input_ids"], layers=mine)
+            inputs = {l: caps[l].attn_input for l in mine}
+            targets = {l: caps[l].attn_output for l in mine}
+            positions = None
+        loss, per_layer = engine(inputs, targets, positions)
+        return loss, {"layer_loss": per_layer}
+
+    def client_state(step):
+        return {"step": step, "samples_seen": bplan.samples_seen(step), "stage": "stage1", "total_steps": total_steps,
+                "layers": mine}
+
+    try:
+        res = train_loop(
+            name="stage1", engine=engine, micro_step=micro_step, total_steps=total_steps, grad_accum=1,
+            start_step=start_step, checkpointer=ckpt, checkpoint_every=par.checkpoint_every, logger=logger,
+            client_state=client_state, tokens_per_step=tokens_per_step, stop_at_step=stop_at_step,
+            on_checkpoint=on_checkpoint, fault_hook=fault_hook,
+        )
+    finally:
+        logger.close()
+    done = res.end_step >= total_steps
+    summary = {"stage": "stage1", "done": done, "mode": "cache" if cached else "online",
+               "layer_parallel": mpu is not None, "start_step": start_step, "end_step": res.end_step,
+               "total_steps": total_steps, "tokens": res.tokens, "seconds": res.seconds,
+               "final_loss": res.losses[-1] if res.losses else None, "losses": res.losses,
+               "checkpoint": res.last_checkpoint}
+    if done and export:
+        _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
+        if layout.rank == 0:
+            export_student(student, out / "student", cfg, teacher,
+                           {"steps": total_steps, "final_loss": summary["final_loss"]})
+        barrier()
+        summary["student"] = str(out / "student")
+    if layout.rank == 0:
+        atomic_write_json(out / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
+    barrier()
+    summary["student_model"] = student if done else None
+    return summary
+
+
+def _gather_feature_maps(engine, student, mine, layout, zero_stage):
+    """Bring every layer's trained phi into `student` on rank 0 (ZeRO-3 gather, layer-parallel gather)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage >= 3 else _null()
+    with ctx:
+        local = {l: {k: v.detach().cpu().clone() for k, v in student.feature_maps[l].state_dict().items()} for l in mine}
+    if layout.world > 1 and len(mine) < student.config.num_hidden_layers:
+        gathered = [None] * layout.world
+        dist.all_gather_object(gathered, local)
+        for part in gathered:
+            for l, st in part.items():
+                student.feature_maps[l].load_state_dict(st)
+    else:
+        for l, st in local.items():
+            student.feature_maps[l].load_state_dict(st)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _ensure_cache(cfg, data, teacher, layout):
+    """Build (rank 0) or reuse the teacher cache; every rank gets its directory."""
+    from hmscale.teacher.cache import build_cache
+
+    box = [None]
+    if layout.rank == 0:
+        box[0] = str(build_cache(cfg, data, teacher, engine="local"))
+    if dist.is_initialized() and layout.world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]

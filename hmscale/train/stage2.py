@@ -1,0 +1,244 @@
+"""Stage 2: convert the stage-1 Hedgehog student into HedgeMamba and fine-tune it.
+
+Everything but the input embeddings trains, with next-token cross-entropy plus an optional KD
+term on cached top-k teacher log-probs (`stage2.kd_weight`, temperature `stage2.kd_temperature`):
+`kd = -T^2 * sum_k softmax(lp_teacher/T)_k * log_softmax(z_student/T)[id_k]`, averaged over tokens
+(the teacher distribution renormalised over its top k).
+
+Run dir (`<run_dir>/stage2/`):
+  checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json (step, samples_seen, loss)
+  metrics.jsonl, tb/           train (loss, ce, kd, lr, grad_norm, tokens_per_s) and eval (val_loss, val_ppl)
+  hf/                          the final model, `save_pretrained` (HF format, loads with from_pretrained)
+  summary.json                 steps, tokens, seconds, final train / val loss
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hmscale.atomic import atomic_write_json
+from hmscale.train.common import Layout, export_hf, seed_everything, setup_layout, stage_dir
+from hmscale.train.data import ArraySource, BatchPlan, CacheSource, PlanSource, Sampler, get_batch
+from hmscale.train.engine import (
+    Checkpointer,
+    MetricsLogger,
+    OptimSpec,
+    TrainingError,
+    barrier,
+    build_engine,
+    train_loop,
+)
+
+
+def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict, kd_weight: float,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """(total loss, {"ce", "kd"}) for next-token prediction, fp32 math."""
+    logits = logits[:, :-1].float()
+    target = input_ids[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    extras = {"ce": ce.detach()}
+    loss = ce
+    if kd_weight > 0:
+        if "topk_ids" not in batch:
+            raise TrainingError("stage2.kd_weight > 0 needs cached teacher top-k log-probs; "
+                                "set cache.capture.topk > 0 and rebuild the cache, or set stage2.kd_weight=0")
+        ids = batch["topk_ids"][:, :-1]  # teacher's prediction at position t is for token t+1
+        t_lp = batch["topk_logprobs"][:, :-1].float()
+        T = float(temperature)
+        p_t = torch.softmax(t_lp / T, dim=-1)
+        s_lp = torch.log_softmax(logits / T, dim=-1).gather(-1, ids)
+        kd = -(p_t * s_lp).sum(-1).mean() * (T * T)
+        extras["kd"] = kd.detach()
+        loss = ce + kd_weight * kd
+    return loss, extras
+
+
+def freeze_embeddings(model: torch.nn.Module) -> int:
+    """requires_grad=False on the input embeddings; returns the number of frozen parameters."""
+    emb = model.get_input_embeddings()
+    n = 0
+    for p in emb.parameters():
+        p.requires_grad_(False)
+        n += p.numel()
+    return n
+
+
+def stage2_steps(cfg, tokens_per_step: int) -> int:
+    steps = getattr(cfg.stage2, "steps", None)
+    if steps:
+        return int(steps)
+    return max(1, cfg.budget.stage2_tokens // max(tokens_per_step, 1))
+
+
+def _source_for(cfg, data, cache_dir):
+    """Stage-2 rows: the cache (tokens + top-k) when it has what we need, else the data plan."""
+    if cache_dir is not None:
+        from hmscale.teacher.cache import CacheReader
+
+        return CacheSource(CacheReader(cache_dir), topk=cfg.stage2.kd_weight > 0)
+    if data is None:
+        raise TrainingError("stage 2 needs training data: pass data=prepare_data(cfg) or a cache directory")
+    if cfg.stage2.kd_weight > 0:
+        raise TrainingError("stage2.kd_weight > 0 needs the teacher cache (top-k log-probs); enable cache and set cache.capture.topk")
+    return PlanSource(data.plan)
+
+
+def build_stage2_model(cfg, run_dir, *, teacher=None, student=None):
+    """HedgeMamba from the stage-1 student (given, or loaded from run_dir/stage1)."""
+    from hmscale.models.convert import to_hedgemamba
+
+    if student is None:
+        from hmscale.train.stage1 import load_stage1_student
+
+        student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
+    return to_hedgemamba(student, cfg.stage2.components)
+
+
+@torch.no_grad()
+def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, max_sequences: int) -> dict:
+    """Mean next-token CE over the first max_sequences validation rows, split over dp ranks."""
+    if val_tokens is None or len(val_tokens) == 0:
+        return {}
+    rows = np.asarray(val_tokens)[:max_sequences]
+    per = max(len(rows) // layout.dp_size, 1)
+    mine = rows[layout.dp_rank * per : (layout.dp_rank + 1) * per] if len(rows) >= layout.dp_size else rows[:1]
+    was_training = engine.module.training
+    engine.module.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for i in range(0, len(mine), micro_batch_size):
+        x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
+        logits = engine(input_ids=x).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        total += torch.tensor([nll.item(), x[:, 1:].numel()], dtype=torch.float64)
+    if was_training:
+        engine.module.train()
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = total.float().to(layout.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t)
+        total = t.double().cpu() / max(layout.tp_size, 1)
+    loss = float(total[0] / max(total[1], 1))
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def run_stage2(
+    cfg,
+    run_dir: str | os.PathLike,
+    *,
+    data=None,
+    teacher=None,
+    student=None,
+    model: torch.nn.Module | None = None,
+    source=None,
+    cache_dir: str | os.PathLike | None = None,
+    resume: bool = True,
+    resume_from: str | os.PathLike | None = None,
+    stop_at_step: int | None = None,
+    on_checkpoint: Callable[[int, Path, dict], None] | None = None,
+    fault_hook: Callable[[int], None] | None = None,
+    export: bool = True,
+) -> dict:
+    """Fine-tune HedgeMamba on this process's share of the data; returns a summary dict.
+
+    model: a ready causal LM to train instead of converting `student` (tests, benchmarks).
+    source: rows to train on (ArraySource/PlanSource/CacheSource); default: the cache when
+            cache_dir is given, else `data.plan`.
+    resume: continue from the newest complete checkpoint in run_dir/stage2/checkpoints.
+    resume_from: an explicit checkpoint directory (e.g. Ray Train's restored checkpoint).
+    stop_at_step: stop (with a checkpoint) before this step, as if interrupted.
+    """
+    s2, par = cfg.stage2, cfg.parallel
+    out = stage_dir(run_dir, "stage2")
+    layout = setup_layout(cfg)
+    seed_everything(cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if model is None:
+        model = build_stage2_model(cfg, run_dir, teacher=teacher, student=student)
+    frozen = freeze_embeddings(model)
+    if layout.tp_size > 1:
+        from hmscale import parallel as hp
+
+        model = hp.apply_tensor_parallel(model, layout.mesh)
+    model.to(layout.device)
+    model.train()
+
+    if source is None:
+        source = _source_for(cfg, data, cache_dir)
+    if s2.kd_weight > 0 and not source.has_topk:
+        raise TrainingError("stage2.kd_weight > 0 but the training rows carry no teacher top-k; set cache.capture.topk > 0")
+    seq_len = source.seq_len
+    tokens_per_step = s2.micro_batch_size * s2.grad_accum * layout.dp_size * seq_len
+    total_steps = stage2_steps(cfg, tokens_per_step)
+    spec = OptimSpec(
+        lr=s2.lr, micro_batch_size=s2.micro_batch_size, grad_accum=s2.grad_accum, warmup_steps=s2.warmup_steps,
+        total_steps=total_steps, min_lr_ratio=s2.min_lr_ratio, weight_decay=s2.weight_decay, grad_clip=s2.grad_clip,
+        zero_stage=par.zero_stage, bf16=par.bf16, ds_config=par.ds_config,
+    )
+    engine = build_engine(model, spec, dp_world=layout.dp_size, mpu=layout.mpu)
+
+    ckpt = Checkpointer(out / "checkpoints", keep=getattr(par, "keep_checkpoints", 2), rank=layout.rank)
+    start_step = 0
+    load_from = Path(resume_from) if resume_from else (ckpt.latest() if resume else None)
+    if load_from is not None:
+        client = Checkpointer.load(engine, load_from)
+        start_step = int(client.get("step", 0))
+    sampler = Sampler(source.num_sequences, seed=cfg.seed + 2)
+    bplan = BatchPlan(s2.micro_batch_size, s2.grad_accum, layout.dp_rank, layout.dp_size)
+    logger = MetricsLogger(out, "stage2", total_steps, start_step, rank=layout.rank,
+                           progress=getattr(cfg, "_progress", True))
+    if layout.rank == 0 and start_step == 0:
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.log(0, {"event": "start", "trainable_params": n_train, "frozen_params": frozen,
+                       "total_steps": total_steps, "tokens_per_step": tokens_per_step,
+                       "zero_stage": par.zero_stage, "tp": layout.tp_size, "dp": layout.dp_size}, kind="event")
+
+    def micro_step(step: int, micro: int):
+        batch = get_batch(source, sampler, bplan, step, micro, layout.device)
+        x = batch["input_ids"]
+        logits = engine(input_ids=x).logits
+        return causal_lm_losses(logits, x, batch, s2.kd_weight, s2.kd_temperature)
+
+    val_tokens = getattr(data, "val_tokens", None) if data is not None else None
+
+    def eval_fn(step):
+        return validation_loss(engine, val_tokens, layout, s2.micro_batch_size, cfg.eval.max_sequences)
+
+    def client_state(step):
+        return {"step": step, "samples_seen": bplan.samples_seen(step), "stage": "stage2",
+                "total_steps": total_steps, "seed": cfg.seed}
+
+    try:
+        res = train_loop(
+            name="stage2", engine=engine, micro_step=micro_step, total_steps=total_steps, grad_accum=s2.grad_accum,
+            start_step=start_step, checkpointer=ckpt, checkpoint_every=par.checkpoint_every, logger=logger,
+            client_state=client_state, tokens_per_step=tokens_per_step, stop_at_step=stop_at_step,
+            eval_fn=eval_fn if val_tokens is not None else None, eval_every=s2.eval_every,
+            on_checkpoint=on_checkpoint, fault_hook=fault_hook,
+        )
+    finally:
+        logger.close()
+    done = res.end_step >= total_steps
+    summary = {
+        "stage": "stage2", "done": done, "start_step": start_step, "end_step": res.end_step,
+        "total_steps": total_steps, "tokens": res.tokens, "seconds": res.seconds,
+        "final_loss": res.losses[-1] if res.losses else None, "losses": res.losses,
+        "checkpoint": res.last_checkpoint, "dp": layout.dp_size, "tp": layout.tp_size, "zero_stage": par.zero_stage,
+    }
+    if done and val_tokens is not None:
+        summary.update(eval_fn(res.end_step))
+    if done and export:
+        hf = export_hf(engine, out / "hf", layout, par.zero_stage)
+        summary["hf"] = str(hf)
+    if layout.rank == 0:
+        atomic_write_json(out / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
+    barrier()
+    return summary

@@ -1,0 +1,222 @@
+"""Stage 1 then stage 2 on N DeepSpeed workers under Ray Train (or in one process: engine=local).
+
+    python -m ray_jobs.distill --config configs/demo.yaml [-s parallel.num_workers=4 -s parallel.zero_stage=2]
+
+Driver: prepares the data plan, the teacher (a miniature is pretrained and stored once) and, when
+stage 1 reads the cache or stage 2 uses KD, the teacher cache; then runs `train_func` either
+directly (`parallel.engine=local`: world size 1, gloo/NCCL) or on `parallel.num_workers` Ray Train
+workers (`TorchTrainer`, gloo on CPU, NCCL with `parallel.use_gpu`).
+
+Fault tolerance: every stage checkpoint is reported to Ray Train (`ray.train.report(metrics,
+checkpoint=...)`; each worker reports its own DeepSpeed files, which Ray merges into one checkpoint);
+`FailureConfig(max_failures=parallel.max_failures)` restarts the worker group after a worker dies, and
+`train_func` resumes from `ray.train.get_checkpoint()` (stage 1 is skipped when it has finished).
+The run directory must be visible to all workers (one node, or a shared filesystem).
+
+Test hook: HMSCALE_FAULT_INJECT="stage2:STEP:RANK" SIGKILLs that worker once at the start of STEP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+FAULT_ENV = "HMSCALE_FAULT_INJECT"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fault_hook(spec: str | None, stage: str, rank: int, run_dir: Path):
+    if not spec:
+        return None
+    f_stage, f_step, f_rank = spec.split(":")
+    if f_stage != stage or int(f_rank) != rank:
+        return None
+    marker = run_dir / f".fault_{f_stage}_{f_step}_{f_rank}"
+
+    def hook(step: int):
+        if step == int(f_step) and not marker.exists():
+            marker.write_text(str(time.time()))
+            print(f"[distill] fault injection: killing rank {rank} at {stage} step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def _stage_done(run_dir: Path, stage: str) -> bool:
+    p = run_dir / stage / "summary.json"
+    return p.exists() and json.loads(p.read_text()).get("done", False)
+
+
+def train_func(config: dict):
+    """The per-worker function: stage 1 (unless done) then stage 2, resuming from Ray's checkpoint."""
+    import torch
+
+    from hmscale.config import build_config
+
+    cfg = build_config(config["cfg"])
+    run_dir = Path(config["run_dir"])
+    in_ray = config.get("ray", False)
+    if not cfg.parallel.use_gpu:
+        torch.set_num_threads(max(1, int(config.get("threads", 1))))
+
+    restored_dir, meta, ctx = None, {}, None
+    report = None
+    if in_ray:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is not None:
+            ctx = ckpt.as_directory()
+            restored_dir = Path(ctx.__enter__())
+            meta = json.loads((restored_dir / "meta.json").read_text()) if (restored_dir / "meta.json").exists() else {}
+            print(f"[distill] rank {ray.train.get_context().get_world_rank()}: resuming {meta.get('stage')} "
+                  f"from step {meta.get('step')} ({restored_dir})", flush=True)
+
+        def report(step, path, metrics):
+            ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(str(path)))
+
+    from hmscale.train.engine import init_distributed
+
+    rank, world = init_distributed(cfg.parallel.use_gpu)
+    fault = config.get("fault")
+    data = teacher = None
+    results = {}
+    try:
+        if config.get("need_data", True):
+            from hmscale.data import prepare_data
+
+            data = prepare_data(cfg, log=lambda *a, **k: None)
+        from hmscale.teacher import get_teacher
+
+        teacher = get_teacher(cfg, data, log=lambda *a, **k: None)
+        cache_dir = config.get("cache_dir")
+
+        from hmscale.train.stage1 import load_stage1_student, run_stage1
+        from hmscale.train.stage2 import run_stage2
+
+        student = None
+        if meta.get("stage") != "stage2" and not _stage_done(run_dir, "stage1"):
+            s1 = run_stage1(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir if cfg.stage1.source == "cache" else None,
+                            resume_from=restored_dir if meta.get("stage") == "stage1" else None, resume=not in_ray,
+                            on_checkpoint=report, fault_hook=_fault_hook(fault, "stage1", rank, run_dir))
+            student = s1.pop("student_model", None)
+            results["stage1"] = s1
+        if student is None:
+            student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
+        s2 = run_stage2(cfg, run_dir, data=data, student=student,
+                        cache_dir=cache_dir if cfg.stage2.kd_weight > 0 else None,
+                        resume_from=restored_dir if meta.get("stage") == "stage2" else None, resume=not in_ray,
+                        on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))
+        results["stage2"] = s2
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    if in_ray:
+        import ray.train
+
+        ray.train.report({"done": True, "stage2_final_loss": results["stage2"].get("final_loss")})
+    return results
+
+
+def prepare(cfg, log=print) -> dict:
+    """Driver-side: data plan, teacher (pretrained/stored once), the cache when needed."""
+    from hmscale.data import prepare_data
+    from hmscale.teacher import get_teacher
+
+    data = prepare_data(cfg, log=log)
+    teacher = get_teacher(cfg, data, log=log)
+    cache_dir = None
+    if (cfg.stage1.source == "cache" and cfg.cache.enabled) or cfg.stage2.kd_weight > 0:
+        from hmscale.teacher.cache import build_cache
+
+        cache_dir = str(build_cache(cfg, data, teacher))
+    return {"data": data, "teacher": teacher, "cache_dir": cache_dir}
+
+
+def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, log=print, storage_path: str | None = None) -> dict:
+    """Stage 1 + stage 2 with the configured engine; returns {"stage1": summary, "stage2": summary, ...}."""
+    from hmscale.config import save_resolved
+
+    run_dir = Path(run_dir or cfg.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, run_dir)
+    prep = prepare(cfg, log=log)
+    config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
+              "fault": os.environ.get(FAULT_ENV)}
+    t0 = time.perf_counter()
+    if cfg.parallel.engine == "local":
+        if cfg.parallel.num_workers != 1:
+            log(f"[distill] engine=local runs one process; ignoring parallel.num_workers={cfg.parallel.num_workers}")
+        config["threads"] = 0 if cfg.parallel.use_gpu else os.cpu_count()
+        res = train_func(config)
+        res = {k: {kk: vv for kk, vv in v.items() if kk != "student_model"} for k, v in res.items()}
+    else:
+        res = _run_ray(cfg, config, run_dir, storage_path=storage_path, log=log)
+    res["seconds"] = time.perf_counter() - t0
+    res["run_dir"] = str(run_dir)
+    return res
+
+
+def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) -> dict:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not ray.is_initialized():
+        from hmscale.ray_cluster import connect
+
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        connect(cfg.parallel.ray_address, log=log)
+    par = cfg.parallel
+    config = dict(config, ray=True, threads=max(1, (os.cpu_count() or 1) // par.num_workers))
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=par.num_workers, use_gpu=par.use_gpu,
+                                     resources_per_worker=None if par.use_gpu else {"CPU": 1}),
+        run_config=RunConfig(
+            name=f"distill-{run_dir.name}-{int(time.time())}",
+            storage_path=str(storage_path or (run_dir / "ray")),
+            failure_config=FailureConfig(max_failures=par.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=par.keep_checkpoints),
+        ),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise result.error
+    out = {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None}
+    for stage in ("stage1", "stage2"):
+        p = run_dir / stage / "summary.json"
+        if p.exists():
+            out[stage] = json.loads(p.read_text())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hmscale.config import ConfigError, load_config
+    from hmscale.train.engine import TrainingError
+
+    ap = argparse.ArgumentParser(prog="python -m ray_jobs.distill", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="YAML config (default: the embedded demo)")
+    ap.add_argument("-s", "--set", dest="overrides", action="append", default=[], help="section.field=value (repeatable)")
+    ap.add_argument("--run-dir", default=None, help="default: output_dir of the config")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        res = run_distill(cfg, args.run_dir)
+    except (ConfigError, TrainingError) as err:
+        print(f"distill: error: {err}", file=sys.stderr)
+        return 2
+    s2 = res.get("stage2", {})
+    print(f"[distill] done in {res['seconds']:.1f} s: stage-2 loss {s2.get('final_loss')}, model in {Path(res['run_dir']) / 'stage2' / 'hf'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
