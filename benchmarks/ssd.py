@@ -33,7 +33,6 @@ SHAPES = [  # name, H, G, P, N, L
     ("1.4b-hedge", 16, 16, 128, 256, 8192),
     ("1.4b-hedge", 16, 16, 128, 256, 16384),
     ("mamba2", 64, 1, 64, 128, 2048),
-    ("mamba2", 64, 1, 64, 128, 8192),
 ]
 TOKENS = 16384
 
@@ -149,10 +148,28 @@ def decode_bench(rows):
     rows.append((b, h, p, n, t, t_graph, floor, bw))
 
 
+def profile_breakdown(H, G, P, N, L):
+    """Per-kernel CUDA time of ours fwd+bwd at one shape (torch.profiler), to see where time goes."""
+    b = TOKENS // L
+    x, dt, A, B, C, gy = make(b, L, H, G, P, N)
+    ins = [x, dt, A, B, C]
+    for _ in range(3):
+        torch.autograd.grad(ssd(x, dt, A, B, C), ins, gy)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            torch.autograd.grad(ssd(x, dt, A, B, C), ins, gy)
+        torch.cuda.synchronize()
+    print(f"\nper-kernel CUDA time, ours fwd+bwd x10, H={H} G={G} P={P} N={N} L={L} b={b}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chunks", default="64")
+    ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown at two shapes")
     args = ap.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     torch.manual_seed(0)
@@ -166,6 +183,9 @@ def main():
         print(f"done {s} at {time.time() - t0:.0f}s", flush=True)
     drows = []
     decode_bench(drows)
+    if args.profile:
+        profile_breakdown(16, 16, 64, 128, 2048)
+        profile_breakdown(16, 16, 128, 256, 16384)
     print(f"\ndevice: {dev_name}; torch {torch.__version__}; triton {triton.__version__}; bf16; "
           f"{TOKENS} tokens per call; ms are medians of triton.testing.do_bench")
     hdr = "| shape (H,G,P,N) | L | b | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak MiB (fwd+bwd) |"

@@ -134,7 +134,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--l", type=int, default=200, help="sequence length (not a multiple of the chunk)")
-    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th case starting at i (parallel compiles)")
+    ap.add_argument("--shard", default="0/1",
+                    help="i/n: this process's share of the (dtype, option set) pairs (9 of them); run n in parallel")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -153,9 +154,11 @@ def main():
     rows, fails = [], []
     t0 = time.time()
     for i, (p, n, g, dt) in enumerate(cases):
-        if i % nshard != shard:
+        # options rotate over the grid for each dtype, so every dtype meets every option set
+        oi = (i // len(dtypes)) % len(opt_names)
+        if (dtypes.index(dt) * len(opt_names) + oi) % nshard != shard:  # shards share compiled variants
             continue
-        oname = opt_names[i % len(opt_names)]
+        oname = opt_names[oi]
         errs = run_case(2, args.l, h, g, p, n, dt, OPTION_SETS[oname], gen)
         worst_k = max(errs, key=lambda k: float("inf") if errs[k] != errs[k] else errs[k])
         worst = errs[worst_k]
