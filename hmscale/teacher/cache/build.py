@@ -73,15 +73,21 @@ class CachePlan:
         )
 
 
+def requested_tokens(cfg, spec: CaptureSpec) -> int:
+    """cache.max_tokens, else what the recipe reads: stage-1 tokens (all budget tokens when top-k is cached for stage 2)."""
+    if cfg.cache.max_tokens:
+        return int(cfg.cache.max_tokens)
+    return int(cfg.budget.total_tokens if spec.topk else cfg.budget.stage1_tokens)
+
+
 def plan_cache(cfg, plan, teacher, fingerprint: str | None = None) -> CachePlan:
     shape = TeacherShape.of(teacher)
     spec = CaptureSpec.from_config(cfg.cache.capture, shape.n_layers)
     fp = fingerprint or teacher_fingerprint(teacher)
     key = cache_key(fp, plan.hash, spec)
-    n = plan.num_shards
-    if cfg.cache.max_tokens:
-        per_shard = plan.sequences_per_shard * plan.seq_len
-        n = min(n, -(-cfg.cache.max_tokens // per_shard))
+    want = requested_tokens(cfg, spec)
+    per_shard = plan.sequences_per_shard * plan.seq_len
+    n = min(plan.num_shards, max(1, -(-want // per_shard)))
     ids = list(range(n))
     sequences = sum(plan.shard_size(i) for i in ids) if hasattr(plan, "shard_size") else n * plan.sequences_per_shard
     tokens = sequences * plan.seq_len
