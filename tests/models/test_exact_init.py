@@ -22,8 +22,8 @@ def randomise_feature_maps(student, scale=0.5):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for fm in student.feature_maps:
-            fm.weight.add_(scale * torch.randn(fm.weight.shape, generator=g))
-            fm.bias.copy_(0.3 * torch.randn(fm.bias.shape, generator=g))
+            fm.weight.add_(scale * torch.randn(fm.weight.shape, generator=g).to(fm.weight.device))
+            fm.bias.copy_(0.3 * torch.randn(fm.bias.shape, generator=g).to(fm.bias.device))
 
 
 @pytest.mark.parametrize("rotary_pct", [0.25, 1.0])

@@ -22,7 +22,7 @@ def make_model(components=None, rotary_pct=0.25, parallel=True, perturb=True, se
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if any(k in name for k in ("conv.", "dt_proj", "A_scale", "A_log", ".D", "z_proj", "feature_map")):
-                    p.add_(0.2 * torch.randn(p.shape, generator=g))
+                    p.add_(0.2 * torch.randn(p.shape, generator=g).to(p.device))
             for layer in model.backbone.layers:
                 if model.config.ssm:
                     layer.mixer.A_scale.abs_()
