@@ -94,7 +94,7 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                 except Exception:
                     pass
                 actors[a] = start()
-                idle.append(a)
+                idle.insert(0, a)  # the retried shard goes to a live idle worker first, if there is one
                 continue
             except ray.exceptions.RayTaskError as err:
                 failures[sid] = failures.get(sid, 0) + 1
