@@ -18,7 +18,7 @@ from pathlib import Path
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.scaling", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["pythia"], help="sizes or groups (70m 160m | pythia | mini | all); commas allowed")
+    p.add_argument("--sizes", nargs="+", default=["pythia"], help="sizes or groups (70m 160m | pythia | miniatures | all); commas allowed")
     p.add_argument("--out", required=True, help="sweep directory (runs/<size>, cache/, results.csv, plots/)")
     p.add_argument("--config", default=None, help="base YAML config applied to every size")
     p.add_argument("-s", "--set", dest="overrides", action="append", default=[], help="dotted override for every size (repeatable)")

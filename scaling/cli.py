@@ -12,7 +12,7 @@ scale_app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SizesOpt = typer.Option(None, "--sizes", help="sizes or groups, comma separated or repeated: 70m,160m | pythia | mini | all (default: pythia)")
+SizesOpt = typer.Option(None, "--sizes", help="sizes or groups, comma separated or repeated: 70m,160m | pythia | miniatures | all (default: pythia)")
 
 
 def _fail(message: str, code: int = 2):

@@ -1,7 +1,7 @@
 """The sizes a scaling study runs over: the eight published Pythia sizes and the miniatures.
 
 Built on the one flavour registry (`hmscale.teacher.flavors`); this module only adds size
-resolution (`"70m"`, `"pythia-1b"`, `"nano"`, groups `"pythia"`, `"mini"`, `"all"`) and the
+resolution (`"70m"`, `"pythia-1b"`, `"nano"`, groups `"pythia"`, `"miniatures"`, `"all"`) and the
 published numbers next to each size.
 """
 
@@ -16,8 +16,8 @@ MINIATURE_SIZES: tuple[str, ...] = tuple(MINIATURE)  # nano, micro, mini
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "pythia": PYTHIA_SIZES,
-    "mini": MINIATURE_SIZES,
     "miniature": MINIATURE_SIZES,
+    "miniatures": MINIATURE_SIZES,
     "all": MINIATURE_SIZES + PYTHIA_SIZES,
 }
 

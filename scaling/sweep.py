@@ -9,8 +9,8 @@ directory ``OUT/runs/<size>``; teacher caches under one shared root, ``OUT/cache
 keyed by teacher fingerprint + data-plan hash, so every run (and every rerun, and other sweeps
 pointed at the same root) with the same teacher and plan shares one cache.
 
-Resumable: a size whose run directory holds ``results.json`` is skipped and its results are read
-back; a failed size is recorded (status ``failed``, the error) and retried by the next run; the
+Resumable: a finished size (its run directory's ``results.json`` holds the final evaluation; the
+recipe writes that file stage by stage) is skipped and its results are read back; a failed size is recorded (status ``failed``, the error) and retried by the next run; the
 recipe itself resumes inside a size. The table (``OUT/results.csv``, ``OUT/results.json``) is
 rewritten atomically after every finished size, and the plots (``OUT/plots/*.png``) at the end.
 
@@ -37,7 +37,7 @@ from hmscale.atomic import atomic_write_json
 from hmscale.config import RunConfig, apply_overrides, build_config
 from scaling.budget import BudgetRule
 from scaling.planner import PlanSettings, plan_size
-from scaling.registry import Size, resolve_sizes
+from scaling.registry import Size, get_size, resolve_sizes
 from scaling.table import write_csv, write_json
 
 DEFAULT_RECIPE = "hmscale.recipe:run_recipe"
@@ -48,8 +48,9 @@ TABLE_COLUMNS = [
     "size", "status", "params", "published_params", "student_params",
     "teacher_ppl", "hedgehog_ppl", "hedgemamba_ppl", "gap", "gap_ratio",
     "total_tokens", "stage1_tokens", "stage2_tokens", "wall_s", "task_wall_s",
+    "wall_prepare_s", "wall_cache_s", "wall_stage1_s", "wall_stage2_s", "wall_eval_s",
     "plan_gpus", "plan_dp", "plan_tp", "plan_zero_stage", "projected_gpu_hours",
-    "num_cpus", "num_gpus", "run_dir", "error",
+    "num_cpus", "num_gpus", "run_dir", "cache_dir", "error",
 ]
 
 
@@ -81,7 +82,7 @@ def size_config(
     apply_plan: bool | None = None,
 ) -> RunConfig:
     """The RunConfig of one size in a sweep (see the module docstring)."""
-    size = size if isinstance(size, Size) else resolve_sizes(size)[0]
+    size = size if isinstance(size, Size) else get_size(size)
     overrides = list(overrides)
     out = Path(out_dir).expanduser().resolve()
     tree = copy.deepcopy(base_tree or {})
@@ -151,6 +152,24 @@ def _pick(flat: dict, *names: str):
     return None
 
 
+def finished_results(path: str | os.PathLike) -> dict | None:
+    """The results of a finished size, else None.
+
+    The recipe writes results.json stage by stage, so "finished" means it holds the final evaluation
+    (``hedgemamba_ppl``); a partial one is resumed by the recipe itself.
+    """
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        res = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(res, dict) or _num(res.get("hedgemamba_ppl")) is None:
+        return None
+    return res
+
+
 def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
     """One table row from a recipe's results dict (tolerant to nesting: `tokens: {stage1: ..}` etc.)."""
     flat = {k: v for k, v in _flatten(results).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -167,7 +186,20 @@ def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
     row["stage2_tokens"] = int(s2) if s2 is not None else cfg.budget.stage2_tokens
     tot = _pick(flat, "total_tokens", "tokens_total")
     row["total_tokens"] = int(tot) if tot is not None else row["stage1_tokens"] + row["stage2_tokens"]
-    wall = _pick(flat, "wall_s", "wall_time_s", "total_wall_s", "wall_total", "wall_time_total", "wall_s_total", "total_s")
+    stages = results.get("stages") if isinstance(results.get("stages"), dict) else {}
+    for st, rec in stages.items():  # the recipe's per-stage records: {"seconds": .., "tokens": ..}
+        if isinstance(rec, dict) and _num(rec.get("seconds")) is not None:
+            row[f"wall_{st}_s"] = _num(rec["seconds"])
+    vocab = _num((stages.get("prepare") or {}).get("vocab_size")) if isinstance(stages.get("prepare"), dict) else None
+    if vocab and size.miniature:
+        from scaling.planner import count_params
+
+        row["params"] = count_params(size.flavor, int(vocab))
+    if isinstance(stages.get("cache"), dict) and stages["cache"].get("dir"):
+        row["cache_dir"] = stages["cache"]["dir"]
+    wall = _pick(flat, "wall_s", "wall_seconds", "wall_time_s", "total_wall_s", "wall_total", "wall_time_total", "wall_s_total", "total_s")
+    if wall is None and stages:
+        wall = sum(v for k, v in row.items() if k.startswith("wall_") and k.endswith("_s")) or None
     if wall is None:
         walls = [v for k, v in flat.items() if ("wall" in k or k.endswith("_s") or "seconds" in k) and "total" not in k and not k.startswith("_")]
         wall = sum(walls) if walls else None
@@ -176,8 +208,8 @@ def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
     n = _pick(flat, "teacher_params", "params_teacher", "teacher_n_params")
     if n is not None:
         row["params"] = int(n)
-    for k, v in flat.items():  # everything else the recipe reported, for the record
-        if k not in row and not k.startswith("_"):
+    for k, v in flat.items():  # the recipe's other top-level numbers, for the record
+        if k in results and k not in row and not k.startswith("_") and k != "config_hash":
             row[f"r_{k}"] = v
     return row
 
@@ -215,6 +247,19 @@ def run_size(cfg_tree: dict, recipe: str | Callable = DEFAULT_RECIPE, tag: str =
     return results
 
 
+def prepare_shared_data(cfg_tree: dict, tag: str = "") -> str:
+    """Tokenizer + tokenised stream for a group of sizes sharing data and tokenizer settings, built once.
+
+    The recipe would build them itself; doing it first keeps concurrent sizes from repeating the work
+    (entries are content-addressed and appear atomically, so a race is only wasted time).
+    """
+    cfg = RunConfig.model_validate(cfg_tree)
+    from hmscale.data import prepare_data
+
+    bundle = prepare_data(cfg, log=lambda *a, **k: print(f"[{tag}]", *a, flush=True))
+    return str(bundle.plan.hash)
+
+
 # --------------------------------------------------------------------------- the sweep
 
 
@@ -245,6 +290,7 @@ def run_sweep(
     recipe: str | Callable = DEFAULT_RECIPE,
     plan_settings: PlanSettings | None = None,
     plots: bool = True,
+    warm_data: bool = True,
     log: Callable = print,
 ) -> list[dict]:
     """Run (or resume) a sweep; returns the table rows, one per size, in the order asked."""
@@ -290,9 +336,10 @@ def run_sweep(
     todo = []
     for s in sizes_:
         res_path = Path(cfgs[s.name].output_dir) / RESULTS
-        if res_path.exists():
+        prior = finished_results(res_path)
+        if prior is not None:
             log(f"[scale] {s.name}: finished earlier ({res_path}); skipping")
-            finish(s.name, json.loads(res_path.read_text()), "skipped")
+            finish(s.name, prior, "skipped")
         else:
             todo.append(s)
             rows[s.name]["status"] = "pending"
@@ -312,6 +359,8 @@ def run_sweep(
         ray = _ensure_ray(ray_address, ray_num_cpus)
         if callable(recipe):
             _pickle_by_value(recipe)
+        if warm_data:
+            _warm(ray, [cfgs[s.name] for s in todo], cpus_per_size, log)
         remote = ray.remote(run_size)
         pending = {}
         for s in todo:
@@ -341,6 +390,31 @@ def run_sweep(
 
         plot_all(table, [p.row() for p in plans.values() if p is not None], out / "plots")
     return table
+
+
+def _warm(ray, cfgs: list[RunConfig], num_cpus: float, log: Callable) -> None:
+    """One data-preparation task per distinct (data, tokenizer) setting; failures are left to the sizes."""
+    groups: dict[str, RunConfig] = {}
+    for c in cfgs:
+        groups.setdefault(c.hash("data", "tokenizer"), c)
+    if len(cfgs) < 2 or not groups:
+        return
+    try:
+        import hmscale.data as data_mod
+
+        if not hasattr(data_mod, "prepare_data"):
+            return
+    except Exception:  # noqa: BLE001
+        return
+    task = ray.remote(prepare_shared_data)
+    refs = {task.options(num_cpus=num_cpus, num_gpus=0, name="hmscale-scale-data").remote(c.model_dump(mode="json"), "data"): k
+            for k, c in groups.items()}
+    for ref, key in refs.items():
+        try:
+            ray.get(ref)
+            log(f"[scale] shared data {key}: ready")
+        except Exception as err:  # noqa: BLE001
+            log(f"[scale] shared data {key}: preparation failed ({str(err).strip().splitlines()[-1:]}); sizes will retry it")
 
 
 def _pickle_by_value(fn: Callable) -> None:

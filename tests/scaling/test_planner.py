@@ -26,7 +26,8 @@ GB = 1e9
 def test_registry_resolves_names_and_groups():
     assert [s.name for s in resolve_sizes(None)] == list(PYTHIA_SIZES) and len(PYTHIA_SIZES) == 8
     assert [s.name for s in resolve_sizes("70m,Pythia-1B,nano")] == ["pythia-70m", "pythia-1b", "pythia-nano"]
-    assert [s.name for s in resolve_sizes(["mini", "pythia-micro"])] == ["pythia-nano", "pythia-micro", "pythia-mini"]
+    assert [s.name for s in resolve_sizes(["miniatures", "pythia-micro"])] == ["pythia-nano", "pythia-micro", "pythia-mini"]
+    assert [s.name for s in resolve_sizes("mini")] == ["pythia-mini"]
     assert canonical_name("12b") == "pythia-12b"
     with pytest.raises(ValueError, match="unknown size"):
         resolve_sizes("13b")
