@@ -2,6 +2,7 @@
 
 Run on the GPU machine with the compiled kernels: `TRITON_INTERPRET=0 python -m pytest tests/models/test_gpu.py`
 (tests/conftest.py defaults TRITON_INTERPRET to 1). Passed on one H200 (torch 2.11, Triton 3.6, transformers 5.17), 2026-11-29.
+"""
 
 import sys
 from pathlib import Path
