@@ -192,8 +192,13 @@ def _collate(samples: list[dict]) -> dict:
     return out
 
 
-class CacheLoader:
-    """An iterable of batches for one rank; iterating runs the rest of the current epoch, then moves to the next."""
+class CacheLoader(torch.utils.data.IterableDataset):
+    """An iterable of batches for one rank; iterating runs the rest of the current epoch, then moves to the next.
+
+    A torch `IterableDataset` of whole batches: `DataLoader(loader, batch_size=None, num_workers=n)`
+    deals the batches round-robin to the n loader processes (state_dict then lives in each worker;
+    resume by passing `start=` when loader workers are used).
+    """
 
     def __init__(self, reader: CacheReader, batch_size: int, *, kind, layers, tensors, rank, world_size, seed, shuffle,
                  epoch, start, dtype):

@@ -282,3 +282,14 @@ def test_shards_read_with_webdataset(tmp_path, teacher, data, tools):
     assert np.array_equal(toks, data.plan.shard(1)["tokens"][0])
     raw = load_npy(s["l001_attn_input.npy"])
     assert torch.equal(decode(raw, "bfloat16"), CacheReader(path).sample(1, 0, layers=[1])["layers"][1]["attn_input"])
+
+
+def test_loader_in_torch_dataloader_workers(tmp_path, teacher, tools):
+    data = tools.make_data(shards=3, per_shard=4)
+    path = build_cache(tools.make_cfg(tmp_path, **{"cache.capture.layers": "[0]"}), data, teacher, engine="local")
+    ld = CacheReader(path).stage1_batches([0], 2, seed=1)
+    want = [b["keys"] for b in ld]
+    ld2 = CacheReader(path).stage1_batches([0], 2, seed=1)
+    dl = torch.utils.data.DataLoader(ld2, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = [b["keys"] for b in dl]
+    assert sorted(map(tuple, got)) == sorted(map(tuple, want)) and len(got) == 6  # each batch exactly once
