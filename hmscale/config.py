@@ -34,10 +34,10 @@ class TeacherConfig(_Section):
     flavor: str = "pythia-micro"
     dtype: Literal["float32", "bfloat16"] = "float32"
     # on-the-spot pretraining of a miniature teacher
-    pretrain_steps: int = Field(300, ge=0)
-    pretrain_seconds: float = Field(90.0, gt=0)
+    pretrain_steps: int = Field(600, ge=0)
+    pretrain_seconds: float = Field(80.0, gt=0)  # training-loop limit; the final validation adds a few seconds
     pretrain_lr: float = Field(3e-3, gt=0)
-    pretrain_batch_size: int = Field(16, gt=0)
+    pretrain_batch_size: int = Field(8, gt=0)
 
 
 class TokenizerConfig(_Section):
