@@ -10,6 +10,9 @@ An actor that dies has its shard put back at the front of the queue and is repla
 `cache.max_retries` restarts); a shard whose task raises is retried up to `cache.max_retries`
 times. Shards are written atomically by the actors, so a dead actor leaves only a hidden
 temporary file, which the driver removes at the end.
+
+On a multi-node cluster `cache.root` must be a filesystem every node sees (NFS, Lustre, a mounted
+bucket with POSIX rename): actors write the shards there directly, the driver writes the manifest.
 """
 
 from __future__ import annotations

@@ -293,3 +293,32 @@ def test_loader_in_torch_dataloader_workers(tmp_path, teacher, tools):
     dl = torch.utils.data.DataLoader(ld2, batch_size=None, num_workers=2, multiprocessing_context="fork")
     got = [b["keys"] for b in dl]
     assert sorted(map(tuple, got)) == sorted(map(tuple, want)) and len(got) == 6  # each batch exactly once
+
+
+def test_cli_and_ray_job_wiring(tmp_path, monkeypatch, capsys):
+    """`hmscale cache [CONFIG] -s ...` and `python -m ray_jobs.cache_teacher` call build_cache; errors are one line."""
+    import hmscale.teacher.cache as cache_pkg
+    from hmscale.cli import main
+
+    seen = []
+
+    def fake_build(cfg, data=None, teacher=None, engine=None, **kw):
+        seen.append((cfg.cache.root, engine))
+        if cfg.cache.allow_exceed_disk is False and cfg.cache.workers == 3:
+            raise CacheError("cache needs 9 GB more ...; set cache.allow_exceed_disk=true")
+        return tmp_path / "v1-x"
+
+    monkeypatch.setattr(cache_pkg, "build_cache", fake_build)
+    assert main(["cache", "-s", f"cache.root={tmp_path}", "--engine", "ray"]) == 0
+    assert seen[-1] == (str(tmp_path), "ray") and str(tmp_path / "v1-x") in capsys.readouterr().out
+    assert main(["cache", "-s", "cache.workers=3"]) == 1
+    assert "cache.allow_exceed_disk=true" in capsys.readouterr().err
+    assert main(["cache", "-s", "cache.bogus=1"]) == 2
+    assert main(["cache", "verify"]) == 2
+
+    from ray_jobs import cache_teacher
+
+    assert cache_teacher.main(["-s", f"cache.root={tmp_path}", "--engine", "local"]) == 0
+    assert seen[-1] == (str(tmp_path), "local")
+    assert cache_teacher.main(["-s", "cache.workers=3"]) == 1
+    assert cache_teacher.main(["-s", "cache.nope=1"]) == 2
