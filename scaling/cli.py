@@ -107,7 +107,8 @@ def run_cmd(
     overrides: Optional[List[str]] = typer.Option(None, "--set", "-s", help="dotted override for every size (repeatable)"),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default: embedded local cluster)"),
     num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="logical CPUs of the embedded cluster"),
-    cpus_per_size: float = typer.Option(1.0, "--cpus-per-size"),
+    cpus_per_size: float = typer.Option(1.0, "--cpus-per-size", help="CPUs each size's Ray task asks for"),
+    resources: Optional[str] = typer.Option(None, "--resources", help='JSON per-size resources, e.g. \'{"pythia-12b": {"num_gpus": 4}}\''),
     budget_fraction: Optional[float] = typer.Option(None, "--budget-fraction"),
     split: Optional[str] = typer.Option(None, "--split"),
     local: bool = typer.Option(False, "--local", help="run sizes in this process, one after another (no Ray)"),
@@ -130,6 +131,8 @@ def run_cmd(
         argv += ["--budget-fraction", str(budget_fraction)]
     if split:
         argv += ["--split", split]
+    if resources:
+        argv += ["--resources", resources]
     if local:
         argv.append("--local")
     raise typer.Exit(job_main(argv))

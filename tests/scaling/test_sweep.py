@@ -204,3 +204,12 @@ def test_job_entry_rejects_bad_input(tmp_path, capsys):
     assert job_main(["--sizes", "13b", "--out", str(tmp_path), "--local"]) == 2
     assert "unknown size" in capsys.readouterr().err
     assert job_main(["--sizes", "nano", "--out", str(tmp_path), "--local", "--set", "stage2.lr=-1"]) == 2
+
+
+def test_cli_scale_run_reports_bad_input(tmp_path):
+    from typer.testing import CliRunner
+
+    from hmscale.cli import app
+
+    res = CliRunner().invoke(app, ["scale", "run", "--sizes", "nano", "--out", str(tmp_path), "--local", "-s", "stage2.lr=-1"])
+    assert res.exit_code == 2 and "stage2.lr" in res.output
