@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -397,7 +398,7 @@ class HedgeMambaPreTrainedModel(PreTrainedModel):
     config: HedgeMambaConfig
     base_model_prefix = "backbone"
     _no_split_modules = ["HedgeMambaBlock"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _is_stateful = True
 
     @torch.no_grad()
@@ -416,6 +417,7 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
         self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([HedgeMambaBlock(config, i) for i in range(config.num_hidden_layers)])
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self):
@@ -449,8 +451,12 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32)
         hidden = [x] if output_hidden_states else None
+        ckpt = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, position_ids, cache, seq_idx, token_mask)
+            if ckpt:  # always non-reentrant: correct with frozen embeddings, whatever the transformers version
+                x = checkpoint(layer.__call__, x, position_ids, None, seq_idx, token_mask, use_reentrant=False)
+            else:
+                x = layer(x, position_ids, cache, seq_idx, token_mask)
             if hidden is not None:
                 hidden.append(x)
         x = self.final_layer_norm(x)

@@ -129,3 +129,23 @@ def test_seq_idx_resets_state_and_conv():
         first = model(ids[:, :20]).logits
         second = model(ids[:, 20:]).logits
     torch.testing.assert_close(packed, torch.cat([first, second], 1), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = make_model().train()
+    model.get_input_embeddings().weight.requires_grad_(False)  # stage 2 freezes the embeddings
+    ids = torch.randint(1, VOCAB, (2, 30))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref = grads()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    assert model.backbone.gradient_checkpointing
+    got = grads()
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
