@@ -322,3 +322,21 @@ def test_cli_and_ray_job_wiring(tmp_path, monkeypatch, capsys):
     assert seen[-1] == (str(tmp_path), "local")
     assert cache_teacher.main(["-s", "cache.workers=3"]) == 1
     assert cache_teacher.main(["-s", "cache.nope=1"]) == 2
+
+
+def test_float32_storage_exact_and_bf16_topk(tmp_path, teacher, data, tools):
+    cfg = tools.make_cfg(tmp_path, **{"cache.capture.dtype": "float32", "cache.capture.topk": 3,
+                                      "cache.capture.topk_dtype": "bfloat16", "cache.capture.tensors": "[attn_output]"})
+    path = build_cache(cfg, data, teacher, engine="local")
+    reader = CacheReader(path)
+    assert reader.fields["topk_logprobs"]["npy_dtype"] == "<u2" and "l000_attn_input" not in reader.fields
+    b = next(iter(reader.stage2_batches(3, shuffle=False)))
+    ids = b["tokens"]  # shard 0, rows 0..2; the worker ran them as batches [0, 1] and [2]
+    logits = torch.cat([teacher(ids[:2]).logits, teacher(ids[2:]).logits])
+    vals, idx = torch.log_softmax(logits.float(), -1).topk(3, -1)
+    assert torch.equal(b["topk_indices"], idx)
+    assert torch.equal(b["topk_logprobs"], vals.to(torch.bfloat16).float())
+    live = _live(teacher, data.plan, 0, cfg.cache.batch_size, [0, 1])
+    s = reader.sample(0, 1, layers=[0, 1])
+    assert set(s["layers"][0]) == {"attn_output"}
+    assert torch.equal(s["layers"][1]["attn_output"], live[s["key"]][1][1])  # fp32 storage: exact
