@@ -60,7 +60,8 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
         if env:
             opts["runtime_env"] = {"env_vars": env}
         teacher_ref, plan_ref = ray.put(teacher.to("cpu")), ray.put(plan)
-        threads = None if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)) // max(n, 1))
+        # CPU actors share the node's cores (the whole cluster's on one node; capped by this node's)
+        threads = None if gpus else max(1, min(os.cpu_count() or 1, int(ray.cluster_resources().get("CPU", 1)) // max(n, 1)))
 
         def start():
             return CacheWorkerActor.options(**opts).remote(
