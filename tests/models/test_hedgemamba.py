@@ -149,3 +149,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert set(got) == set(ref)
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
+
+
+def test_beam_search_reorders_the_recurrent_cache():
+    model = make_model()
+    prompt = torch.randint(1, VOCAB, (2, 9))
+    kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(model.generate(prompt, **kw), model.generate(prompt, use_cache=False, **kw))
