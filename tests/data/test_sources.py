@@ -53,3 +53,14 @@ def test_prepare_data_from_files(files, tmp_path):
     assert data.plan.num_shards >= 2 and data.val_tokens.shape[1] == 32
     shard = data.plan.shard(0)
     assert shard["tokens"].shape == (4, 32)
+
+
+def test_hf_source_error_names_the_field(monkeypatch):
+    from hmscale.data.sources import HFSource
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = HFSource("hmscale-test/no-such-dataset", val_fraction=0.1)
+    assert src.description.startswith("hf:hmscale-test/no-such-dataset:")
+    with pytest.raises(RuntimeError, match="data.dataset") as err:
+        src.documents("train")
+    assert "\n" not in str(err.value)
