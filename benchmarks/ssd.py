@@ -76,7 +76,7 @@ def make(b, l, h, g, p, n, dtype=torch.bfloat16):
     return x, dt, A, B, C, gy
 
 
-def case(name, H, G, P, N, L, mamba, chunks, rows):
+def case(name, H, G, P, N, L, mamba, chunks, rows, sdpa=True):
     b = TOKENS // L
     x, dt, A, B, C, gy = make(b, L, H, G, P, N)
     ins = [x, dt, A, B, C]
@@ -92,6 +92,11 @@ def case(name, H, G, P, N, L, mamba, chunks, rows):
         fb = lambda: torch.autograd.grad(mamba(x, dt, A, B, C, chunk_size=64), ins, gy)  # noqa: E731
         fb()
         res["mamba"] = (bench(f), bench(fb), peak_mem(fb))
+    fl_f, fl_fb = ssd_flops(b, L, H, P, N)
+    sd_f = b * H * 2 * 2 * L * L / 2 * P
+    if not sdpa:
+        rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_f * 2.5))
+        return
     q = torch.randn(b, H, L, P, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn_like(q, requires_grad=True)
     v = torch.randn_like(q, requires_grad=True)
@@ -101,8 +106,6 @@ def case(name, H, G, P, N, L, mamba, chunks, rows):
         fb = lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], go)  # noqa: E731
         fb()
         res["sdpa"] = (bench(f), bench(fb), peak_mem(fb))
-    fl_f, fl_fb = ssd_flops(b, L, H, P, N)
-    sd_f = b * H * 2 * 2 * L * L / 2 * P
     rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_f * 2.5))
 
 
@@ -169,17 +172,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chunks", default="64")
+    ap.add_argument("--ours-only", action="store_true", help="skip the mamba_ssm and SDPA baselines")
     ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown at two shapes")
     args = ap.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     torch.manual_seed(0)
     t0 = time.time()
-    mamba = load_mamba()
+    mamba = None if args.ours_only else load_mamba()
     dev_name = torch.cuda.get_device_name()
     rows = []
     shapes = SHAPES[:1] + SHAPES[5:6] if args.quick else SHAPES
     for s in shapes:
-        case(*s, mamba, chunks, rows)
+        case(*s, mamba, chunks, rows, sdpa=not args.ours_only)
         print(f"done {s} at {time.time() - t0:.0f}s", flush=True)
     drows = []
     decode_bench(drows)
@@ -203,10 +207,11 @@ def main():
         ours_key = min((k for k in res if k.startswith("ours")), key=lambda k: res[k][1])
         o = res[ours_key]
         m = res.get("mamba")
-        sd = res["sdpa"]
+        sd = res.get("sdpa")
         mr = f"{m[1] / o[1]:.2f}x" if m else "n/a"
         mm = f"{o[2] / m[2]:.2f}" if m else "n/a"
-        print(f"| {name} ({H},{G},{P},{N}) | {L} | {ours_key} {o[1]:.3f} ms | {mr} | {sd[1] / o[1]:.2f}x | {mm} |")
+        sr = f"{sd[1] / o[1]:.2f}x" if sd else "n/a"
+        print(f"| {name} ({H},{G},{P},{N}) | {L} | {ours_key} {o[1]:.3f} ms | {mr} | {sr} | {mm} |")
     for b, h, p, n, t, tg, floor, bw in drows:
         print(f"\ndecode step b={b} H={h} P={p} N={n} fp32 state: {t * 1e3:.1f} us per call "
               f"({tg * 1e3:.1f} us per step inside a CUDA graph); floor {floor * 1e3:.1f} us "
