@@ -41,9 +41,7 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
 
 def run_recipe(cfg: RunConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the contents of results.json."""
-    from hmscale.data import prepare_data
     from hmscale.eval import perplexity
-    from hmscale.teacher import get_teacher
 
     t_start = time.time()
     run_dir = Path(cfg.output_dir)
@@ -69,45 +67,31 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
 
         connect(cfg.parallel.ray_address, log=log)
 
+    from ray_jobs.distill import prepare, run_distill
+
     t0 = time.time()
-    data = prepare_data(cfg, log=log)
-    teacher = get_teacher(cfg, data, log=log)
+    prep = prepare(cfg, log=log)  # data plan, teacher (pretrained once and stored), teacher cache
+    data, teacher = prep["data"], prep["teacher"]
     if not done("prepare"):
         record("prepare", t0, train_tokens=int(data.plan.total_tokens), val_rows=int(len(data.val_tokens)),
-               vocab_size=int(data.vocab_size))
+               vocab_size=int(data.vocab_size), cache_dir=prep["cache_dir"])
 
-    cache_dir = None
-    if cfg.cache.enabled:
-        from hmscale.teacher.cache import build_cache
-
+    if not (done("stage1") and done("stage2")):
         t0 = time.time()
-        cache_dir = build_cache(cfg, data=data, teacher=teacher, engine=engine)
-        if not done("cache"):
-            record("cache", t0, dir=str(cache_dir))
-
-    if engine == "ray":
-        from ray_jobs.distill import run_distill
-
-        stage_fns = {"stage1": lambda: run_distill(cfg, run_dir, stages=("stage1",), cache_dir=cache_dir),
-                     "stage2": lambda: run_distill(cfg, run_dir, stages=("stage2",), cache_dir=cache_dir)}
-    else:
-        from hmscale.train.stage1 import run_stage1
-        from hmscale.train.stage2 import run_stage2
-
-        stage_fns = {"stage1": lambda: run_stage1(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir),
-                     "stage2": lambda: run_stage2(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir)}
-    for name in ("stage1", "stage2"):
-        if not done(name):
-            t0 = time.time()
-            summary = stage_fns[name]() or {}
-            record(name, t0, tokens=int(summary.get("tokens", 0)), summary=_plain(summary))
+        res = run_distill(cfg, run_dir, log=log)
+        for name in ("stage1", "stage2"):
+            summary = res.get(name) or {}
+            if name not in stages:
+                stages[name] = {"seconds": round(float(summary.get("seconds", 0.0)), 2),
+                                "tokens": int(summary.get("tokens", 0)), "summary": _plain(summary)}
+        record("distill", t0)
 
     if not done("eval"):
         t0 = time.time()
-        from hmscale.train.stage1 import load_hedgehog
+        from hmscale.train.stage1 import load_stage1_student
 
         rows = data.val_tokens[: cfg.eval.max_sequences]
-        hedgehog = load_hedgehog(run_dir, teacher)
+        hedgehog = load_stage1_student(run_dir, teacher)
         hedgemamba = load_final_model(run_dir, data)
         bs = cfg.stage2.micro_batch_size
         ppl = {
@@ -118,7 +102,7 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
         results.update(ppl)
         results["eval_tokens"] = int(rows.shape[0] * (rows.shape[1] - 1))
         record("eval", t0, **ppl)
-    results["wall_seconds"] = round(sum(s.get("seconds", 0) for s in stages.values()), 2)
+    results["wall_seconds"] = round(sum(stages[k].get("seconds", 0) for k in ("prepare", "distill", "eval") if k in stages), 2)
     results["tokens"] = {k: stages[k].get("tokens", 0) for k in ("stage1", "stage2") if k in stages}
     atomic_write_json(run_dir / "results.json", results)
     write_report(run_dir, results, cfg)
@@ -182,7 +166,7 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     from hmscale.data import prepare_data
     from hmscale.eval import perplexity
     from hmscale.teacher import get_teacher
-    from hmscale.train.stage1 import load_hedgehog
+    from hmscale.train.stage1 import load_stage1_student
 
     run_dir = Path(cfg.output_dir)
     if not (run_dir / "results.json").exists():
@@ -192,7 +176,7 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     final = load_final_model(run_dir, data)
     rows = data.val_tokens[: cfg.eval.max_sequences]
     bs = cfg.stage2.micro_batch_size
-    out = {"teacher_ppl": perplexity(teacher, rows, bs), "hedgehog_ppl": perplexity(load_hedgehog(run_dir, teacher), rows, bs),
+    out = {"teacher_ppl": perplexity(teacher, rows, bs), "hedgehog_ppl": perplexity(load_stage1_student(run_dir, teacher), rows, bs),
            "hedgemamba_ppl": perplexity(final, rows, bs)}
     if tasks:
         from hmscale.eval.lm_eval_adapter import evaluate_tasks
