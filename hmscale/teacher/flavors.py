@@ -60,6 +60,8 @@ MINIATURE: dict[str, Flavor] = {
         Flavor("pythia-nano", 2, 64, 4, vocab_size=512, max_positions=512),
         Flavor("pythia-micro", 4, 128, 4, vocab_size=2048, max_positions=1024),
         Flavor("pythia-mini", 6, 256, 8, vocab_size=4096, max_positions=2048),
+        # Pythia-70m's shape with a small local vocabulary: pretrained on the spot (fidelity benchmark)
+        Flavor("pythia-70m-local", 6, 512, 8, vocab_size=8192, max_positions=2048),
     ]
 }
 
