@@ -11,7 +11,10 @@ Fault tolerance: every stage checkpoint is reported to Ray Train (`ray.train.rep
 checkpoint=...)`; each worker reports its own DeepSpeed files, which Ray merges into one checkpoint);
 `FailureConfig(max_failures=parallel.max_failures)` restarts the worker group after a worker dies, and
 `train_func` resumes from `ray.train.get_checkpoint()` (stage 1 is skipped when it has finished).
-The run directory must be visible to all workers (one node, or a shared filesystem).
+The run directory must be visible to all workers (one node, or a shared filesystem); on a (re)start the
+furthest of Ray's restored checkpoint and the newest complete checkpoint under the run directory wins
+(a report made just before a worker died may never reach the controller), so rerunning into the same
+run directory resumes too (use a fresh output_dir to start over).
 
 Test hook: HMSCALE_FAULT_INJECT="stage2:STEP:RANK" SIGKILLs that worker once at the start of STEP.
 """
@@ -45,6 +48,28 @@ def _fault_hook(spec: str | None, stage: str, rank: int, run_dir: Path):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
+
+
+STAGES = ("stage1", "stage2")
+
+
+def pick_resume_point(run_dir: Path, restored_dir: Path | None, restored_meta: dict):
+    """(stage, checkpoint dir) to resume from: the furthest of Ray's restored checkpoint and the newest
+    complete checkpoint in the run directory (a report can be lost when a worker dies right after it)."""
+    from hmscale.train.engine import Checkpointer
+
+    cands = []
+    if restored_dir is not None and restored_meta.get("stage") in STAGES:
+        cands.append(((STAGES.index(restored_meta["stage"]), int(restored_meta.get("step", 0))), restored_meta["stage"], restored_dir))
+    for stage in STAGES:
+        latest = Checkpointer(run_dir / stage / "checkpoints").latest()
+        if latest is not None:
+            m = json.loads((latest / "meta.json").read_text())
+            cands.append(((STAGES.index(stage), int(m.get("step", 0))), stage, latest))
+    if not cands:
+        return None, None
+    _, stage, path = max(cands, key=lambda c: c[0])
+    return stage, path
 
 
 def _stage_done(run_dir: Path, stage: str) -> bool:
@@ -99,10 +124,13 @@ def train_func(config: dict):
         from hmscale.train.stage1 import load_stage1_student, run_stage1
         from hmscale.train.stage2 import run_stage2
 
+        stage, resume_path = pick_resume_point(run_dir, restored_dir, meta)
+        if rank == 0 and resume_path is not None:
+            print(f"[distill] resuming {stage} from {resume_path}", flush=True)
         student = None
-        if meta.get("stage") != "stage2" and not _stage_done(run_dir, "stage1"):
+        if stage != "stage2" and not _stage_done(run_dir, "stage1"):
             s1 = run_stage1(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir if cfg.stage1.source == "cache" else None,
-                            resume_from=restored_dir if meta.get("stage") == "stage1" else None, resume=not in_ray,
+                            resume_from=resume_path if stage == "stage1" else None, resume=False,
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage1", rank, run_dir))
             student = s1.pop("student_model", None)
             results["stage1"] = s1
@@ -110,7 +138,7 @@ def train_func(config: dict):
             student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
         s2 = run_stage2(cfg, run_dir, data=data, student=student,
                         cache_dir=cache_dir if cfg.stage2.kd_weight > 0 else None,
-                        resume_from=restored_dir if meta.get("stage") == "stage2" else None, resume=not in_ray,
+                        resume_from=resume_path if stage == "stage2" else None, resume=False,
                         on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))
         results["stage2"] = s2
     finally:

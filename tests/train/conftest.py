@@ -1,0 +1,51 @@
+"""Helpers for the train tests: launch a small multi-process gloo job, tiny fixtures."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("dist_job.py")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, world: int, tmp: Path, timeout: int = 110) -> list:
+    """Run tests/train/dist_job.py on `world` processes; returns rank 0's per-run losses."""
+    spec = dict(spec, out=str(tmp / "losses.json"))
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = _port()
+    procs = []
+    for r in range(world):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HMSCALE_NO_PROGRESS="1")
+        procs.append(subprocess.Popen([sys.executable, str(JOB), str(spec_path)], cwd=str(REPO), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-4000:]
+    return json.loads((tmp / "losses.json").read_text())
+
+
+@pytest.fixture
+def launch_job(tmp_path):
+    return lambda spec, world: launch(spec, world, tmp_path)

@@ -1,0 +1,161 @@
+"""Engine: DeepSpeed configs, schedule, NaN stop, metrics; resume reproduces the uninterrupted run (world 1)."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hmscale.config import build_config
+from hmscale.train.data import ArraySource
+from hmscale.train.engine import DS_CONFIG_DIR, NonFiniteLoss, OptimSpec, ds_config_for, lr_multiplier, read_metrics
+
+os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
+
+
+def rel_err(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def tiny_student(seed=0, vocab=96):
+    from transformers import GPTNeoXForCausalLM
+
+    from hmscale.models.convert import to_hedgehog
+    from hmscale.teacher.flavors import neox_config
+
+    torch.manual_seed(seed)
+    teacher = GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=vocab)).eval()
+    return teacher, to_hedgehog(teacher)
+
+
+def toks(n=48, L=32, vocab=96):
+    return np.random.default_rng(1).integers(0, vocab, size=(n, L))
+
+
+# ---------------------------------------------------------------- configs + schedule
+
+
+@pytest.mark.parametrize("name", ["zero1.json", "zero2.json", "zero3.json", "zero3_offload.json"])
+def test_ds_configs_have_real_values(name):
+    text = (DS_CONFIG_DIR / name).read_text()
+    assert '"auto"' not in text
+    spec = OptimSpec(lr=2e-4, micro_batch_size=3, grad_accum=5, grad_clip=0.5, zero_stage=2, bf16=True,
+                     ds_config=str(DS_CONFIG_DIR / name))
+    conf = ds_config_for(spec, dp_world=4)
+    assert conf["train_micro_batch_size_per_gpu"] == 3 and conf["gradient_accumulation_steps"] == 5
+    assert conf["train_batch_size"] == 60 and conf["gradient_clipping"] == 0.5
+    assert conf["optimizer"]["params"]["lr"] == 2e-4 and conf["bf16"]["enabled"] is True
+    assert conf["zero_optimization"]["stage"] == json.loads(text)["zero_optimization"]["stage"]
+
+
+def test_default_config_follows_zero_stage():
+    for z in (0, 1, 2, 3):
+        assert ds_config_for(OptimSpec(lr=1e-3, micro_batch_size=2, zero_stage=z), 1)["zero_optimization"]["stage"] == z
+
+
+def test_lr_schedule_warmup_then_cosine():
+    m = [lr_multiplier(s, warmup=4, total=20, min_ratio=0.1) for s in range(25)]
+    assert m[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(m[3:], m[4:]))
+    assert m[20] == pytest.approx(0.1) and m[24] == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- resume
+
+
+def _cfg(extra=()):
+    return build_config({}, ["stage1.steps=6", "stage1.micro_batch_size=4", "stage1.lr=0.05", "stage1.warmup_steps=1",
+                             "stage2.steps=6", "stage2.micro_batch_size=4", "stage2.warmup_steps=2", "stage2.lr=3e-3",
+                             "parallel.checkpoint_every=3", "parallel.zero_stage=2", *extra])
+
+
+def test_stage2_resume_reproduces_losses(tmp_path):
+    from hmscale.train.stage2 import run_stage2
+
+    cfg = _cfg()
+    full = run_stage2(cfg, tmp_path / "full", student=tiny_student()[1], source=ArraySource(toks()), resume=False,
+                      export=False)
+    part = run_stage2(cfg, tmp_path / "cut", student=tiny_student()[1], source=ArraySource(toks()), stop_at_step=3,
+                      export=False)
+    assert part["end_step"] == 3 and not part["done"]
+    assert (tmp_path / "cut" / "stage2" / "checkpoints" / "step_00000003" / "meta.json").exists()
+    # a fresh process would rebuild the model from scratch: so do we (weights come from the checkpoint)
+    rest = run_stage2(cfg, tmp_path / "cut", student=tiny_student(seed=5)[1], source=ArraySource(toks()))
+    assert rest["start_step"] == 3 and rest["done"]
+    resumed = part["losses"] + rest["losses"]
+    assert len(resumed) == len(full["losses"]) == 6
+    assert rel_err(resumed, full["losses"]) <= 1e-6, (resumed, full["losses"])
+    # metrics.jsonl of the resumed run reads as one run; the HF export loads
+    steps = [r["step"] for r in read_metrics(tmp_path / "cut" / "stage2" / "metrics.jsonl")]
+    assert steps == list(range(6))
+    from transformers import AutoModelForCausalLM
+
+    import hmscale.models  # noqa: F401
+
+    m = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cut" / "stage2" / "hf"))
+    assert m(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.shape[-1] == 96
+
+
+def test_stage1_online_resume_and_export(tmp_path):
+    from hmscale.train.stage1 import load_stage1_student, run_stage1
+
+    cfg = _cfg(["stage1.source=online"])
+    teacher = tiny_student()[0]
+    full = run_stage1(cfg, tmp_path / "full", teacher=teacher, source=ArraySource(toks()), resume=False)
+    part = run_stage1(cfg, tmp_path / "cut", teacher=teacher, source=ArraySource(toks()), stop_at_step=3)
+    rest = run_stage1(cfg, tmp_path / "cut", teacher=teacher, source=ArraySource(toks()))
+    resumed = part["losses"] + rest["losses"]
+    assert rel_err(resumed, full["losses"]) <= 1e-6
+    rec = read_metrics(tmp_path / "full" / "stage1" / "metrics.jsonl")
+    assert {"layer_loss/0", "layer_loss/1"} <= set(rec[0])
+    # exported student: feature maps + teacher reference, loads back to the same phi
+    sdir = tmp_path / "cut" / "stage1" / "student"
+    assert (sdir / "feature_maps.safetensors").exists() and json.loads((sdir / "student.json").read_text())["teacher"]
+    back = load_stage1_student(tmp_path / "cut")
+    ref = rest["student_model"]
+    for a, b in zip(back.feature_maps.parameters(), ref.feature_maps.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- NaN / inf
+
+
+class _Out:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class PoisonedLM(nn.Module):
+    """A tiny causal LM whose logits turn NaN on its `bad_call`-th forward."""
+
+    def __init__(self, vocab=96, bad_call=5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, vocab)
+        self.calls, self.bad_call = 0, bad_call
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids):
+        self.calls += 1
+        logits = self.head(self.emb(input_ids))
+        if self.calls == self.bad_call:
+            logits = logits * float("nan")
+        return _Out(logits)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    from hmscale.train.stage2 import run_stage2
+
+    cfg = _cfg(["parallel.checkpoint_every=2", "stage2.steps=8"])
+    with pytest.raises(NonFiniteLoss) as err:
+        run_stage2(cfg, tmp_path, model=PoisonedLM(bad_call=6), source=ArraySource(toks()), export=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "step 5" in msg and "step_00000004" in msg, msg
+    ck = sorted(p.name for p in (tmp_path / "stage2" / "checkpoints").iterdir())
+    assert ck == ["step_00000002", "step_00000004"]
+    assert [r["step"] for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
