@@ -9,6 +9,8 @@ make it strictly positive).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .reference import doc_ids_from_seq_idx
@@ -53,6 +55,9 @@ def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_id
                normalize=False, return_final_state=False):
     """The contract of :func:`kernels.ssd`, computed by the Triton kernels."""
     _check(x, dt, A, B, C, chunk_size)
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton SSD needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "
+                           "triton); use backend='torch' on CPU")
     b, l, h, p = x.shape
     xin = x
     xc = x.contiguous()

@@ -22,6 +22,7 @@ CASES = [  # (shape, chunk, options)
     (dict(b=1, l=45, h=3, g=1, p=8, n=40), 16, dict(normalize=True, D=True, init=True, seq=True)),
     (dict(b=1, l=20, h=2, g=2, p=16, n=80), 16, dict(normalize=True)),                # N > BN: n tiles
     (dict(b=1, l=33, h=2, g=1, p=72, n=16), 16, dict(D=True, seq=True)),              # P > BP: p tiles
+    (dict(b=2, l=10, h=2, g=1, p=16, n=16), 16, dict(init=True, seq=True)),           # l < one chunk
 ]
 
 
@@ -68,3 +69,14 @@ def test_half_precision_inputs():
     yr = ssd_reference(**{k: v.double() for k, v in ins.items()}, seq_idx=seq)
     assert y.dtype == torch.float16
     assert rel(y, yr) < 1e-2
+
+
+def test_half_precision_normalize_gradients():
+    """fp16 inputs with normalize: the normaliser's gradient takes the fp32 (tf32) dot path."""
+    ins, seq = make_inputs(1, 40, 2, 1, 16, 32, dtype=torch.float16, D=True, seq=True, init=True, normalize=True)
+    opts = dict(normalize=True)
+    y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, opts, 16)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 16, gy, gs)
+    assert rel(y, yr) < 1e-2 and rel(s, sr) < 1e-2
+    for k in g:
+        assert rel(g[k], gr[k]) < 1e-2, k
