@@ -75,6 +75,9 @@ class capture_hooks:
 
         def hook(module, args, kwargs):
             h = args[0] if args else kwargs["hidden_states"]
+            past = kwargs.get("layer_past")
+            if past is not None and past.get_seq_length(idx) > 0:
+                raise RuntimeError("capture hooks need whole sequences: call the teacher without a KV cache of earlier tokens")
             positions = self.positions
             if positions is None:
                 positions = kwargs.get("position_ids")

@@ -79,3 +79,12 @@ def test_capture_bf16_and_bad_layer():
     assert list(caps) == [2] and caps[2].attn_output.dtype == torch.bfloat16
     with pytest.raises(IndexError):
         capture_layers(model, ids, layers=[5])
+
+
+def test_capture_refuses_incremental_decoding():
+    model = make_teacher(0.25, True)
+    ids = torch.randint(0, 97, (1, 8))
+    with torch.no_grad():
+        past = model(ids, use_cache=True).past_key_values
+        with pytest.raises(RuntimeError, match="whole sequences"), capture_hooks(model, [0]):
+            model(ids[:, -1:], cache=past, use_cache=True)
