@@ -50,6 +50,8 @@ def get_teacher(cfg, data, device="cpu", log=print):
                 lr=t.pretrain_lr, batch_size=t.pretrain_batch_size, seed=cfg.seed, val_tokens=data.val_tokens, log=log,
             )
             model.save_pretrained(tmp)
+            if hasattr(data.tokenizer, "save_pretrained"):  # self-contained: usable as teacher.name_or_path
+                data.tokenizer.save_pretrained(tmp)
             stats["plan_hash"] = data.plan.hash
             (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 

@@ -75,6 +75,7 @@ def test_get_teacher_stores_and_reuses(cfg_data, one_thread):
     first = get_teacher(cfg, data, log=logs.append)
     target = teacher_cache_dir(cfg, data)
     assert (target / "config.json").exists() and (target / "pretrain_stats.json").exists()
+    assert (target / "tokenizer.json").exists()  # the stored teacher directory is self-contained
     assert not first.training and all(not p.requires_grad for p in first.parameters())
     assert first.config.vocab_size == data.vocab_size
     logs.clear()
