@@ -117,6 +117,7 @@ class OptimSpec:
     zero_stage: int = 2
     bf16: bool = False
     ds_config: str | None = None  # path; None = ds_configs/zero{stage}.json
+    torch_adam: bool = False  # force torch's Adam (always on CPU; on GPU it skips the fused-Adam JIT build)
 
 
 def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
@@ -143,8 +144,8 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     params = conf["optimizer"].setdefault("params", {})
     params["lr"] = float(spec.lr)
     params["weight_decay"] = float(spec.weight_decay)
-    if not torch.cuda.is_available():
-        params["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA
+    if spec.torch_adam or not torch.cuda.is_available():
+        params["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA (and a JIT build)
     conf.pop("scheduler", None)  # the schedule comes from the recipe (LambdaLR below)
     conf["bf16"] = {"enabled": bool(spec.bf16)}
     conf.pop("fp16", None)

@@ -1,0 +1,165 @@
+"""Stage-2 training throughput: HedgeMamba students vs their teacher architecture (SDPA), same engine.
+
+    source .whl/preamble.sh && python benchmarks/train_throughput.py            # H200: 160m and 410m shapes
+    python benchmarks/train_throughput.py --smoke                               # CPU: tiny shapes, seconds
+
+Both models train through the stage-2 engine (`hmscale.train.engine.build_engine`: DeepSpeed ZeRO-2,
+bf16, torch Adam (no fused-Adam JIT build), gradient clipping 1.0, input embeddings frozen as in stage 2),
+world size 1 (local engine), seq 2048, random tokens. Per model: `--warmup` untimed optimizer steps
+(Triton compile, allocator warmup), then `--steps` timed ones (CUDA-synchronised wall time).
+
+Reported per model: parameters (all, incl. the frozen embeddings), tokens/s, MFU = 6 x params x tokens/s
+/ 800e12 (the bf16 matmul peak measured on the H200), step time, and activation memory per token =
+(peak allocated during a step - allocated before it) / tokens per micro batch.
+Prints a markdown table and writes JSON (`--out`, default benchmarks/results/train_throughput.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PEAK_FLOPS = 800e12
+
+
+def student_model(flavor: str, vocab: int | None = None, chunk_size: int = 64):
+    from hmscale.models.convert import hedgemamba_config_from_teacher
+    from hmscale.models.hedgemamba import HedgeMambaForCausalLM
+    from hmscale.teacher.flavors import neox_config
+
+    cfg = hedgemamba_config_from_teacher(neox_config(flavor, vocab_size=vocab), chunk_size=chunk_size)
+    return HedgeMambaForCausalLM(cfg)
+
+
+def teacher_model(flavor: str, vocab: int | None = None):
+    from transformers import GPTNeoXForCausalLM
+
+    from hmscale.teacher.flavors import neox_config
+
+    cfg = neox_config(flavor, vocab_size=vocab)
+    cfg._attn_implementation = "sdpa"
+    return GPTNeoXForCausalLM(cfg)
+
+
+def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int) -> dict:
+    from hmscale.train.engine import OptimSpec, build_engine
+    from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
+
+    n_params = sum(p.numel() for p in model.parameters())
+    freeze_embeddings(model)
+    model.to(device)
+    spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
+                     zero_stage=2, bf16=bf16, torch_adam=True)
+    engine = build_engine(model, spec, dp_world=1)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cuda = device.type == "cuda"
+
+    def step():
+        x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
+        loss, _ = causal_lm_losses(engine(input_ids=x).logits, x, {}, 0.0)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = steps * micro_batch * seq
+    tps = tokens / dt
+    act = (torch.cuda.max_memory_allocated() - base) / (micro_batch * seq) if cuda else None
+    out = {"model": name, "params": n_params, "seq": seq, "micro_batch": micro_batch, "steps": steps,
+           "step_ms": 1e3 * dt / steps, "tokens_per_s": tps, "mfu": 6 * n_params * tps / PEAK_FLOPS,
+           "act_bytes_per_token": act, "final_loss": float(loss)}
+    del engine, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke run with tiny shapes")
+    ap.add_argument("--flavors", default="pythia-160m,pythia-410m")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-teacher", action="store_true")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "train_throughput.json"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
+
+    from hmscale.train.engine import init_distributed
+
+    if args.smoke:
+        flavors, seq, mb, steps, warmup, vocab, bf16 = ["pythia-nano"], 64, 2, 2, 1, 512, False
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("train_throughput: no CUDA device; use --smoke on CPU", file=sys.stderr)
+            return 2
+        flavors, seq, mb, steps, warmup, vocab, bf16 = (args.flavors.split(","), args.seq, args.micro_batch,
+                                                        args.steps, args.warmup, None, True)
+        device = torch.device("cuda", 0)
+    init_distributed(use_gpu=device.type == "cuda")
+    rows = []
+    t_all = time.perf_counter()
+    for flavor in flavors:
+        from hmscale.teacher.flavors import get_flavor
+
+        v = vocab or get_flavor(flavor).vocab_size
+        pairs = [("hedgemamba", student_model)] + ([] if args.no_teacher else [("teacher-sdpa", teacher_model)])
+        for kind, make in pairs:
+            torch.manual_seed(0)
+            try:
+                r = bench(f"{flavor} {kind}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
+                          device=device, bf16=bf16, vocab=v)
+            except torch.OutOfMemoryError as err:  # record it and go on with the next model
+                gc.collect()
+                torch.cuda.empty_cache()
+                r = {"model": f"{flavor} {kind}", "error": f"out of memory: {str(err).splitlines()[0]}"}
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+                continue
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "seconds": time.perf_counter() - t_all, "smoke": args.smoke,
+            "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"\n{meta['date']}, {meta['device']}, torch {meta['torch']}, {meta['seconds']:.0f} s: `{meta['command']}`\n")
+    print("| model | params | seq x micro batch | step | tokens/s | MFU | activations / token |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['error']} | | | | | |")
+            continue
+        act = f"{r['act_bytes_per_token'] / 1024:.1f} KiB" if r["act_bytes_per_token"] is not None else "n/a (CPU)"
+        print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['seq']} x {r['micro_batch']} | {r['step_ms']:.1f} ms "
+              f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {act} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
