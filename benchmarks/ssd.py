@@ -168,15 +168,38 @@ def profile_breakdown(H, G, P, N, L):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
+def dbc_sweep(configs):
+    """fwd+bwd time of ours for several tilings of the dB/dC kernel (HMSCALE_SSD_DBC_CFG), two shapes."""
+    print("\n| dbc config (BP,BN,stages,warps) | 410m L=2048 fwd+bwd ms | 1.4b L=16384 fwd+bwd ms |")
+    print("|---|---|---|")
+    shapes = [(16, 16, 64, 128, 2048), (16, 16, 128, 256, 16384)]
+    data = [make(TOKENS // L, L, H, G, P, N) for H, G, P, N, L in shapes]
+    for cfg in configs:
+        os.environ["HMSCALE_SSD_DBC_CFG"] = cfg
+        ts = []
+        for x, dt, A, B, C, gy in data:
+            ins = [x, dt, A, B, C]
+            fb = lambda: torch.autograd.grad(ssd(x, dt, A, B, C), ins, gy)  # noqa: E731
+            fb()
+            ts.append(bench(fb))
+        print(f"| {cfg} | {ts[0]:.3f} | {ts[1]:.3f} |", flush=True)
+    os.environ.pop("HMSCALE_SSD_DBC_CFG", None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chunks", default="64")
     ap.add_argument("--ours-only", action="store_true", help="skip the mamba_ssm and SDPA baselines")
+    ap.add_argument("--dbc-sweep", default="",
+                    help="only time these ';'-separated dB/dC kernel configs 'BP,BN,stages,warps', then exit")
     ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown at two shapes")
     args = ap.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     torch.manual_seed(0)
+    if args.dbc_sweep:
+        dbc_sweep(args.dbc_sweep.split(";"))
+        return
     t0 = time.time()
     mamba = None if args.ours_only else load_mamba()
     dev_name = torch.cuda.get_device_name()

@@ -22,6 +22,8 @@ The caller turns d cs into d(dt A) by a reverse cumulative sum within each chunk
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -239,6 +241,19 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
     tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
 
 
+def dbc_config(n: int):
+    """(BP, BN, num_stages, num_warps) of ``_chunk_bwd_dbc``, the backward's slowest kernel.
+
+    Default (16, min(64, N), 1, 8) is the spill-free choice measured on the H200 (see kernels/NOTES.md).
+    ``HMSCALE_SSD_DBC_CFG="BP,BN,stages,warps"`` overrides it, for tuning runs only (powers of two, >= 16).
+    """
+    env = os.environ.get("HMSCALE_SSD_DBC_CFG")
+    if env:
+        bp, bn, st, nw = (int(v) for v in env.split(","))
+        return bp, min(bn, _pow2(n)), st, nw
+    return 16, min(64, _pow2(n)), 1, 8
+
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -257,7 +272,7 @@ def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: b
         in_dtype = _TL_DTYPE[x.dtype]
     BP, BN = block_sizes(p, n, Q)
     BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
-    BP_dbc, BN_dbc = 16, min(64, _pow2(n))
+    BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
     # dots run in 3xTF32 (about fp32 accuracy) for 16-bit inputs, exact fp32 for fp32 inputs
     sprec_dbc = state_precision(x.dtype)
@@ -290,7 +305,7 @@ def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: b
     _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                      l, h, g, p, n, nc, nnb,
                                      Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, SPREC=sprec_dbc,
-                                     IN_DTYPE=in_dtype, num_warps=8, num_stages=1)
+                                     IN_DTYPE=in_dtype, num_warps=warps_dbc, num_stages=stages_dbc)
     # d cs -> d a (reverse cumulative sum within each chunk), then dt and A
     dcs = dcs_part.sum(1).view(b, h, nc, Q)
     dg_tot = dg.sum(1).view(b, h, nc) * gdec.view(b, h, nc)

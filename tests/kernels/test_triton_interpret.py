@@ -80,3 +80,13 @@ def test_half_precision_normalize_gradients():
     assert rel(y, yr) < 1e-2 and rel(s, sr) < 1e-2
     for k in g:
         assert rel(g[k], gr[k]) < 1e-2, k
+
+
+def test_dbc_tuning_override(monkeypatch):
+    """The tuning knob of the dB/dC kernel changes tiles only, not results (P=40 with BP=32: masked tail)."""
+    monkeypatch.setenv("HMSCALE_SSD_DBC_CFG", "32,32,2,4")
+    ins, seq = make_inputs(1, 37, 2, 1, 40, 48, dtype=torch.float32, seq=True, init=True)
+    y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, {}, 16)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, {}, 16, gy, gs)
+    for k in g:
+        assert rel(g[k], gr[k]) < TOL, k
