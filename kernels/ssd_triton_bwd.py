@@ -161,12 +161,76 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
 
 
 @triton.jit
+def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
+                      ddt_ptr, dcs_ptr,
+                      L, H, G, P, N, NC, NPB,
+                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr):
+    """Experimental backward variant "v2" (HMSCALE_SSD_BWD=v2): dx plus, as partial sums over this p tile,
+    the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
+    ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums use fp32 operands at XPREC."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pb = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    grp = h // (H // G)
+    offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+    offs_p = pb * BP + tl.arange(0, BP)
+    mask_p = offs_p < P
+    bc_base = (b * L * G + grp) * N
+    s_base = (bh * NC + c) * P * N
+    accGT = tl.zeros([Q, Q], dtype=tl.float32)  # [s, t] = B_s . C_t
+    accZ = tl.zeros([Q, BP], dtype=tl.float32)  # [s, p] = (dS B_s)_p
+    accYI = tl.zeros([Q, BP], dtype=tl.float32)  # [t, p] = (S0 C_t)_p
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mask_n = offs_n < N
+        bc_off = offs_t[:, None] * (G * N) + offs_n[None, :]
+        bc_mask = mask_t[:, None] & mask_n[None, :]
+        Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
+        so = offs_p[None, :] * N + offs_n[:, None]
+        sm = mask_p[None, :] & mask_n[:, None]
+        dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)  # (BN, BP) = dS^T
+        accZ += tl.dot(Bt.to(tl.float32), dSt, input_precision=XPREC)
+        S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)  # (BN, BP) = S0^T
+        accYI += tl.dot(Ct.to(tl.float32), S0t, input_precision=XPREC)
+    tt = tl.arange(0, Q)
+    keep = tt[:, None] <= tt[None, :]  # s <= t
+    wend = tl.exp(cs_end - cs)
+    win = tl.exp(cs)
+    if HAS_DOC:
+        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+        keep = keep & (doc[:, None] == doc[None, :])
+        wend = tl.where(doc == doc_end, wend, 0.0)
+        win = tl.where(doc == doc_prev, win, 0.0)
+    MT = accGT * tl.exp(tl.where(keep, cs[None, :] - cs[:, None], float("-inf")))  # [s, t]
+    xo = (b * L * H + h) * P
+    xt = offs_t[:, None] * (H * P) + offs_p[None, :]
+    xm = mask_t[:, None] & mask_p[None, :]
+    dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
+    stuff = tl.dot(MT, dy, input_precision=XPREC) + wend[:, None] * accZ  # dx / dt
+    tl.store(dx_ptr + xo + xt, (dt[:, None] * stuff).to(dx_ptr.dtype.element_ty), mask=xm)
+    y = tl.dot(tl.trans(MT * dt[:, None]), x, input_precision=XPREC) + win[:, None] * accYI
+    ddt_direct = tl.sum(x * stuff, axis=1)
+    endterm = wend * dt * tl.sum(x * accZ, axis=1)
+    dcs = tl.sum(dy * y, axis=1) - dt * ddt_direct
+    dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
+    po = (bh * NPB + pb) * (NC * Q) + c * Q + tt
+    tl.store(ddt_ptr + po, ddt_direct)
+    tl.store(dcs_ptr + po, dcs)
+
+
+@triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
                    dB_ptr, dC_ptr, ddt_ptr, dcs_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-                   IN_DTYPE: tl.constexpr):
+                   IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True):
     c = tl.program_id(0)
     bg = tl.program_id(1).to(tl.int64)
     nb = tl.program_id(2)
@@ -182,9 +246,8 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
     bc_mask = mask_tt[:, None] & mask_n[None, :]
     Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
     Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
-    Gnb = tl.dot(Ct, tl.trans(Bt), input_precision=PREC)  # [t, s], partial over this n tile
-    Bf = Bt.to(tl.float32)
-    Cf = Ct.to(tl.float32)
+    if DCS:
+        Gnb = tl.dot(Ct, tl.trans(Bt), input_precision=PREC)  # [t, s], partial over this n tile
     dB = tl.zeros([Q, BN], dtype=tl.float32)
     dC = tl.zeros([Q, BN], dtype=tl.float32)
     tt = tl.arange(0, Q)
@@ -225,20 +288,30 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
-        PG = Pm * Gnb
-        colPG = tl.sum(PG, axis=0)  # per s
-        rowPGdt = tl.sum(PG * dt[None, :], axis=1)  # per t
-        v = tl.sum(Cf * accDYS, axis=1) * win
-        u = tl.sum(Bf * accXS, axis=1)
-        ddt_direct = colPG + wend * u
-        endterm = wend * dt * u
-        dcs = rowPGdt - colPG * dt + v - endterm
-        dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
-        po = (bh * NNB + nb) * (NC * Q) + c * Q + tt
-        tl.store(ddt_ptr + po, ddt_direct)
-        tl.store(dcs_ptr + po, dcs)
+        if DCS:  # partial (over this n tile) direct dt gradient and d cs; v2 does these in the dx kernel
+            PG = Pm * Gnb
+            colPG = tl.sum(PG, axis=0)  # per s
+            rowPGdt = tl.sum(PG * dt[None, :], axis=1)  # per t
+            v = tl.sum(Ct.to(tl.float32) * accDYS, axis=1) * win
+            u = tl.sum(Bt.to(tl.float32) * accXS, axis=1)
+            ddt_direct = colPG + wend * u
+            endterm = wend * dt * u
+            dcs = rowPGdt - colPG * dt + v - endterm
+            dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
+            po = (bh * NNB + nb) * (NC * Q) + c * Q + tt
+            tl.store(ddt_ptr + po, ddt_direct)
+            tl.store(dcs_ptr + po, dcs)
     tl.store(dB_ptr + bc_base + bc_off, dB.to(dB_ptr.dtype.element_ty), mask=bc_mask)
     tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
+
+
+def bwd_variant() -> str:
+    """``v1`` (default, the version checked on the H200) or ``v2`` (experimental, CPU-interpreter tested only:
+    the decay-gradient terms move from ``_chunk_bwd_dbc`` to ``_chunk_bwd_dx_dcs``). Env ``HMSCALE_SSD_BWD``."""
+    v = os.environ.get("HMSCALE_SSD_BWD", "v1").lower()
+    if v not in ("v1", "v2"):
+        raise ValueError(f"HMSCALE_SSD_BWD must be v1 or v2, got {v!r}")
+    return v
 
 
 def dbc_config(n: int):
@@ -251,6 +324,8 @@ def dbc_config(n: int):
     if env:
         bp, bn, st, nw = (int(v) for v in env.split(","))
         return bp, min(bn, _pow2(n)), st, nw
+    if bwd_variant() == "v2":  # without the decay-gradient terms the kernel pipelines without spilling
+        return 16, min(64, _pow2(n)), 2, 8
     return 16, min(64, _pow2(n)), 1, 8
 
 
@@ -294,18 +369,31 @@ def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: b
                                    dinit if need_dinit else dst, dg, nc, PN, nblk,
                                    HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=4)
     dx = torch.empty_like(x)
-    _chunk_bwd_dx[(nc, b * h, triton.cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
-                                                  Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
-                                                  SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
-    nnb = triton.cdiv(n, BN_dbc)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
-    ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
-    dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
-    _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                     l, h, g, p, n, nc, nnb,
-                                     Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, SPREC=sprec_dbc,
-                                     IN_DTYPE=in_dtype, num_warps=warps_dbc, num_stages=stages_dbc)
+    dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype,
+                  num_warps=warps_dbc, num_stages=stages_dbc)
+    if bwd_variant() == "v2":
+        BP2 = min(64, _pow2(p))
+        npb = triton.cdiv(p, BP2)
+        ddt_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
+        dcs_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
+        _chunk_bwd_dx_dcs[(nc, b * h, npb)](x, dy, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
+                                           l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(32, _pow2(n)),
+                                           HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
+                                           num_warps=8)
+        nnb = triton.cdiv(n, BN_dbc)
+        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+                                         l, h, g, p, n, nc, nnb, SPREC=sprec, DCS=False, **dbc_kw)
+    else:
+        _chunk_bwd_dx[(nc, b * h, triton.cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
+                                                      Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
+                                                      SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
+        nnb = triton.cdiv(n, BN_dbc)
+        ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
+        dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
+        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+                                         l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     # d cs -> d a (reverse cumulative sum within each chunk), then dt and A
     dcs = dcs_part.sum(1).view(b, h, nc, Q)
     dg_tot = dg.sum(1).view(b, h, nc) * gdec.view(b, h, nc)

@@ -38,8 +38,10 @@ def _run(fn, ins, seq, opts, chunk, gy=None, gs=None):
     return y, s, dict(zip(leaves, grads)), gy, gs
 
 
+@pytest.mark.parametrize("bwd", ["v1", "v2"])
 @pytest.mark.parametrize("shape,chunk,opts", CASES)
-def test_triton_matches_reference(shape, chunk, opts):
+def test_triton_matches_reference(shape, chunk, opts, bwd, monkeypatch):
+    monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
     ins, seq = make_inputs(**shape, **opts, dtype=torch.float32)
     y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, opts, chunk)
     ins64 = {k: v.double() for k, v in ins.items()}
