@@ -124,16 +124,19 @@ def train_func(config: dict):
         from hmscale.train.stage1 import load_stage1_student, run_stage1
         from hmscale.train.stage2 import run_stage2
 
+        stages = tuple(config.get("stages", STAGES))
         stage, resume_path = pick_resume_point(run_dir, restored_dir, meta)
-        if rank == 0 and resume_path is not None:
+        if stage is not None and not (stage == "stage1" and _stage_done(run_dir, "stage1")) and stage in stages and rank == 0:
             print(f"[distill] resuming {stage} from {resume_path}", flush=True)
         student = None
-        if stage != "stage2" and not _stage_done(run_dir, "stage1"):
+        if "stage1" in stages and stage != "stage2" and not _stage_done(run_dir, "stage1"):
             s1 = run_stage1(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir if cfg.stage1.source == "cache" else None,
                             resume_from=resume_path if stage == "stage1" else None, resume=False,
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage1", rank, run_dir))
             student = s1.pop("student_model", None)
             results["stage1"] = s1
+        if "stage2" not in stages:
+            return results
         if student is None:
             student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
         s2 = run_stage2(cfg, run_dir, data=data, student=student,
@@ -147,11 +150,11 @@ def train_func(config: dict):
     if in_ray:
         import ray.train
 
-        ray.train.report({"done": True, "stage2_final_loss": results["stage2"].get("final_loss")})
+        ray.train.report({"done": True, **{f"{k}_final_loss": v.get("final_loss") for k, v in results.items()}})
     return results
 
 
-def prepare(cfg, log=print) -> dict:
+def prepare(cfg, log=print, stages=STAGES) -> dict:
     """Driver-side: data plan, teacher (pretrained/stored once), the cache when needed."""
     from hmscale.data import prepare_data
     from hmscale.teacher import get_teacher
@@ -159,23 +162,28 @@ def prepare(cfg, log=print) -> dict:
     data = prepare_data(cfg, log=log)
     teacher = get_teacher(cfg, data, log=log)
     cache_dir = None
-    if (cfg.stage1.source == "cache" and cfg.cache.enabled) or cfg.stage2.kd_weight > 0:
+    if ("stage1" in stages and cfg.stage1.source == "cache" and cfg.cache.enabled) or ("stage2" in stages and cfg.stage2.kd_weight > 0):
         from hmscale.teacher.cache import build_cache
 
         cache_dir = str(build_cache(cfg, data, teacher))
     return {"data": data, "teacher": teacher, "cache_dir": cache_dir}
 
 
-def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, log=print, storage_path: str | None = None) -> dict:
-    """Stage 1 + stage 2 with the configured engine; returns {"stage1": summary, "stage2": summary, ...}."""
+def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES, log=print,
+                storage_path: str | None = None) -> dict:
+    """Stage 1 + stage 2 (or the given `stages`) with the configured engine (parallel.engine);
+    returns {"stage1": summary, "stage2": summary, "seconds": ..., "run_dir": ...}."""
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise ValueError(f"stages: {bad} unknown; choose from {list(STAGES)}")
     from hmscale.config import save_resolved
 
     run_dir = Path(run_dir or cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
-    prep = prepare(cfg, log=log)
+    prep = prepare(cfg, log=log, stages=stages)
     config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
-              "fault": os.environ.get(FAULT_ENV)}
+              "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
     if cfg.parallel.engine == "local":
         if cfg.parallel.num_workers != 1:
@@ -219,11 +227,20 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     if result.error is not None:
         raise result.error
     out = {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None}
-    for stage in ("stage1", "stage2"):
+    for stage in stages:
         p = run_dir / stage / "summary.json"
         if p.exists():
             out[stage] = json.loads(p.read_text())
     return out
+
+
+def summary_line(res: dict) -> str:
+    parts = [f"[distill] done in {res['seconds']:.1f} s"]
+    if "stage1" in res:
+        parts.append(f"stage-1 loss {res['stage1'].get('final_loss'):.4g}, student in {Path(res['run_dir']) / 'stage1' / 'student'}")
+    if "stage2" in res:
+        parts.append(f"stage-2 loss {res['stage2'].get('final_loss'):.4g}, model in {Path(res['run_dir']) / 'stage2' / 'hf'}")
+    return parts[0] + (": " + "; ".join(parts[1:]) if len(parts) > 1 else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,15 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="YAML config (default: the embedded demo)")
     ap.add_argument("-s", "--set", dest="overrides", action="append", default=[], help="section.field=value (repeatable)")
     ap.add_argument("--run-dir", default=None, help="default: output_dir of the config")
+    ap.add_argument("--stages", default="stage1,stage2", help="comma-separated subset of stage1,stage2")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        res = run_distill(cfg, args.run_dir)
-    except (ConfigError, TrainingError) as err:
+        res = run_distill(cfg, args.run_dir, stages=tuple(args.stages.split(",")))
+    except (ConfigError, TrainingError, ValueError) as err:
         print(f"distill: error: {err}", file=sys.stderr)
         return 2
-    s2 = res.get("stage2", {})
-    print(f"[distill] done in {res['seconds']:.1f} s: stage-2 loss {s2.get('final_loss')}, model in {Path(res['run_dir']) / 'stage2' / 'hf'}")
+    print(summary_line(res))
     return 0
 
 

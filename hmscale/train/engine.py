@@ -396,7 +396,7 @@ def train_loop(
         loss_val = float(flat[0])
         metrics: dict[str, Any] = {"loss": loss_val}
         off = 1
-        for k in sorted(extra_sum):
+        for k in sorted(extra_sum):  # an extra named "loss" replaces the logged loss (e.g. layer-parallel stage 1)
             n = extra_sum[k].numel()
             chunk = flat[off : off + n]
             off += n
@@ -405,6 +405,7 @@ def train_loop(
             else:
                 for i, x in enumerate(chunk.tolist()):
                     metrics[f"{k}/{i}"] = x
+        loss_val = metrics["loss"]
         dt = time.perf_counter() - t0
         lr = engine.get_lr()[0] if engine.get_lr() else 0.0
         gn = engine.get_global_grad_norm()

@@ -86,11 +86,14 @@ class Stage1Trainable(nn.Module):
         self._config = student.config
         self._chunk = getattr(student, "chunk_size", 64)
         self._n_layers = student.config.num_hidden_layers
-        self._weights = {l: world / owners[l] / self._n_layers for l in self.layers}
+        # backward: every layer's loss weighs 1/n_layers whatever the layout (same gradients as one worker);
+        # logging: scaled so that the mean over ranks is each layer's mean over the ranks that own it
+        self._log_scale = {l: world / owners[l] for l in self.layers}
 
     def forward(self, attn_inputs: dict, targets: dict, positions: torch.Tensor | None = None):
         """attn_inputs {l: (b, L, d)}; targets {l: (b, m, h, p) at `positions` or None}.
-        Returns (weighted loss for backward, per-layer losses (n_layers,) for logging)."""
+        Returns (sum over this worker's layers of loss_l / n_layers, for backward;
+        per-layer losses (n_layers,), scaled for the cross-rank mean, for logging)."""
         from hmscale.models.hedgehog import hedgehog_layer_output, hedgehog_loss
 
         per_layer = torch.zeros(self._n_layers)
@@ -106,8 +109,8 @@ class Stage1Trainable(nn.Module):
                     o_lin = torch.gather(o_lin, 1, positions[:, :, None, None].expand(-1, -1, *o_lin.shape[2:]))
                 o_t = tgt
             loss_l = hedgehog_loss(o_lin, o_t.to(o_lin.dtype))
-            per_layer[l] = loss_l.detach().float().cpu() * (self._weights[l] * self._n_layers)
-            total = total + loss_l * self._weights[l]
+            per_layer[l] = loss_l.detach().float().cpu() * self._log_scale[l]
+            total = total + loss_l / self._n_layers
         return total, per_layer
 
 
@@ -299,7 +302,7 @@ def run_stage1(
             targets = {l: caps[l].attn_output for l in mine}
             positions = None
         loss, per_layer = engine(inputs, targets, positions)
-        return loss, {"layer_loss": per_layer}
+        return loss, {"layer_loss": per_layer, "loss": per_layer.sum() / n_layers}
 
     def client_state(step):
         return {"step": step, "samples_seen": bplan.samples_seen(step), "stage": "stage1", "total_steps": total_steps,

@@ -42,6 +42,15 @@ def main():
     results = []
     for run in spec["runs"]:
         cfg = build_config({}, run["overrides"])
+        if run.get("stage") == "stage1":  # online stage 1 on a seeded random teacher; per-layer losses
+            from hmscale.train.engine import read_metrics
+            from hmscale.train.stage1 import run_stage1
+
+            out = run_stage1(cfg, run["run_dir"], teacher=tiny_student().teacher, source=ArraySource(tokens()),
+                             resume=False)
+            recs = read_metrics(os.path.join(run["run_dir"], "stage1", "metrics.jsonl"))
+            results.append([[r[k] for k in sorted(r) if k.startswith("layer_loss/")] for r in recs])
+            continue
         out = run_stage2(cfg, run["run_dir"], student=tiny_student(), source=ArraySource(tokens()), resume=False,
                          export=run.get("export", False))
         results.append(out["losses"])

@@ -1,0 +1,62 @@
+"""engine=local: the same train function in one process, the real data -> teacher -> cache path,
+stage 1 from the cache, stage 2 with KD; the run-dir layout and the HF export; the CLI commands."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+def _overrides(tmp_path):
+    return [
+        "teacher.flavor=pythia-nano", "teacher.pretrain_steps=4", "teacher.pretrain_batch_size=8",
+        "tokenizer.vocab_size=512", "data.seq_len=64", "data.sequences_per_shard=16", "data.max_documents=40",
+        f"data.cache_dir={tmp_path / 'data'}", f"cache.root={tmp_path / 'cache'}", "cache.max_tokens=2048",
+        "cache.capture.dtype=float32", "cache.capture.topk=8", "cache.engine=local",
+        "stage1.steps=4", "stage1.micro_batch_size=4", "stage2.steps=4", "stage2.micro_batch_size=4",
+        "stage2.kd_weight=0.5", "stage2.eval_every=2", "eval.max_sequences=4", "parallel.checkpoint_every=2",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+
+
+def test_local_distill_layout_and_export(tmp_path, monkeypatch):
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    from hmscale.config import build_config
+    from ray_jobs.distill import run_distill
+
+    cfg = build_config({}, _overrides(tmp_path))
+    res = run_distill(cfg, log=lambda *a, **k: None)
+    run = tmp_path / "run"
+    assert res["stage1"]["done"] and res["stage1"]["mode"] == "cache" and res["stage2"]["done"]
+    for rel in ["config.yaml", "stage1/student/feature_maps.safetensors", "stage1/student/student.json",
+                "stage1/metrics.jsonl", "stage1/summary.json", "stage1/checkpoints/step_00000004/meta.json",
+                "stage2/metrics.jsonl", "stage2/summary.json", "stage2/hf/config.json",
+                "stage2/checkpoints/step_00000004/meta.json"]:
+        assert (run / rel).exists(), rel
+    assert list((run / "stage1" / "tb").iterdir()) and list((run / "stage2" / "tb").iterdir())
+    recs = [json.loads(l) for l in (run / "stage2" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "eval" and "val_loss" in r for r in recs)
+    assert all("kd" in r and "ce" in r for r in recs if r["kind"] == "train")
+    # the export loads with transformers and matches the trained model's validation loss
+    from transformers import AutoModelForCausalLM
+
+    import hmscale.models  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(str(run / "stage2" / "hf")).eval()
+    x = torch.randint(0, 512, (1, 16))
+    assert model(input_ids=x).logits.shape == (1, 16, model.config.vocab_size)
+    # a rerun into the same directory resumes: nothing left to train
+    res2 = run_distill(cfg, log=lambda *a, **k: None)
+    assert "stage1" not in res2 and res2["stage2"]["start_step"] == 4
+
+
+def test_cli_stage2_without_stage1_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    from hmscale.cli import main
+
+    ov = [a for o in _overrides(tmp_path) if not o.startswith("stage2.kd_weight") for a in ("-s", o)]
+    rc = main(["stage2", *ov, "-s", "stage2.kd_weight=0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and err.startswith("hmscale: error: no stage-1 student"), err
