@@ -354,27 +354,43 @@ def tokens_per_second(flavor: Flavor | Size | str, settings: PlanSettings | None
     return out
 
 
-def load_throughput(path: str | Path) -> dict:
-    """A measured-throughput table from JSON ``{size: {stage: tok/s}}`` or CSV ``size,stage,tokens_per_s``."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"throughput table {str(p)!r} does not exist")
-    if p.suffix == ".json":
-        raw = json.loads(p.read_text())
-    else:
-        raw = {}
-        with p.open() as fh:
-            for row in csv.DictReader(fh):
-                raw.setdefault(row["size"], {})[row["stage"]] = float(row["tokens_per_s"])
-    out = {}
-    for size, stages in raw.items():
-        from scaling.registry import canonical_name
+def load_throughput(*paths: str | Path) -> dict:
+    """Measured tokens/s per GPU: ``{size: {stage: tok/s}}``, merged over the files given.
 
-        key = size if size == "*" else canonical_name(size)
-        bad = set(stages) - set(STAGES)
-        if bad:
-            raise ValueError(f"throughput table: unknown stage(s) {sorted(bad)} for {size}; use {', '.join(STAGES)}")
-        out[key] = {k: float(v) for k, v in stages.items()}
+    Accepted: JSON ``{size: {stage: tok/s}}`` (``"*"`` = every size); CSV ``size,stage,tokens_per_s``;
+    and the JSON the repo's benchmarks write: ``benchmarks/train_throughput.py`` (rows
+    ``{"model": "<size> hedgemamba", "tokens_per_s": ..}`` -> stage2) and
+    ``benchmarks/cache_throughput.py`` (``{"teacher": size, "cache_tok_s": ..}`` -> cache).
+    """
+    from scaling.registry import canonical_name
+
+    out: dict = {}
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"throughput table {str(p)!r} does not exist")
+        raw: dict = {}
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+            if isinstance(data, dict) and isinstance(data.get("rows"), list):  # train_throughput.py
+                for r in data["rows"]:
+                    name, _, kind = str(r.get("model", "")).partition(" ")
+                    if kind == "hedgemamba" and r.get("tokens_per_s"):
+                        raw.setdefault(name, {})["stage2"] = r["tokens_per_s"]
+            elif isinstance(data, dict) and "cache_tok_s" in data and "teacher" in data:  # cache_throughput.py
+                raw[data["teacher"]] = {"cache": data["cache_tok_s"]}
+            else:
+                raw = data
+        else:
+            with p.open() as fh:
+                for row in csv.DictReader(fh):
+                    raw.setdefault(row["size"], {})[row["stage"]] = float(row["tokens_per_s"])
+        for size, stages in raw.items():
+            key = size if size == "*" else canonical_name(size)
+            bad = set(stages) - set(STAGES)
+            if bad:
+                raise ValueError(f"throughput table {p}: unknown stage(s) {sorted(bad)} for {size}; use {', '.join(STAGES)}")
+            out.setdefault(key, {}).update({k: float(v) for k, v in stages.items()})
     return out
 
 

@@ -188,14 +188,21 @@ def test_real_recipe_sweep_on_ray_end_to_end(tmp_path, ray_cluster):
     # the rerun (through the job entry point) skips every finished size
     mtimes = {s: (out / "runs" / s / "results.json").stat().st_mtime for s in MINIS}
     t1 = time.time()
-    rc = job_main(["--sizes", "miniatures", "--out", str(out), *sum((["--set", o] for o in TINY), [])])
+    rc = job_main(["--sizes", "nano,micro", "mini", "--out", str(out), *sum((["--set", o] for o in TINY), [])])
     assert rc == 0
     again = json.loads((out / "results.json").read_text())
     assert [r["status"] for r in again] == ["skipped"] * 3
     assert {s: (out / "runs" / s / "results.json").stat().st_mtime for s in MINIS} == mtimes
     assert time.time() - t1 < 30 and first < 170
-    # every size's teacher cache lives under the one shared root
-    assert Path(rows[0]["run_dir"]).parent.parent.joinpath("cache").is_dir()
+    # every size's teacher cache lives under the one shared root, one entry per teacher
+    root = out / "cache"
+    assert all(Path(r["cache_dir"]).parent == root for r in rows)
+    assert len({r["cache_dir"] for r in rows}) == 3
+    # another study pointed at the same roots shares the teacher and its cache instead of rebuilding
+    entries = sorted(p.name for p in root.iterdir())
+    other = run_sweep(["nano"], tmp_path / "other", overrides=TINY + [f"cache.root={root}", f"data.cache_dir={out / 'data-cache'}"])
+    assert other[0]["status"] == "done" and other[0]["cache_dir"] == rows[0]["cache_dir"]
+    assert sorted(p.name for p in root.iterdir()) == entries
 
 
 def test_job_entry_rejects_bad_input(tmp_path, capsys):
