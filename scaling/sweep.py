@@ -195,8 +195,11 @@ def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
         from scaling.planner import count_params
 
         row["params"] = count_params(size.flavor, int(vocab))
-    if isinstance(stages.get("cache"), dict) and stages["cache"].get("dir"):
-        row["cache_dir"] = stages["cache"]["dir"]
+    for st, rec in stages.items():  # where the teacher cache of this run lives
+        if isinstance(rec, dict) and (rec.get("cache_dir") or (st == "cache" and rec.get("dir"))):
+            row["cache_dir"] = rec.get("cache_dir") or rec.get("dir")
+    if isinstance(results.get("cache_dir"), str):
+        row["cache_dir"] = results["cache_dir"]
     wall = _pick(flat, "wall_s", "wall_seconds", "wall_time_s", "total_wall_s", "wall_total", "wall_time_total", "wall_s_total", "total_s")
     if wall is None and stages:
         wall = sum(v for k, v in row.items() if k.startswith("wall_") and k.endswith("_s")) or None
@@ -267,8 +270,11 @@ def _ensure_ray(address: str | None, num_cpus: int | None):
     import ray
 
     if not ray.is_initialized():
+        # no address: RAY_ADDRESS (set by `ray job submit`), else a fresh embedded cluster. Never
+        # ray.init(address=None): that attaches to whatever Ray instance happens to run on the host.
+        address = address or os.environ.get("RAY_ADDRESS") or "local"
         kw: dict = dict(address=address, ignore_reinit_error=True, log_to_driver=True)
-        if address is None:
+        if address == "local":
             kw.update(include_dashboard=False)
             if num_cpus is not None:
                 kw["num_cpus"] = num_cpus

@@ -124,7 +124,8 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        # address="local": a fresh cluster of our own, never another process's Ray on the same host
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     if started:
         ray.shutdown()
