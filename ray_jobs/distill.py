@@ -99,8 +99,8 @@ def train_func(config: dict):
             ctx = ckpt.as_directory()
             restored_dir = Path(ctx.__enter__())
             meta = json.loads((restored_dir / "meta.json").read_text()) if (restored_dir / "meta.json").exists() else {}
-            print(f"[distill] rank {ray.train.get_context().get_world_rank()}: resuming {meta.get('stage')} "
-                  f"from step {meta.get('step')} ({restored_dir})", flush=True)
+            print(f"[distill] rank {ray.train.get_context().get_world_rank()}: Ray restored the {meta.get('stage')} "
+                  f"checkpoint of step {meta.get('step')} ({restored_dir})", flush=True)
 
         def report(step, path, metrics):
             ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(str(path)))
@@ -227,7 +227,7 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     if result.error is not None:
         raise result.error
     out = {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None}
-    for stage in stages:
+    for stage in config["stages"]:
         p = run_dir / stage / "summary.json"
         if p.exists():
             out[stage] = json.loads(p.read_text())
