@@ -37,6 +37,17 @@ def _save(fig, path: Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
+def _log_axis(ax, axis: str, values: list[float]) -> None:
+    """Log scale; minor tick labels only when the data spans less than a decade (else they collide)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    getattr(ax, f"set_{axis}scale")("log")
+    vals = [v for v in values if v and v > 0]
+    narrow = bool(vals) and max(vals) / min(vals) < 10
+    fmt = FuncFormatter(lambda v, _: f"{v:.3g}") if narrow else NullFormatter()
+    getattr(ax, f"{axis}axis").set_minor_formatter(fmt)
+
+
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
@@ -54,8 +65,8 @@ def plot_ppl_vs_params(rows: list[dict], path: str | Path) -> Path:
             any_point = True
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
     if any_point:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_axis(ax, "x", [_f(r.get("params")) for r in rows])
+        _log_axis(ax, "y", [_f(r.get(k)) for r in rows for k in ("teacher_ppl", "hedgehog_ppl", "hedgemamba_ppl")])
         ax.legend()
         for r in rows:
             x, y = _f(r.get("params")), _f(r.get("teacher_ppl"))
@@ -78,7 +89,7 @@ def plot_gap_vs_tokens(rows: list[dict], path: str | Path) -> Path:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts])
         for x, y, name in pts:
             ax.annotate(str(name).replace("pythia-", ""), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xscale("log")
+        _log_axis(ax, "x", [p[0] for p in pts])
         ax.axhline(0.0, color="gray", lw=0.8)
     else:
         _empty(ax, "no finished sizes yet")

@@ -84,6 +84,11 @@ def size_config(
     """The RunConfig of one size in a sweep (see the module docstring)."""
     size = size if isinstance(size, Size) else get_size(size)
     overrides = list(overrides)
+    for key, why in (("teacher.flavor", "the sizes pick the teachers: use --sizes"),
+                     ("teacher.name_or_path", "the sizes pick the teachers: use --sizes"),
+                     ("output_dir", "each size runs in OUT/runs/<size>: use --out")):
+        if _has_key({}, overrides, key) or (key == "output_dir" and "output_dir" in (base_tree or {})):
+            raise ValueError(f"{key}: set per size by the sweep; {why}")
     out = Path(out_dir).expanduser().resolve()
     tree = copy.deepcopy(base_tree or {})
     teacher = tree.setdefault("teacher", {})

@@ -61,6 +61,9 @@ def test_size_config(tmp_path):
     c2 = size_config("micro", tmp_path, overrides=["budget.total_tokens=999", "cache.root=/tmp/x"])
     assert c2.budget.total_tokens == 999 and c2.cache.root == "/tmp/x"
     assert default_resources(cfg) == {"num_cpus": 1, "num_gpus": 0}
+    for bad in ("teacher.flavor=pythia-mini", "output_dir=/tmp/y"):
+        with pytest.raises(ValueError, match="set per size"):
+            size_config("nano", tmp_path, overrides=[bad])
     # GPU runs get the planner's layout
     g = size_config("12b", tmp_path, overrides=["parallel.use_gpu=true"])
     assert g.parallel.num_workers > 1 and (g.parallel.tp > 1 or g.parallel.zero_stage == 3) and g.parallel.engine == "ray"
