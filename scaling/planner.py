@@ -9,8 +9,9 @@ Parameter counts
     published Pythia counts exactly.
     Student (HedgeMamba): the teacher's weights plus, per layer, the Hedgehog feature maps
     ``H (F P + F)``, the depthwise causal conv on q,k,v ``3 d w + 3 d``, the gate projection
-    ``d^2 + d`` (Mamba-2 style z branch) and the SSM's per-head ``A`` and dt bias plus a dt projection
-    ``d H + 2 H``. Components switched off drop their terms.
+    ``d^2 + d`` (Mamba-2 style z branch) and the SSM's dt projection ``d H + H`` plus per-head
+    ``A_log``, ``A_scale`` and ``D`` (``3 H``). Components switched off drop their terms. This is
+    exactly what `hmscale.models.convert.to_hedgemamba` builds (tested).
 
 Memory per GPU (bytes; bf16 mixed precision with Adam, the ZeRO paper's accounting)
     parameters 2 B/param, gradients 2 B/trainable param, optimizer 12 B/trainable param (fp32 master,
@@ -177,7 +178,7 @@ def student_param_breakdown(flavor: Flavor | Size | str, settings: PlanSettings 
         "feature_maps": L * H * (F * P + F),
         "conv": L * (3 * d * s.conv_width + 3 * d) if s.conv else 0,
         "gate": L * (d * d + d) if s.gate else 0,
-        "ssm": L * (d * H + 2 * H) if s.ssm else 0,
+        "ssm": L * (d * H + 4 * H) if s.ssm else 0,  # dt projection (weight + bias), A_log, A_scale, D
     }
     parts["total"] = sum(parts.values())
     frozen = parts["embed_in"] + (parts["embed_out"] if s.freeze_embed_out else 0)

@@ -52,6 +52,17 @@ def test_param_count_matches_a_real_model():
         assert sum(p.numel() for p in model.parameters()) == count_params(name)
 
 
+@pytest.mark.parametrize("components", [{}, {"gate": False}, {"conv": False}, {"ssm": False}])
+def test_student_param_count_matches_the_real_hedgemamba(components):
+    convert = pytest.importorskip("hmscale.models.convert")
+    from transformers import GPTNeoXForCausalLM
+
+    teacher = GPTNeoXForCausalLM(neox_config("pythia-micro"))
+    model = convert.to_hedgemamba(convert.to_hedgehog(teacher), components=dict(components))
+    real = sum(p.numel() for p in model.parameters())
+    assert real == student_param_breakdown("pythia-micro", PlanSettings(**components))["total"]
+
+
 def test_student_params_add_the_new_parts():
     parts = student_param_breakdown("pythia-1b")
     assert parts["total"] == count_params("pythia-1b") + parts["feature_maps"] + parts["conv"] + parts["gate"] + parts["ssm"]
