@@ -170,9 +170,10 @@ def prepare(cfg, log=print, stages=STAGES) -> dict:
 
 
 def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES, log=print,
-                storage_path: str | None = None) -> dict:
+                storage_path: str | None = None, prepared: dict | None = None) -> dict:
     """Stage 1 + stage 2 (or the given `stages`) with the configured engine (parallel.engine);
-    returns {"stage1": summary, "stage2": summary, "seconds": ..., "run_dir": ...}."""
+    returns {"stage1": summary, "stage2": summary, "seconds": ..., "run_dir": ...}.
+    prepared: the result of `prepare(cfg)` when the caller already has it (skips doing it again)."""
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise ValueError(f"stages: {bad} unknown; choose from {list(STAGES)}")
@@ -181,7 +182,7 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
     run_dir = Path(run_dir or cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
-    prep = prepare(cfg, log=log, stages=stages)
+    prep = prepared if prepared is not None else prepare(cfg, log=log, stages=stages)
     config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
               "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
