@@ -68,12 +68,18 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
         address = f"http://{address}"
     client = JobSubmissionClient(address, headers=headers)
     entrypoint = "python -m ray_jobs.run_recipe"
-    job_id = client.submit_job(
-        entrypoint=entrypoint,
-        runtime_env={"working_dir": working_dir, "excludes": EXCLUDES,
-                     "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1"}},
-        metadata={"hmscale_run": cfg.output_dir},
-    )
+    runtime_env = {"working_dir": working_dir, "excludes": EXCLUDES,
+                   "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1"}}
+    deadline = time.time() + 120
+    while True:
+        try:
+            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                       metadata={"hmscale_run": cfg.output_dir})
+            break
+        except RuntimeError as err:  # a head node that just started has no job agent yet
+            if "No available agent" not in str(err) or time.time() > deadline:
+                raise SubmitError(f"the cluster at {address} refused the job: {str(err).splitlines()[0]}") from None
+            time.sleep(3)
     log(f"[submit] job {job_id} submitted to {address}: {entrypoint} (output_dir={cfg.output_dir})")
     if not follow:
         return "PENDING"

@@ -1,0 +1,81 @@
+"""`hmscale submit` against a real local head node (`ray start --head` with the dashboard)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hmscale.config import build_config
+from hmscale.submit import SubmitError, decode_config, encode_config, submit
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = [
+    "teacher.flavor=pythia-nano", "tokenizer.vocab_size=300", "data.seq_len=32", "data.max_documents=12",
+    "data.sequences_per_shard=8", "teacher.pretrain_steps=3", "budget.total_tokens=1024", "eval.max_sequences=2",
+    "stage1.micro_batch_size=2", "stage2.micro_batch_size=2", "stage2.warmup_steps=1", "parallel.engine=local",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_config_travels_through_the_job_environment():
+    cfg = build_config(overrides=["seed=5", "stage2.lr=3e-4"])
+    assert build_config(decode_config(encode_config(cfg))) == cfg
+
+
+def test_remote_address_without_token_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    with pytest.raises(SubmitError, match="token"):
+        submit(build_config(), "http://10.1.2.3:8265", follow=False)
+
+
+@pytest.mark.ray
+def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
+    ray_bin = Path(sys.executable).with_name("ray")
+    gcs, dash = _free_port(), _free_port()
+    # the cluster's `python` is this environment's (as on a real cluster with hmscale's dependencies installed)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    subprocess.run(
+        [str(ray_bin), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats"],
+        env=env, check=True, capture_output=True, timeout=180,
+    )
+    out = tmp_path / "run"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        from hmscale.submit import find_token
+
+        token = find_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        deadline = time.time() + 120
+        while True:
+            try:
+                JobSubmissionClient(f"http://127.0.0.1:{dash}", headers=headers).list_jobs()
+                break
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
+        overrides = TINY + [f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", f"cache.root={tmp_path / 'tc'}"]
+        cmd = [sys.executable, "-m", "hmscale.cli", "submit", "--address", f"http://127.0.0.1:{dash}", "--timeout", "400"]
+        for o in overrides:
+            cmd += ["-s", o]
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "SUCCEEDED" in r.stdout
+        results = json.loads((out / "results.json").read_text())
+        assert results["hedgemamba_ppl"] > 1 and results["teacher_ppl"] > 1
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
