@@ -348,12 +348,18 @@ def _gather_feature_maps(engine, student, mine, layout, zero_stage):
     if layout.world > 1 and len(mine) < student.config.num_hidden_layers:
         gathered = [None] * layout.world
         dist.all_gather_object(gathered, local)
-        for part in gathered:
-            for l, st in part.items():
-                student.feature_maps[l].load_state_dict(st)
+        states = {l: st for part in gathered for l, st in part.items()}
     else:
-        for l, st in local.items():
-            student.feature_maps[l].load_state_dict(st)
+        states = local
+    if zero_stage >= 3:
+        # the engine's modules hold partitioned (empty) parameters: give the student fresh, full ones
+        from hmscale.models.feature_map import HedgehogFeatureMap
+
+        old = student.feature_maps
+        fresh = nn.ModuleList(HedgehogFeatureMap(m.n_heads, m.head_dim, m.feature_dim) for m in old)
+        student.feature_maps = fresh.to(next(student.teacher.parameters()).device)
+    for l, st in states.items():
+        student.feature_maps[l].load_state_dict(st)
 
 
 class _null:

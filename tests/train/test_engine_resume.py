@@ -120,6 +120,19 @@ def test_stage1_online_resume_and_export(tmp_path):
         torch.testing.assert_close(a, b)
 
 
+def test_stage1_zero3_matches_zero2_and_exports_full_maps(tmp_path):
+    from hmscale.train.stage1 import run_stage1
+
+    teacher = tiny_student()[0]
+    out = {}
+    for z in (2, 3):
+        cfg = _cfg(["stage1.source=online", "stage1.steps=3", f"parallel.zero_stage={z}"])
+        out[z] = run_stage1(cfg, tmp_path / f"z{z}", teacher=teacher, source=ArraySource(toks()))
+    assert rel_err(out[3]["losses"], out[2]["losses"]) <= 1e-5
+    for a, b in zip(out[3]["student_model"].feature_maps.parameters(), out[2]["student_model"].feature_maps.parameters()):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------- NaN / inf
 
 
