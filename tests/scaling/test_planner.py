@@ -194,3 +194,20 @@ def test_cli_plan_writes_table_csv_json(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(app, ["scale", "plan", "--sizes", "13b"])
     assert bad.exit_code == 2
+
+
+def test_activation_estimate_matches_the_h200_measurement():
+    """The planner's activation bytes per token vs benchmarks/train_throughput.py on an H200 (within 5 %)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scaling" / "calibration" / "train_throughput_h200_2026-11-29.json"
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) >= 3
+    for r in rows:
+        name = r["model"].split()[0]
+        s = PlanSettings(micro_batch=r["micro_batch"], seq_len=r["seq"])
+        est = train_memory(name, 1, 1, 0, False, s)["activations"] / (r["micro_batch"] * r["seq"])
+        assert abs(est - r["act_bytes_per_token"]) / r["act_bytes_per_token"] < 0.05, name
+        assert abs(student_param_breakdown(name)["total"] - r["params"]) / r["params"] < 1e-3, name
+    # the same file works as a measured-throughput table
+    assert load_throughput(path)["pythia-1b"]["stage2"] == pytest.approx(rows[2]["tokens_per_s"])
