@@ -14,7 +14,7 @@ def _overrides(tmp_path):
         "teacher.flavor=pythia-nano", "teacher.pretrain_steps=4", "teacher.pretrain_batch_size=8",
         "tokenizer.vocab_size=512", "data.seq_len=64", "data.sequences_per_shard=16", "data.max_documents=40",
         f"data.cache_dir={tmp_path / 'data'}", f"cache.root={tmp_path / 'cache'}", "cache.max_tokens=2048",
-        "cache.capture.dtype=float32", "cache.capture.topk=8", "cache.engine=local",
+        "cache.capture.dtype=float32", "cache.capture.topk=8", "cache.engine=local", "cache.capture.token_fraction=0.5",
         "stage1.steps=4", "stage1.micro_batch_size=4", "stage2.steps=4", "stage2.micro_batch_size=4",
         "stage2.kd_weight=0.5", "stage2.eval_every=2", "eval.max_sequences=4", "parallel.checkpoint_every=2",
         f"output_dir={tmp_path / 'run'}",
