@@ -28,21 +28,35 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
+def _kv_step(teacher):
+    """One decode step of the HF teacher with its KV cache (the keyword is `cache` in newer transformers)."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(teacher.forward).parameters else "past_key_values"
+
+    def step(tok, past):
+        out = teacher(input_ids=tok, use_cache=True, **{key: past})
+        past = getattr(out, "cache", None) or out.past_key_values
+        return past, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return step
+
+
 @torch.no_grad()
 def time_teacher(teacher, ctx_ids, new: int, dev) -> dict:
-    out = teacher(input_ids=ctx_ids, use_cache=True)
-    past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    step = _kv_step(teacher)
+    past, tok = step(ctx_ids, None)
     for _ in range(3):  # warm-up steps (the cache grows by 3 tokens; negligible)
-        out = teacher(input_ids=tok, cache=past, use_cache=True)
-        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        past, tok = step(tok, past)
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(new):
-        out = teacher(input_ids=tok, cache=past, use_cache=True)
-        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        past, tok = step(tok, past)
     _sync(dev)
     dt = (time.perf_counter() - t0) / new
-    kv = sum(t.numel() * t.element_size() for layer in past.layers for t in (layer.keys, layer.values))
+    c = teacher.config
+    ctx = ctx_ids.shape[1] + new + 3
+    kv = 2 * c.num_hidden_layers * ctx_ids.shape[0] * ctx * c.hidden_size * next(teacher.parameters()).element_size()
     return {"ms_per_token": dt * 1e3, "tokens_per_s": ctx_ids.shape[0] / dt, "state_bytes": kv}
 
 

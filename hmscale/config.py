@@ -48,6 +48,7 @@ class TokenizerConfig(_Section):
 
 class DataConfig(_Section):
     source: Literal["embedded", "hf", "files"] = "embedded"
+    include_site_packages: bool = False  # embedded: also the installed packages' Python sources
     dataset: str | None = None  # hf: dataset name
     dataset_config: str | None = None
     split: str = "train"

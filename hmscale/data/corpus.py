@@ -20,8 +20,15 @@ SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 TEST_DIRS = {"test", "tests", "idle_test"}
 
 
+SITE_PREFIX = "site-packages/"
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+def site_packages_root() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
 
 
 def list_stdlib_files(root: str | os.PathLike | None = None, include_tests: bool = False) -> list[str]:
@@ -62,10 +69,13 @@ class EmbeddedCorpus:
     max_documents: int | None = None  # cap on train documents (validation gets the proportional share)
     include_tests: bool = False
     root: Path | None = None
+    include_site_packages: bool = False  # also the installed packages' sources ("site-packages/<path>")
 
     def __post_init__(self):
         self.root = Path(self.root) if self.root is not None else stdlib_root()
         self._all = list_stdlib_files(self.root, self.include_tests)
+        if self.include_site_packages:
+            self._all += [f"{SITE_PREFIX}{f}" for f in list_stdlib_files(site_packages_root(), self.include_tests)]
         if not self._all:
             raise FileNotFoundError(f"no Python sources under {self.root}; the embedded corpus needs the stdlib sources")
 
@@ -76,8 +86,13 @@ class EmbeddedCorpus:
         cap = self.max_documents if split == "train" else val_cap(self.max_documents, self.val_fraction)
         return chosen[:cap] if cap is not None else chosen
 
+    def path(self, rel: str) -> Path:
+        if rel.startswith(SITE_PREFIX):
+            return site_packages_root() / rel[len(SITE_PREFIX):]
+        return self.root / rel
+
     def read(self, rel: str) -> str:
-        return (self.root / rel).read_text(encoding="utf-8", errors="replace")
+        return self.path(rel).read_text(encoding="utf-8", errors="replace")
 
     def documents(self, split: str) -> list[str]:
         return [self.read(f) for f in self.files(split)]
@@ -86,7 +101,7 @@ class EmbeddedCorpus:
         """sha256 over (relative path, size) of a split's files: cheap identity for cache keys."""
         h = hashlib.sha256()
         for f in self.files(split):
-            h.update(f"{f}\0{(self.root / f).stat().st_size}\n".encode())
+            h.update(f"{f}\0{self.path(f).stat().st_size}\n".encode())
         return h.hexdigest()
 
     @property
@@ -95,4 +110,5 @@ class EmbeddedCorpus:
         return (
             f"embedded:stdlib-py{v.major}.{v.minor}.{v.micro}:val={self.val_fraction}:"
             f"max_documents={self.max_documents}:tests={self.include_tests}"
+            + (":site-packages" if self.include_site_packages else "")
         )

@@ -38,8 +38,9 @@ class TextSource:
 
 
 class EmbeddedSource(TextSource):
-    def __init__(self, val_fraction: float = 0.05, max_documents: int | None = None, include_tests: bool = False, root=None):
-        self.corpus = EmbeddedCorpus(val_fraction, max_documents, include_tests, root)
+    def __init__(self, val_fraction: float = 0.05, max_documents: int | None = None, include_tests: bool = False, root=None,
+                 include_site_packages: bool = False):
+        self.corpus = EmbeddedCorpus(val_fraction, max_documents, include_tests, root, include_site_packages)
         self.description = self.corpus.description
 
     def documents(self, split: str) -> list[str]:
@@ -167,7 +168,8 @@ class FileSource(_TableSource):
 def source_from_config(data_cfg) -> TextSource:
     """Build the source a `DataConfig` describes."""
     if data_cfg.source == "embedded":
-        return EmbeddedSource(data_cfg.val_fraction, data_cfg.max_documents)
+        return EmbeddedSource(data_cfg.val_fraction, data_cfg.max_documents,
+                              include_site_packages=data_cfg.include_site_packages)
     if data_cfg.source == "hf":
         return HFSource(data_cfg.dataset, data_cfg.dataset_config, data_cfg.split, data_cfg.text_field,
                         data_cfg.val_fraction, data_cfg.max_documents)

@@ -24,9 +24,11 @@ def teacher_cache_dir(cfg, data) -> Path:
     return Path(cfg.data.cache_dir) / "teachers" / f"{cfg.teacher.flavor}-{key}"
 
 
-def get_teacher(cfg, data, device="cpu", log=print):
+def get_teacher(cfg, data, device=None, log=print):
     """The run's teacher, frozen and in eval mode (see the module docstring)."""
     t = cfg.teacher
+    if device is None:
+        device = "cuda" if cfg.parallel.use_gpu else "cpu"
     if t.name_or_path:
         model = load_teacher(t.name_or_path, t.dtype, device)
         if model.config.vocab_size < data.vocab_size:
@@ -48,6 +50,7 @@ def get_teacher(cfg, data, device="cpu", log=print):
             model, stats = pretrain_teacher(
                 t.flavor, data.vocab_size, data.plan.all_tokens(), steps=t.pretrain_steps, seconds=t.pretrain_seconds,
                 lr=t.pretrain_lr, batch_size=t.pretrain_batch_size, seed=cfg.seed, val_tokens=data.val_tokens, log=log,
+                device=device,
             )
             model.save_pretrained(tmp)
             if hasattr(data.tokenizer, "save_pretrained"):  # self-contained: usable as teacher.name_or_path

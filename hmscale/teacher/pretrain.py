@@ -7,6 +7,7 @@ validation perplexity next to a unigram model's on the same targets (the bar it 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -55,7 +56,7 @@ def lr_at(step: int, progress: float, lr: float, warmup: int, min_ratio: float =
 def pretrain_teacher(flavor, vocab_size: int, train_tokens: np.ndarray, *, steps: int = 300, seconds: float = 90.0,
                      lr: float = 3e-3, batch_size: int = 16, seed: int = 0, val_tokens: np.ndarray | None = None,
                      log=print, warmup: int | None = None, weight_decay: float = 0.1, grad_clip: float = 1.0,
-                     eval_rows: int = 128):
+                     eval_rows: int = 128, device: str = "cpu"):
     """Pretrain a fresh miniature GPTNeoXForCausalLM on rows of train_tokens (int32 [n, L]).
 
     Stops at `steps` optimizer steps or after `seconds` of training, whichever comes first.
@@ -73,8 +74,10 @@ def pretrain_teacher(flavor, vocab_size: int, train_tokens: np.ndarray, *, steps
         raise ValueError(f"token ids exceed vocab_size={vocab_size}")
     torch.manual_seed(seed)
     config = neox_config(f, vocab_size)
-    model = GPTNeoXForCausalLM(config)
+    model = GPTNeoXForCausalLM(config).to(device)
     model.train()
+    # on CUDA: bf16 autocast (fp32 master weights); on CPU: plain fp32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else contextlib.nullcontext()
     decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and "embed" not in name]
     no_decay = [p for name, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in name)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -96,18 +99,21 @@ def pretrain_teacher(flavor, vocab_size: int, train_tokens: np.ndarray, *, steps
         for group in opt.param_groups:
             group["lr"] = cur_lr
         rows = np.sort(rng.integers(0, n, size=batch_size))
-        ids = torch.as_tensor(np.asarray(train_tokens[rows]), dtype=torch.long)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        ids = torch.as_tensor(np.asarray(train_tokens[rows]), dtype=torch.long).to(device, non_blocking=True)
+        with autocast:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.detach())
         step += 1
         if time.perf_counter() - t0 >= next_report:
+            losses = [float(x) for x in losses]
             log(f"[teacher]   step {step}  loss {np.mean(losses[-10:]):.3f}  lr {cur_lr:.2e}  "
                 f"{time.perf_counter() - t0:.0f} s")
             next_report += 15.0
+    losses = [float(x) for x in losses]
     train_seconds = time.perf_counter() - t0
     model.eval()
     for p in model.parameters():

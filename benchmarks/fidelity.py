@@ -1,0 +1,145 @@
+"""Fidelity benchmark: how close HedgeMamba gets to its teacher, with the paper's ablations.
+
+    python benchmarks/fidelity.py                 # one H200, ~10 minutes
+    python benchmarks/fidelity.py --smoke         # CPU, tiny, checks the plumbing
+
+1. Pretrain a Pythia-70m-shaped teacher (6 layers, d 512, 8 heads; BPE vocab 8192) on this
+   machine's Python sources (standard library + site-packages, split by a hash of the file path).
+2. Distil it with ~3% of the teacher's pretraining tokens, through the real recipe code
+   (`ray_jobs.distill.run_distill`, local engine, DeepSpeed, our kernels), five ways:
+     hedgemamba   stage split 10/90, every component on
+     split_0_100  no stage 1 (feature maps start at identity)
+     split_100_0  no stage 2 (the converted stage-1 model, not fine-tuned)
+     no_gate      10/90 without the gate
+     hedgehog     10/90 with gate, conv and SSM (decay/dt) off: the Hedgehog linear-attention model fine-tuned
+3. Print validation perplexities next to the paper's (Pythia-1B, 10B tokens of OpenWebText).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PAPER = {  # perplexities reported by the HedgeMamba paper (Pythia-1B teacher, OpenWebText)
+    "teacher": 13.86, "hedgemamba": 14.11, "hedgehog": 14.89, "split_0_100": 17.08, "split_100_0": 25.71,
+}
+
+ABLATIONS = {
+    "hedgemamba": [],
+    "split_0_100": ["budget.split=[0.0,1.0]"],
+    "split_100_0": ["budget.split=[1.0,0.0]"],
+    "no_gate": ["stage2.components.gate=false"],
+    "hedgehog": ["stage2.components.gate=false", "stage2.components.conv=false", "stage2.components.ssm=false"],
+}
+
+
+def base_overrides(args) -> list[str]:
+    if args.smoke:
+        return [
+            "teacher.flavor=pythia-nano", "tokenizer.vocab_size=512", "data.seq_len=64", "data.max_documents=60",
+            "teacher.pretrain_steps=30", "teacher.pretrain_seconds=20", "teacher.pretrain_batch_size=8",
+            "stage1.micro_batch_size=4", "stage2.micro_batch_size=4", "stage2.warmup_steps=2", "stage2.eval_every=1000",
+            "parallel.engine=local", "parallel.zero_stage=1", "cache.enabled=false", "stage1.source=online",
+        ]
+    return [
+        "teacher.flavor=pythia-70m-local", "tokenizer.vocab_size=8192", "data.seq_len=512",
+        "data.include_site_packages=true", f"data.max_documents={args.max_documents}", "data.val_fraction=0.02",
+        f"teacher.pretrain_seconds={args.teacher_seconds}", "teacher.pretrain_steps=100000",
+        "teacher.pretrain_batch_size=64", "teacher.pretrain_lr=1e-3",
+        "stage1.micro_batch_size=16", "stage1.lr=1e-2", "stage2.micro_batch_size=16", "stage2.lr=1e-3",
+        "stage2.warmup_steps=20", "stage2.eval_every=100000",
+        "parallel.engine=local", "parallel.use_gpu=true", "parallel.bf16=true", "parallel.zero_stage=1",
+        "cache.enabled=false", "stage1.source=online", "eval.max_sequences=256",
+    ]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/fidelity")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check with a tiny teacher")
+    ap.add_argument("--teacher-seconds", type=float, default=150.0)
+    ap.add_argument("--fraction", type=float, default=0.03, help="distillation tokens / teacher pretraining tokens")
+    ap.add_argument("--max-documents", type=int, default=6000)
+    ap.add_argument("--only", nargs="*", default=None, help="run only these ablations")
+    args = ap.parse_args(argv)
+
+    from hmscale.config import build_config
+    from hmscale.eval import perplexity
+    from hmscale.recipe import load_final_model
+    from hmscale.train.stage1 import load_stage1_student
+    from ray_jobs.distill import prepare, run_distill
+
+    out = Path(args.out)
+    t_start = time.time()
+    base = base_overrides(args) + [f"output_dir={out}/prep"]
+    cfg = build_config(overrides=base)
+    prep = prepare(cfg)
+    data, teacher = prep["data"], prep["teacher"]
+    stats = getattr(teacher, "hmscale_info", {}) or {}
+    teacher_tokens = int(stats.get("tokens") or stats.get("pretrain", {}).get("tokens") or 0)
+    if not teacher_tokens:
+        stats_path = Path(stats.get("dir", "")) / "pretrain_stats.json"
+        teacher_tokens = int(json.loads(stats_path.read_text())["tokens"]) if stats_path.exists() else 0
+    budget = max(int(teacher_tokens * args.fraction), 4 * cfg.stage2.micro_batch_size * cfg.data.seq_len)
+    rows = data.val_tokens[: cfg.eval.max_sequences]
+    device = "cuda" if cfg.parallel.use_gpu else "cpu"
+    teacher = teacher.to(device)
+    teacher_ppl = perplexity(teacher, rows, 16)
+    print(f"[fidelity] teacher: {teacher_tokens:,} pretraining tokens, validation ppl {teacher_ppl:.3f}; "
+          f"distillation budget {budget:,} tokens ({args.fraction:.1%}) per ablation", flush=True)
+
+    results = {"teacher": {"ppl": teacher_ppl, "tokens": teacher_tokens}}
+    for name, extra in ABLATIONS.items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.time()
+        run_cfg = build_config(overrides=base + extra + [f"budget.total_tokens={budget}", f"output_dir={out}/{name}"])
+        run_distill(run_cfg, out / name)
+        model = load_final_model(out / name, data).to(device)
+        hm_ppl = perplexity(model, rows, 16)
+        results[name] = {"ppl": hm_ppl, "seconds": round(time.time() - t0, 1)}
+        if name == "hedgemamba":
+            s1 = load_stage1_student(out / name, teacher).to(device)
+            results["stage1_only"] = {"ppl": perplexity(s1, rows, 16)}
+        print(f"[fidelity] {name}: ppl {hm_ppl:.3f} ({hm_ppl / teacher_ppl:.3f} x teacher) in {results[name]['seconds']:.0f} s",
+              flush=True)
+        del model
+
+    print()
+    print(f"| model | ppl | / teacher | paper ppl | paper / teacher |")
+    print("|---|---|---|---|---|")
+    labels = {"teacher": "teacher (Pythia-70m-shaped)", "hedgemamba": "HedgeMamba, split 10/90",
+              "hedgehog": "Hedgehog only (no gate/conv/SSM), 10/90", "split_0_100": "HedgeMamba, split 0/100",
+              "split_100_0": "HedgeMamba, split 100/0", "no_gate": "HedgeMamba without gate, 10/90",
+              "stage1_only": "stage-1 student, before stage 2"}
+    for key, label in labels.items():
+        if key not in results:
+            continue
+        ppl = results[key]["ppl"]
+        paper = PAPER.get(key)
+        paper_cols = f"{paper:.2f} | {paper / PAPER['teacher']:.3f}" if paper else "- | -"
+        print(f"| {label} | {ppl:.3f} | {ppl / teacher_ppl:.3f} | {paper_cols} |")
+    checks = {}
+    if {"hedgemamba", "split_0_100", "split_100_0"} <= results.keys():
+        hm = results["hedgemamba"]["ppl"]
+        checks["hedgemamba/teacher <= 1.03"] = hm / teacher_ppl <= 1.03
+        checks["10/90 beats 0/100 and 100/0"] = hm < results["split_0_100"]["ppl"] and hm < results["split_100_0"]["ppl"]
+    if {"hedgemamba", "no_gate"} <= results.keys():
+        checks["the gate helps"] = results["hedgemamba"]["ppl"] < results["no_gate"]["ppl"]
+    if {"hedgemamba", "hedgehog"} <= results.keys():
+        checks["Hedgehog-only is worse than HedgeMamba"] = results["hedgehog"]["ppl"] > results["hedgemamba"]["ppl"]
+    print()
+    for k, v in checks.items():
+        print(f"- {k}: {'yes' if v else 'NO'}")
+    print(f"\n[fidelity] total {time.time() - t_start:.0f} s")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fidelity.json").write_text(json.dumps({"results": results, "checks": checks}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
