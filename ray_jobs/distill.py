@@ -205,10 +205,18 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if not ray.is_initialized():
-        from hmscale.ray_cluster import connect
+        address = cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:  # a real cluster (`ray job submit --working-dir .` puts the code on the workers' path)
+            from hmscale.ray_cluster import connect
 
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-        connect(cfg.parallel.ray_address, log=log)
+            connect(address, log=log)
+        else:
+            # a fresh embedded cluster; never ray.init(address=None), which attaches to whatever Ray
+            # instance another process on this host happens to run
+            pypath = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=True, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": pypath}})
+            log(f"[ray] embedded local cluster (127.0.0.1 only): {ray.cluster_resources()}")
     par = cfg.parallel
     config = dict(config, ray=True, threads=max(1, (os.cpu_count() or 1) // par.num_workers))
     trainer = TorchTrainer(

@@ -38,10 +38,7 @@ def test_two_workers_zero2_cache_kill_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     import ray
 
-    # a fresh local cluster of our own: ray.init() without an address would join any cluster another
-    # process on this machine happens to run (Ray autodetects local GCS processes)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "HMSCALE_NO_PROGRESS": "1"}})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # run_distill starts its own embedded cluster (address="local")
     try:
         res = run_distill(cfg, tmp_path / "run", log=lambda *a, **k: None)
     finally:
