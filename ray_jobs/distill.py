@@ -51,6 +51,7 @@ def _fault_hook(spec: str | None, stage: str, rank: int, run_dir: Path):
 
 
 STAGES = ("stage1", "stage2")
+ERROR_FILE = "distill_error.json"  # a deterministic worker error, for the driver (Ray engine)
 
 
 def pick_resume_point(run_dir: Path, restored_dir: Path | None, restored_meta: dict):
@@ -105,7 +106,7 @@ def train_func(config: dict):
         def report(step, path, metrics):
             ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(str(path)))
 
-    from hmscale.train.engine import init_distributed
+    from hmscale.train.engine import TrainingError, init_distributed
 
     rank, world = init_distributed(cfg.parallel.use_gpu)
     fault = config.get("fault")
@@ -135,15 +136,27 @@ def train_func(config: dict):
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage1", rank, run_dir))
             student = s1.pop("student_model", None)
             results["stage1"] = s1
-        if "stage2" not in stages:
-            return results
-        if student is None:
-            student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
-        s2 = run_stage2(cfg, run_dir, data=data, student=student,
-                        cache_dir=cache_dir if cfg.stage2.kd_weight > 0 else None,
-                        resume_from=resume_path if stage == "stage2" else None, resume=False,
-                        on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))
-        results["stage2"] = s2
+        if "stage2" in stages:
+            if student is None:
+                student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
+            s2 = run_stage2(cfg, run_dir, data=data, student=student,
+                            cache_dir=cache_dir if cfg.stage2.kd_weight > 0 else None,
+                            resume_from=resume_path if stage == "stage2" else None, resume=False,
+                            on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))
+            results["stage2"] = s2
+    except TrainingError as err:
+        # deterministic failures (NaN/inf loss, a missing stage-1 student): a Ray restart would only
+        # repeat them, so every rank reports the message and ends; the driver raises it
+        if not in_ray:
+            raise
+        import ray.train
+
+        if rank == 0:  # Ray's Result carries the metrics of checkpointed reports only: use the run dir
+            from hmscale.atomic import atomic_write_json
+
+            atomic_write_json(run_dir / ERROR_FILE, {"error": str(err), "error_type": type(err).__name__})
+        ray.train.report({"done": False, "error": str(err)})
+        return {"error": str(err)}
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
@@ -232,9 +245,15 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
             checkpoint_config=CheckpointConfig(num_to_keep=par.keep_checkpoints),
         ),
     )
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
     result = trainer.fit()
     if result.error is not None:
         raise result.error
+    if (run_dir / ERROR_FILE).exists():
+        from hmscale.train import engine as E
+
+        err = json.loads((run_dir / ERROR_FILE).read_text())
+        raise getattr(E, err.get("error_type", ""), E.TrainingError)(err["error"])
     out = {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None}
     for stage in config["stages"]:
         p = run_dir / stage / "summary.json"
