@@ -72,6 +72,8 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         os.environ.setdefault("LOCAL_RANK", "0")
+    elif "LOCAL_RANK" not in os.environ:  # DeepSpeed insists on it; an existing one-node group: rank
+        os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(device_for(True))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)

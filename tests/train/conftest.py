@@ -49,3 +49,29 @@ def launch(spec: dict, world: int, tmp: Path, timeout: int = 110) -> list:
 @pytest.fixture
 def launch_job(tmp_path):
     return lambda spec, world: launch(spec, world, tmp_path)
+
+
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_dist_env():
+    """In-process stages set the env vars of a one-process gloo group: restore them after each module
+    (subprocesses started by other tests must not inherit RANK / WORLD_SIZE / MASTER_PORT)."""
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _leave_no_process_group():
+    """The one-process group (kept across modules: DeepSpeed caches its groups) ends with the session."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
