@@ -37,24 +37,49 @@ from hmscale.train.engine import (
 )
 
 
+def _row_losses(logits_row, target_row, ids_row, tlp_row, temperature: float):
+    """Sums over one sequence's positions (fp32 math): cross-entropy and, when ids_row is given, KD."""
+    z = logits_row.float()
+    ce = F.cross_entropy(z, target_row, reduction="sum")
+    if ids_row is None:
+        return ce, torch.zeros((), device=z.device)
+    T = float(temperature)
+    p_t = torch.softmax(tlp_row.float() / T, dim=-1)
+    s_lp = torch.log_softmax(z / T, dim=-1).gather(-1, ids_row)
+    return ce, -(p_t * s_lp).sum() * (T * T)
+
+
 def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict, kd_weight: float,
                      temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
-    """(total loss, {"ce", "kd"}) for next-token prediction, fp32 math."""
-    logits = logits[:, :-1].float()
-    target = input_ids[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    """(total loss, {"ce", "kd"}) for next-token prediction, token means, fp32 math.
+
+    Computed one sequence at a time under activation checkpointing: only the model's own (bf16) logits
+    stay alive for the backward; the fp32 copy, log-softmax and KD terms of a row are recomputed.
+    """
+    kd_on = kd_weight > 0
+    if kd_on and "topk_ids" not in batch:
+        raise TrainingError("stage2.kd_weight > 0 needs cached teacher top-k log-probs; "
+                            "set cache.capture.topk > 0 and rebuild the cache, or set stage2.kd_weight=0")
+    from torch.utils.checkpoint import checkpoint
+
+    b, l = input_ids.shape
+    n = b * (l - 1)
+    ce_sum = kd_sum = 0.0
+    for i in range(b):
+        args = (logits[i, :-1], input_ids[i, 1:],
+                batch["topk_ids"][i, :-1] if kd_on else None,  # the teacher's prediction at t is for token t+1
+                batch["topk_logprobs"][i, :-1] if kd_on else None, temperature)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            ce_i, kd_i = checkpoint(_row_losses, *args, use_reentrant=False)
+        else:
+            ce_i, kd_i = _row_losses(*args)
+        ce_sum = ce_sum + ce_i
+        kd_sum = kd_sum + kd_i
+    ce = ce_sum / n
     extras = {"ce": ce.detach()}
     loss = ce
-    if kd_weight > 0:
-        if "topk_ids" not in batch:
-            raise TrainingError("stage2.kd_weight > 0 needs cached teacher top-k log-probs; "
-                                "set cache.capture.topk > 0 and rebuild the cache, or set stage2.kd_weight=0")
-        ids = batch["topk_ids"][:, :-1]  # teacher's prediction at position t is for token t+1
-        t_lp = batch["topk_logprobs"][:, :-1].float()
-        T = float(temperature)
-        p_t = torch.softmax(t_lp / T, dim=-1)
-        s_lp = torch.log_softmax(logits / T, dim=-1).gather(-1, ids)
-        kd = -(p_t * s_lp).sum(-1).mean() * (T * T)
+    if kd_on:
+        kd = kd_sum / n
         extras["kd"] = kd.detach()
         loss = ce + kd_weight * kd
     return loss, extras

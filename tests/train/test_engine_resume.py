@@ -172,3 +172,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     ck = sorted(p.name for p in (tmp_path / "stage2" / "checkpoints").iterdir())
     assert ck == ["step_00000002", "step_00000004"]
     assert [r["step"] for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_rowwise_checkpointed_losses_equal_the_plain_ones():
+    import torch.nn.functional as F
+
+    from hmscale.train.stage2 import causal_lm_losses
+
+    torch.manual_seed(0)
+    b, l, V, k, T = 3, 17, 50, 5, 2.0
+    z = torch.randn(b, l, V, requires_grad=True)
+    x = torch.randint(0, V, (b, l))
+    batch = {"topk_ids": torch.randint(0, V, (b, l, k)), "topk_logprobs": torch.randn(b, l, k).log_softmax(-1)}
+    loss, ex = causal_lm_losses(z, x, batch, 0.5, T)
+    (g,) = torch.autograd.grad(loss, z)
+    lg = z[:, :-1]
+    ce = F.cross_entropy(lg.reshape(-1, V), x[:, 1:].reshape(-1))
+    p = torch.softmax(batch["topk_logprobs"][:, :-1] / T, -1)
+    kd = -(p * torch.log_softmax(lg / T, -1).gather(-1, batch["topk_ids"][:, :-1])).sum(-1).mean() * T * T
+    (g_ref,) = torch.autograd.grad(ce + 0.5 * kd, z)
+    torch.testing.assert_close(loss, ce + 0.5 * kd)
+    torch.testing.assert_close(ex["ce"], ce.detach())
+    torch.testing.assert_close(ex["kd"], kd.detach())
+    torch.testing.assert_close(g, g_ref)
