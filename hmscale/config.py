@@ -154,7 +154,7 @@ class Stage2Config(_Section):
 
 
 class ParallelConfig(_Section):
-    engine: Literal["local", "ray"] = "local"
+    engine: Literal["local", "ray"] = "ray"  # ray: Ray actors / Ray Train (embedded cluster when no address)
     ray_address: str | None = None  # None = embedded single-node cluster
     num_workers: int = Field(1, gt=0)  # student workers (= dp * tp)
     tp: int = Field(1, gt=0)
@@ -219,6 +219,18 @@ class RunConfig(_Section):
             # a pretrained teacher needs its own tokenizer
             self.tokenizer.name_or_path = self.teacher.name_or_path
         return self
+
+    def with_absolute_paths(self) -> "RunConfig":
+        """A copy whose directories are absolute (resolved against this process's working directory),
+        for workers that run elsewhere (Ray Train changes their working directory)."""
+        absolute = lambda p: str(Path(p).expanduser().resolve())  # noqa: E731
+        cfg = self.model_copy(deep=True)
+        cfg.output_dir = absolute(cfg.output_dir)
+        cfg.data.cache_dir = absolute(cfg.data.cache_dir)
+        cfg.cache.root = absolute(cfg.cache.root)
+        if cfg.parallel.ds_config:
+            cfg.parallel.ds_config = absolute(cfg.parallel.ds_config)
+        return cfg
 
     def hash(self, *sections: str) -> str:
         """A stable short hash of the given sections (all when none)."""

@@ -1,17 +1,21 @@
 """Connecting to Ray: one place that decides between a real cluster and the embedded one.
 
-`connect(address)` joins the cluster at `address` (or $RAY_ADDRESS). With neither, it starts an
-embedded single-node cluster with no dashboard (so no job API at all), asked for on 127.0.0.1, with
-Ray's token authentication (on by default for local clusters since Ray 2.59): an open Ray job API runs
-any code it is sent, so nothing we start is reachable without the token.
+`connect(address)` joins the cluster at `address` (or $RAY_ADDRESS, which `ray job submit` sets for
+the job's driver). With neither, it starts a fresh embedded single-node cluster (`address="local"`:
+never whatever other Ray instance runs on the host) with no dashboard, so no job API at all, and Ray's
+token authentication (on by default for local clusters since Ray 2.59). An open Ray job API runs any
+code it is sent; nothing we start exposes one.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None, log=print):
+def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None, log=print) -> bool:
     """Initialise Ray once per process; returns True when this call started the embedded cluster."""
     import ray
 
@@ -22,13 +26,17 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         ray.init(address=address, log_to_driver=True)
         log(f"[ray] connected to {address}: {ray.cluster_resources()}")
         return False
+    # workers import hmscale, kernels and ray_jobs from this checkout even when it is not installed
+    pypath = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(
+        address="local",
         num_cpus=num_cpus or os.cpu_count(),
         num_gpus=num_gpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
         configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pypath}},
     )
-    log(f"[ray] embedded local cluster (127.0.0.1 only): {ray.cluster_resources()}")
+    log(f"[ray] embedded local cluster: {ray.cluster_resources()}")
     return True

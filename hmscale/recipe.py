@@ -44,6 +44,7 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
     from hmscale.eval import perplexity
 
     t_start = time.time()
+    cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results = _load_results(run_dir, cfg)
@@ -78,7 +79,7 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
 
     if not (done("stage1") and done("stage2")):
         t0 = time.time()
-        res = run_distill(cfg, run_dir, log=log)
+        res = run_distill(cfg, run_dir, log=log, prepared=prep)
         for name in ("stage1", "stage2"):
             summary = res.get(name) or {}
             if name not in stages:

@@ -34,7 +34,14 @@ def loss_plot(run_dir: str | Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, (name, (steps, values)), ylabel in zip(axes, curves.items(), ("1 - cos (attention outputs)", "cross-entropy")):
-        ax.plot(steps, values)
+        ax.plot(steps, values, alpha=0.35, label="per step")
+        if len(values) >= 10:
+            ema, smooth = values[0], []
+            for v in values:
+                ema = 0.9 * ema + 0.1 * v
+                smooth.append(ema)
+            ax.plot(steps, smooth, label="moving average")
+            ax.legend()
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

@@ -49,9 +49,9 @@ class CacheWorkerActor:
 
 def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=None) -> None:
     """Run the pending shards on Ray actors; `on_done(ShardInfo)` is called in the driver per finished shard."""
-    own = not ray.is_initialized()
-    if own:
-        ray.init(address=cfg.parallel.ray_address, include_dashboard=False, log_to_driver=True)
+    from hmscale.ray_cluster import connect
+
+    own = connect(cfg.parallel.ray_address, log=log)
     try:
         gpus = int(ray.cluster_resources().get("GPU", 0))
         n = min(cfg.cache.workers, len(pending), gpus if gpus else cfg.cache.workers)

@@ -192,6 +192,7 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
         raise ValueError(f"stages: {bad} unknown; choose from {list(STAGES)}")
     from hmscale.config import save_resolved
 
+    cfg = cfg.with_absolute_paths()
     run_dir = Path(run_dir or cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
@@ -217,19 +218,9 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if not ray.is_initialized():
-        address = cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")
-        if address:  # a real cluster (`ray job submit --working-dir .` puts the code on the workers' path)
-            from hmscale.ray_cluster import connect
+    from hmscale.ray_cluster import connect
 
-            connect(address, log=log)
-        else:
-            # a fresh embedded cluster; never ray.init(address=None), which attaches to whatever Ray
-            # instance another process on this host happens to run
-            pypath = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=True, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": pypath}})
-            log(f"[ray] embedded local cluster (127.0.0.1 only): {ray.cluster_resources()}")
+    connect(cfg.parallel.ray_address, log=log)
     par = cfg.parallel
     config = dict(config, ray=True, threads=max(1, (os.cpu_count() or 1) // par.num_workers))
     trainer = TorchTrainer(

@@ -274,16 +274,9 @@ def prepare_shared_data(cfg_tree: dict, tag: str = "") -> str:
 def _ensure_ray(address: str | None, num_cpus: int | None):
     import ray
 
-    if not ray.is_initialized():
-        # no address: RAY_ADDRESS (set by `ray job submit`), else a fresh embedded cluster. Never
-        # ray.init(address=None): that attaches to whatever Ray instance happens to run on the host.
-        address = address or os.environ.get("RAY_ADDRESS") or "local"
-        kw: dict = dict(address=address, ignore_reinit_error=True, log_to_driver=True)
-        if address == "local":
-            kw.update(include_dashboard=False)
-            if num_cpus is not None:
-                kw["num_cpus"] = num_cpus
-        ray.init(**kw)
+    from hmscale.ray_cluster import connect
+
+    connect(address, num_cpus=num_cpus)
     return ray
 
 
