@@ -42,9 +42,10 @@ def perplexity(model, tokens, batch_size: int = 8, device=None) -> float:
     return math.exp(mean_nll(model, tokens, batch_size, device)[0])
 
 
-def unigram_perplexity(train_tokens, val_tokens, vocab_size: int) -> float:
-    """Perplexity of an add-one unigram model fitted on `train_tokens`, scored like `perplexity` on `val_tokens`."""
-    counts = np.bincount(np.asarray(train_tokens).reshape(-1), minlength=vocab_size).astype(np.float64) + 1.0
+def unigram_perplexity(train_tokens, val_tokens, vocab_size: int, smoothing: float = 1.0) -> float:
+    """Perplexity of an add-`smoothing` unigram model fitted on `train_tokens`, scored like `perplexity`
+    (every position after the first of each row is a target) on `val_tokens`."""
+    counts = np.bincount(np.asarray(train_tokens).reshape(-1), minlength=vocab_size).astype(np.float64) + smoothing
     logp = np.log(counts / counts.sum())
     targets = np.asarray(val_tokens)[:, 1:].reshape(-1)
     return float(math.exp(-logp[targets].mean()))

@@ -14,34 +14,8 @@ import time
 import numpy as np
 import torch
 
+from hmscale.eval.perplexity import perplexity, unigram_perplexity
 from hmscale.teacher.flavors import get_flavor, neox_config
-
-
-def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int, smoothing: float = 1.0) -> float:
-    """Perplexity of the add-`smoothing` unigram model of train_tokens on eval_tokens' next-token targets."""
-    counts = np.bincount(np.asarray(train_tokens).ravel(), minlength=vocab_size).astype(np.float64) + smoothing
-    logp = np.log(counts / counts.sum())
-    targets = np.asarray(eval_tokens)[:, 1:].ravel()
-    return float(math.exp(-logp[targets].mean()))
-
-
-@torch.no_grad()
-def lm_perplexity(model, tokens: np.ndarray, batch_size: int = 16) -> float:
-    """Next-token perplexity of a causal LM on rows of token ids (every position after the first is a target)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for start in range(0, len(tokens), batch_size):
-        ids = torch.as_tensor(np.asarray(tokens[start : start + batch_size]), dtype=torch.long, device=device)
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
-        )
-        nll += loss.item()
-        count += ids[:, 1:].numel()
-    model.train(was_training)
-    return math.exp(nll / max(count, 1))
 
 
 def lr_at(step: int, progress: float, lr: float, warmup: int, min_ratio: float = 0.1, warmup_frac: float = 0.05) -> float:
@@ -128,7 +102,7 @@ def pretrain_teacher(flavor, vocab_size: int, train_tokens: np.ndarray, *, steps
         t1 = time.perf_counter()
         rows = np.asarray(val_tokens[:eval_rows])
         stats["val_rows"] = len(rows)
-        stats["val_ppl"] = lm_perplexity(model, rows, batch_size=max(batch_size, 16))
+        stats["val_ppl"] = perplexity(model, rows, batch_size=max(batch_size, 16))
         stats["unigram_ppl"] = unigram_perplexity(train_tokens, rows, vocab_size)
         stats["eval_seconds"] = round(time.perf_counter() - t1, 2)
         log(f"[teacher] {f.name}: {step} steps in {train_seconds:.1f} s; validation perplexity {stats['val_ppl']:.2f} "

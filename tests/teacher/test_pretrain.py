@@ -8,7 +8,8 @@ from hmscale.config import build_config
 from hmscale.data import prepare_data
 from hmscale.teacher import get_teacher, teacher_cache_dir
 from hmscale.teacher.fingerprint import teacher_fingerprint
-from hmscale.teacher.pretrain import lr_at, pretrain_teacher, unigram_perplexity
+from hmscale.eval.perplexity import unigram_perplexity
+from hmscale.teacher.pretrain import lr_at, pretrain_teacher
 
 
 @pytest.fixture(scope="module")

@@ -26,16 +26,11 @@ from hmscale.teacher.cache.format import (
 )
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.writer import sha256_file
+from hmscale.teacher.fingerprint import teacher_fingerprint
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def teacher_fingerprint(model) -> str:
-    from hmscale.teacher.fingerprint import teacher_fingerprint as fp
-
-    return fp(model)
 
 
 def _human(n: float) -> str:
