@@ -2,9 +2,9 @@
 
 `connect(address)` joins the cluster at `address` (or $RAY_ADDRESS, which `ray job submit` sets for
 the job's driver). With neither, it starts a fresh embedded single-node cluster (`address="local"`:
-never whatever other Ray instance runs on the host) with no dashboard, so no job API at all, and Ray's
-token authentication (on by default for local clusters since Ray 2.59). An open Ray job API runs any
-code it is sent; nothing we start exposes one.
+never whatever other Ray instance runs on the host) whose dashboard and job API listen on 127.0.0.1
+only, behind Ray's token authentication (on by default for local clusters since Ray 2.59). An open Ray
+job API runs any code it is sent; nothing we start exposes one to the network.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         address="local",
         num_cpus=num_cpus or os.cpu_count(),
         num_gpus=num_gpus,
-        include_dashboard=False,
+        include_dashboard=True,  # Ray Train's state queries need it; it listens on 127.0.0.1 only
+        dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
         configure_logging=False,
