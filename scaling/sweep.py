@@ -105,6 +105,9 @@ def size_config(
         tree.setdefault("data", {})["cache_dir"] = str(out / "data-cache")
     tree = apply_overrides(tree, overrides)
     tree["output_dir"] = str(out / "runs" / size.name)
+    if not _has_key(base_tree or {}, overrides, "parallel.engine"):
+        # each size already runs as a Ray task: its recipe runs in that task unless it needs several GPUs
+        tree.setdefault("parallel", {})["engine"] = "local"
     cfg = build_config(tree)
     # workers may start in another directory: make the shared paths absolute
     cfg.cache.root = _abs(cfg.cache.root)
@@ -117,7 +120,7 @@ def size_config(
         tree2 = cfg.model_dump(mode="json")
         tree2["parallel"].update(tp=p.tp, zero_stage=p.zero_stage, num_workers=p.gpus)
         if p.gpus > 1:
-            tree2["parallel"]["engine"] = "ray"
+            tree2["parallel"]["engine"] = "ray"  # Ray Train workers hold the GPUs; the task is their driver
         cfg = build_config(tree2)
     return cfg
 

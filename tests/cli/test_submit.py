@@ -46,9 +46,13 @@ def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
     gcs, dash = _free_port(), _free_port()
     # the cluster's `python` is this environment's (as on a real cluster with hmscale's dependencies installed)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    # every port of our own: a Ray instance left by another test must not take the job agent's port
+    ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                     "metrics-export-port", "runtime-env-agent-port",
+                                                     "ray-client-server-port")]
     subprocess.run(
         [str(ray_bin), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats"],
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats", *ports],
         env=env, check=True, capture_output=True, timeout=180,
     )
     out = tmp_path / "run"

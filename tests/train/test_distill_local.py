@@ -17,7 +17,7 @@ def _overrides(tmp_path):
         "cache.capture.dtype=float32", "cache.capture.topk=8", "cache.engine=local", "cache.capture.token_fraction=0.5",
         "stage1.steps=4", "stage1.micro_batch_size=4", "stage2.steps=4", "stage2.micro_batch_size=4",
         "stage2.kd_weight=0.5", "stage2.eval_every=2", "eval.max_sequences=4", "parallel.checkpoint_every=2",
-        f"output_dir={tmp_path / 'run'}",
+        f"output_dir={tmp_path / 'run'}", "parallel.engine=local",
     ]
 
 
