@@ -35,10 +35,6 @@ def _config(path, overrides):
         fail(str(err))
 
 
-def not_built(name: str) -> None:
-    fail(f"'{name}' is not built yet in this version of hmscale", code=3)
-
-
 @app.command()
 def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """Validate a config and print the resolved tree."""
