@@ -3,12 +3,15 @@
 # The torch build is an explicit choice:
 #   make test                 TORCH=cpu  (default) installs torch==$(TORCH_VERSION), the CPU build where the
 #                             machine provides it (set TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere)
-#   make demo TORCH=cuda      installs the CUDA build of torch from PyPI (several GB)
+#   make demo TORCH=cuda      installs the CUDA build of torch from PyPI (several GB); add
+#                             ARGS="-s parallel.use_gpu=true -s parallel.bf16=true" to train on the GPU
+# ARGS passes overrides to `hmscale run`, e.g.  make demo ARGS="-s budget.total_tokens=200000"
 PYTHON        ?= python3
 VENV          ?= .venv
 TORCH         ?= cpu
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
+ARGS          ?=
 BIN           := $(VENV)/bin
 
 ifeq ($(TORCH),cpu)
@@ -35,7 +38,7 @@ $(VENV)/.installed-$(TORCH): pyproject.toml | $(BIN)/python
 venv: $(VENV)/.installed-$(TORCH)
 
 demo: venv
-	$(BIN)/hmscale run
+	$(BIN)/hmscale run $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q tests
