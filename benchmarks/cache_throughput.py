@@ -117,7 +117,7 @@ def main(argv=None) -> int:
 
     with torch.no_grad():
         t_fwd = timed(lambda b: teacher(input_ids=b, use_cache=False).logits, reps=3)
-        t_cap = timed(lambda b: capture_layers(teacher, b, layers=list(cp.spec.layers)), reps=3)
+        t_cap = timed(lambda b: capture_layers(teacher, b, layers=list(cp.spec.layers), qkv=False), reps=3)
 
     worker = ShardWorker(teacher, plan, cp.spec, cp.cache_dir, batch_size=args.batch_size, device=device)
     worker.forward_batch(plan.sequences(0, args.batch_size)[0])  # warm-up

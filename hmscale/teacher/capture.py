@@ -1,10 +1,12 @@
 """Per-layer capture of a GPT-NeoX teacher's attention: its input, q/k/v and per-head output.
 
 Hooks sit on each chosen layer's attention module: a forward pre-hook reads the attention input
-(the output of the layer's first LayerNorm); q, k (after partial rotary), v and the per-head causal
-softmax output (before the `dense` output projection) are computed from it with the shared math of
-`hmscale.models.neox_attention`, the same code the students use. Tests check the result against
-the model's own forward: `dense(attn_output)` equals the module's output.
+(the output of the layer's first LayerNorm) and a pre-hook on its `dense` output projection reads
+the per-head attention output the model itself computed (no second attention pass). q, k (after
+partial rotary) and v are recomputed from the input with the shared math of
+`hmscale.models.neox_attention`, the code the students use, only when asked for (`qkv=True`).
+Tests check the result against the model's own forward: `dense(attn_output)` equals the module's
+output, and the recomputed softmax attention of q, k, v equals attn_output.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from hmscale.models.neox_attention import qkv_with_rotary, softmax_attention
 @dataclass
 class LayerCapture:
     attn_input: torch.Tensor  # (b, l, d)   LN1(x), the attention module's input
-    q: torch.Tensor  # (b, l, h, p)   after rotary
-    k: torch.Tensor  # (b, l, h, p)   after rotary
-    v: torch.Tensor  # (b, l, h, p)
     attn_output: torch.Tensor  # (b, l, h, p)   per-head softmax attention output, before dense
+    q: torch.Tensor | None = None  # (b, l, h, p)   after rotary (qkv=True)
+    k: torch.Tensor | None = None  # (b, l, h, p)   after rotary (qkv=True)
+    v: torch.Tensor | None = None  # (b, l, h, p)   (qkv=True)
 
     def merged_output(self) -> torch.Tensor:
         """attn_output with heads merged, (b, l, h*p): the input of the dense projection."""
@@ -62,12 +64,15 @@ class capture_hooks:
     (use `capture_layers`, which catches that).
     """
 
-    def __init__(self, model, layers=None, positions: torch.Tensor | None = None, stop_after_last: bool = False):
+    def __init__(self, model, layers=None, positions: torch.Tensor | None = None, stop_after_last: bool = False,
+                 qkv: bool = True):
         self.model = model
         self.layers = _resolve_layers(model, layers)
         self.positions = positions
         self.stop_after_last = stop_after_last
+        self.qkv = qkv
         self.results: dict[int, LayerCapture] = {}
+        self._inputs: dict[int, tuple] = {}
         self._handles = []
 
     def _pre_hook(self, idx: int):
@@ -78,15 +83,27 @@ class capture_hooks:
             past = kwargs.get("layer_past")
             if past is not None and past.get_seq_length(idx) > 0:
                 raise RuntimeError("capture hooks need whole sequences: call the teacher without a KV cache of earlier tokens")
-            positions = self.positions
-            if positions is None:
-                positions = kwargs.get("position_ids")
-            with torch.no_grad():
-                q, k, v = qkv_with_rotary(module, h, config, positions)
-                o = softmax_attention(q, k, v)
-            self.results[idx] = LayerCapture(
-                attn_input=h.detach(), q=q.detach(), k=k.detach(), v=v.detach(), attn_output=o.detach()
-            )
+            qkv = None
+            if self.qkv:
+                positions = self.positions
+                if positions is None:
+                    positions = kwargs.get("position_ids")
+                with torch.no_grad():
+                    qkv = tuple(t.detach() for t in qkv_with_rotary(module, h, config, positions))
+            self._inputs[idx] = (h.detach(), qkv)
+
+        return hook
+
+    def _dense_hook(self, idx: int):
+        n_heads = self.model.config.num_attention_heads
+
+        def hook(module, args):
+            merged = args[0].detach()  # (b, l, h*p): the attention output the model computed
+            b, l, hp = merged.shape
+            h, qkv = self._inputs.pop(idx)
+            q, k, v = qkv if qkv is not None else (None, None, None)
+            self.results[idx] = LayerCapture(attn_input=h, attn_output=merged.view(b, l, n_heads, hp // n_heads),
+                                             q=q, k=k, v=v)
             if self.stop_after_last and idx == self.layers[-1]:
                 raise _StopForward
 
@@ -95,7 +112,9 @@ class capture_hooks:
     def __enter__(self):
         layers = _layers_of(self.model)
         for i in self.layers:
-            self._handles.append(layers[i].attention.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
+            attention = layers[i].attention
+            self._handles.append(attention.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
+            self._handles.append(attention.dense.register_forward_pre_hook(self._dense_hook(i)))
         return self
 
     def __exit__(self, *exc):
@@ -106,12 +125,14 @@ class capture_hooks:
 
 
 @torch.no_grad()
-def capture_layers(teacher, input_ids: torch.Tensor, layers=None, positions: torch.Tensor | None = None) -> dict[int, LayerCapture]:
+def capture_layers(teacher, input_ids: torch.Tensor, layers=None, positions: torch.Tensor | None = None,
+                   qkv: bool = True) -> dict[int, LayerCapture]:
     """Run the teacher on input_ids (b, l) and return {layer: LayerCapture} for the chosen layers (all by default).
 
     The forward stops after the last chosen layer (no wasted compute on later layers or the LM head).
+    qkv=False skips recomputing q, k, v (the cache stores only attn_input and attn_output).
     """
-    with capture_hooks(teacher, layers, positions=positions, stop_after_last=True) as cap:
+    with capture_hooks(teacher, layers, positions=positions, stop_after_last=True, qkv=qkv) as cap:
         base = getattr(teacher, "gpt_neox", teacher)
         kwargs = {"position_ids": positions} if positions is not None else {}
         base(input_ids=input_ids, use_cache=False, **kwargs)

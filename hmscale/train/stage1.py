@@ -297,7 +297,7 @@ def run_stage1(
             from hmscale.teacher.capture import capture_layers
 
             with torch.no_grad():
-                caps = capture_layers(teacher, batch["input_ids"], layers=mine)
+                caps = capture_layers(teacher, batch["input_ids"], layers=mine, qkv=False)
             inputs = {l: caps[l].attn_input for l in mine}
             targets = {l: caps[l].attn_output for l in mine}
             positions = None

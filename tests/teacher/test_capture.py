@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import GPTNeoXForCausalLM
 
+from hmscale.models.neox_attention import softmax_attention
 from hmscale.teacher.capture import capture_hooks, capture_layers
 from hmscale.teacher.flavors import neox_config
 
@@ -54,6 +55,8 @@ def test_capture_matches_forward(rotary_pct, parallel_residual):
         with torch.no_grad():
             assert rel_err(c.attn_input, layer.input_layernorm(seen_in[i])) <= 1e-6
             assert rel_err(layer.attention.dense(c.merged_output()), seen_out[i]) <= 1e-6
+            # q, k, v recomputed with the students' math give the model's own attention output
+            assert rel_err(softmax_attention(c.q, c.k, c.v), c.attn_output) <= 1e-5
     # rotary touches exactly the first rotary_pct of each head's q/k dims
     c0 = cap.results[0]
     qkv = layers[0].attention.query_key_value(c0.attn_input).view(b, l, H, 3 * P)

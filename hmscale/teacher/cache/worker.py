@@ -38,7 +38,7 @@ def default_capture_fn():
 
 
 def _default_capture(teacher, input_ids, layers=None):
-    return default_capture_fn()(teacher, input_ids, layers=layers)
+    return default_capture_fn()(teacher, input_ids, layers=layers, qkv=False)
 
 
 def _fault_point(shard_id: int) -> None:
@@ -77,7 +77,7 @@ class ShardWorker:
             # one full forward with the hooks on: the layer captures and the logits together
             from hmscale.teacher.capture import capture_hooks
 
-            with capture_hooks(self.teacher, layers) as cap:
+            with capture_hooks(self.teacher, layers, qkv=False) as cap:
                 logits = self.teacher(input_ids=ids, use_cache=False).logits
             caps = cap.results
         else:
