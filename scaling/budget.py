@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hmscale.config import BudgetConfig
 from hmscale.teacher.flavors import Flavor
 
 DEFAULT_SPLIT = (0.1, 0.9)
@@ -27,13 +28,17 @@ class Budget:
     split: tuple[float, float] = DEFAULT_SPLIT
 
     @property
+    def config(self) -> BudgetConfig:
+        """The recipe's own budget section (validates the split; one place for the stage arithmetic)."""
+        return BudgetConfig(total_tokens=self.total_tokens, split=tuple(self.split))
+
+    @property
     def stage1_tokens(self) -> int:
-        # same rounding as hmscale.config.BudgetConfig
-        return int(round(self.total_tokens * self.split[0]))
+        return self.config.stage1_tokens
 
     @property
     def stage2_tokens(self) -> int:
-        return int(round(self.total_tokens * self.split[1]))
+        return self.config.stage2_tokens
 
     def overrides(self) -> list[str]:
         """Dotted overrides that put this budget into a RunConfig."""
