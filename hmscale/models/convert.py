@@ -15,7 +15,7 @@ from hmscale.config import ComponentsConfig
 
 from .hedgehog import HedgehogForCausalLM
 from .hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM
-from .neox_attention import rope_theta
+from .neox_attention import rope_theta, rotary_fraction
 
 __all__ = ["to_hedgehog", "to_hedgemamba", "hedgemamba_config_from_teacher", "compare_logits"]
 
@@ -38,8 +38,6 @@ def _components_dict(components) -> dict:
 def hedgemamba_config_from_teacher(teacher_config, feature_dim: int | None = None, components=None,
                                    chunk_size: int = 64) -> HedgeMambaConfig:
     c = _components_dict(components)
-    params = getattr(teacher_config, "rope_parameters", None) or {}
-    rotary_pct = params.get("partial_rotary_factor", getattr(teacher_config, "rotary_pct", 1.0))
     return HedgeMambaConfig(
         vocab_size=teacher_config.vocab_size,
         hidden_size=teacher_config.hidden_size,
@@ -48,7 +46,7 @@ def hedgemamba_config_from_teacher(teacher_config, feature_dim: int | None = Non
         intermediate_size=teacher_config.intermediate_size,
         hidden_act=teacher_config.hidden_act,
         layer_norm_eps=teacher_config.layer_norm_eps,
-        rotary_pct=rotary_pct,
+        rotary_pct=rotary_fraction(teacher_config),
         rotary_emb_base=rope_theta(teacher_config),
         use_parallel_residual=teacher_config.use_parallel_residual,
         attention_bias=getattr(teacher_config, "attention_bias", True),

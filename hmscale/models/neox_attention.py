@@ -12,11 +12,14 @@ import math
 import torch
 
 
-def rotary_ndims(config) -> int:
-    head_dim = config.hidden_size // config.num_attention_heads
+def rotary_fraction(config) -> float:
+    """Fraction of each head's dims that rotary touches (transformers 5: rope_parameters; older: rotary_pct)."""
     params = getattr(config, "rope_parameters", None) or {}
-    pct = params.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0))
-    return int(head_dim * pct)
+    return float(params.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0)))
+
+
+def rotary_ndims(config) -> int:
+    return int(config.hidden_size // config.num_attention_heads * rotary_fraction(config))
 
 
 def rope_theta(config) -> float:
