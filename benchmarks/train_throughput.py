@@ -51,7 +51,8 @@ def teacher_model(flavor: str, vocab: int | None = None):
     return GPTNeoXForCausalLM(cfg)
 
 
-def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int) -> dict:
+def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
+          profile: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -73,6 +74,16 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
     for _ in range(warmup):
         step()
+    if profile and cuda:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(f"\nper-kernel CUDA time, one step of {name}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -105,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-teacher", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "train_throughput.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
@@ -133,7 +145,7 @@ def main(argv=None) -> int:
             torch.manual_seed(0)
             try:
                 r = bench(f"{flavor} {kind}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
-                          device=device, bf16=bf16, vocab=v)
+                          device=device, bf16=bf16, vocab=v, profile=args.profile)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()
