@@ -52,13 +52,17 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
-          profile: bool = False) -> dict:
+          profile: bool = False, compile_blocks: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
     n_params = sum(p.numel() for p in model.parameters())
     freeze_embeddings(model)
     model.to(device)
+    if compile_blocks:
+        from hmscale.parallel import apply_compile
+
+        apply_compile(model)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
                      zero_stage=2, bf16=bf16, torch_adam=True)
     engine = build_engine(model, spec, dp_world=1)
@@ -116,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-teacher", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "train_throughput.json"))
     args = ap.parse_args(argv)
@@ -140,12 +146,14 @@ def main(argv=None) -> int:
         from hmscale.teacher.flavors import get_flavor
 
         v = vocab or get_flavor(flavor).vocab_size
+        suffix = " compiled" if args.compile else ""
         pairs = [("hedgemamba", student_model)] + ([] if args.no_teacher else [("teacher-sdpa", teacher_model)])
         for kind, make in pairs:
             torch.manual_seed(0)
             try:
-                r = bench(f"{flavor} {kind}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
-                          device=device, bf16=bf16, vocab=v, profile=args.profile)
+                r = bench(f"{flavor} {kind}{suffix}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
+                          device=device, bf16=bf16, vocab=v, profile=args.profile,
+                          compile_blocks=args.compile)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -50,8 +50,12 @@ class HedgehogFeatureMap(nn.Module):
             self.bias.zero_()
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        """u (..., h, P) -> phi(u) (..., h, 2F), softmax in fp32, returned in u's dtype."""
-        z = torch.einsum("...hp,hfp->...hf", u.float(), self.weight.float()) + self.bias.float()
+        """u (..., h, P) -> phi(u) (..., h, 2F), returned in u's dtype.
+
+        The projection runs in u's dtype (a bf16 model gets a bf16 tensor-core matmul with fp32
+        accumulation, not an fp32 one); the bias add and the softmax run in fp32.
+        """
+        z = torch.einsum("...hp,hfp->...hf", u, self.weight.to(u.dtype)).float() + self.bias.float()
         return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1).to(u.dtype)
 
     def extra_repr(self) -> str:

@@ -243,6 +243,13 @@ class CausalDepthwiseConv(nn.Module):
         return y, new_state.transpose(1, 2).contiguous()
 
 
+@torch.compiler.disable
+def _ssd_scan(*args, **kwargs):
+    """``kernels.ssd`` kept out of ``torch.compile`` graphs (its Triton launches and autograd are our own);
+    a compiled block runs the code before and after it as compiled graphs."""
+    return kernels.ssd(*args, **kwargs)
+
+
 class _ReluStraightThrough(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a):
@@ -343,11 +350,11 @@ class HedgeMambaMixer(nn.Module):
             y, ssm_state = kernels.ssd_step(ssm_state, v[:, 0], dt[:, 0], A, Bf[:, 0], Cf[:, 0], D=D, normalize=norm)
             y = y.unsqueeze(1)
         elif cache is not None:
-            y, ssm_state = kernels.ssd(v, dt, A, Bf, Cf, chunk_size=self.config.chunk_size, D=D,
+            y, ssm_state = _ssd_scan(v, dt, A, Bf, Cf, chunk_size=self.config.chunk_size, D=D,
                                        initial_state=ssm_state, seq_idx=seq_idx, normalize=norm,
                                        return_final_state=True)
         else:
-            y = kernels.ssd(v, dt, A, Bf, Cf, chunk_size=self.config.chunk_size, D=D, seq_idx=seq_idx,
+            y = _ssd_scan(v, dt, A, Bf, Cf, chunk_size=self.config.chunk_size, D=D, seq_idx=seq_idx,
                             normalize=norm)
         if cache is not None:
             cache.ssm_states[i] = ssm_state

@@ -1,12 +1,14 @@
 """Parallelism applied from outside the (plain PyTorch) model code: dp x tp mesh, parallel linears,
 tensor-parallel sharding of HedgeMamba, and the mpu object DeepSpeed takes."""
 
+from .compile import apply_compile
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import ParallelMesh, build_mesh, trivial_mesh
 from .mpu import MeshMPU
 from .tp import apply_tensor_parallel, check_tp_divides, gather_tensor_parallel_state_dict
 
 __all__ = [
+    "apply_compile",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ParallelMesh",

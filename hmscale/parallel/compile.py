@@ -1,0 +1,35 @@
+"""``torch.compile`` applied from outside the model code, block by block (torchtitan's habit).
+
+Each transformer / HedgeMamba block (the classes a model lists in ``_no_split_modules``) is compiled in
+place with ``nn.Module.compile``; everything else (embeddings, LM head, loss) stays eager. In a
+HedgeMamba block the SSD scan is excluded from the graph (``torch.compiler.disable``), so the compiled
+graphs are the elementwise work around it: the causal conv, rotary, the Hedgehog feature maps, dt/A, the
+gate; inductor fuses them into a few kernels, forward and backward.
+
+The first steps pay the compilation (tens of seconds per distinct block shape on a GPU). Shapes are
+compiled static (``dynamic=False``): a training run feeds one micro-batch shape.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["apply_compile", "compile_targets"]
+
+
+def compile_targets(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`apply_compile` compiles: instances of the model's ``_no_split_modules`` classes."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(f"{type(model).__name__} lists no _no_split_modules: nothing to compile block by block")
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def apply_compile(model: nn.Module, *, mode: str | None = None) -> int:
+    """Compile every block of ``model`` in place; returns how many were compiled."""
+    blocks = compile_targets(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no module of the classes {model._no_split_modules} found")
+    for block in blocks:
+        block.compile(mode=mode, dynamic=False)
+    return len(blocks)
