@@ -257,15 +257,17 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
 
 
 def run_local(cfg, plan, teacher, cp: CachePlan, pending, on_done, *, device=None, capture_fn=None) -> None:
+    """The pending shards in this process: one teacher, several shards written concurrently
+    (`ShardWorker.writer_threads`; $HMSCALE_CACHE_WRITERS overrides)."""
     from hmscale.teacher.cache.worker import ShardWorker
 
     worker = ShardWorker(teacher, plan, cp.spec, cp.cache_dir, batch_size=cfg.cache.batch_size, device=device,
                          capture_fn=capture_fn)
-    for sid in pending:
-        try:
-            info = worker.run_shard(sid)
-        except CacheError:
-            raise
-        except Exception as err:
-            raise CacheError(f"teacher forward failed on {shard_name(sid)}: {type(err).__name__}: {err}") from err
-        on_done(info)
+    try:
+        worker.run_shards(pending, on_done)
+    except CacheError:
+        raise
+    except Exception as err:
+        sid = getattr(err, "shard_id", None)
+        where = shard_name(sid) if sid is not None else "a shard"
+        raise CacheError(f"teacher forward failed on {where}: {type(err).__name__}: {err}") from err

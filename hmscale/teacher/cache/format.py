@@ -193,21 +193,41 @@ def bytes_per_sample(fields: dict[str, FieldSpec]) -> int:
 # ---------------------------------------------------------------------------------- tensors
 
 
-def encode(x: torch.Tensor, storage: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """A float tensor -> (stored numpy array, per-row fp32 scales or None). CPU or device input."""
+# the torch dtype that holds each storage's bits (bf16 bits as int16: numpy has no bfloat16), and its numpy view
+STORAGE_TORCH = {"bfloat16": torch.int16, "float32": torch.float32, "fp8_e4m3": torch.uint8, "float16": torch.float16}
+STORAGE_NUMPY = {"bfloat16": np.uint16, "float32": np.float32, "fp8_e4m3": np.uint8, "float16": np.float16}
+
+
+def encode_tensor(x: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float tensor -> (its stored bits as a contiguous tensor of STORAGE_TORCH[storage], fp32 scales or None).
+
+    Runs where `x` is (on the device for the cache worker: only the stored bytes cross to the host).
+    """
     if storage == "bfloat16":
-        return x.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16), None
+        return x.to(torch.bfloat16).contiguous().view(torch.int16), None
     if storage == "float32":
-        return x.to(torch.float32).cpu().numpy(), None
+        return x.to(torch.float32).contiguous(), None
     if storage == "fp8_e4m3":
         x = x.to(torch.float32)
         amax = x.abs().amax(dim=-1, keepdim=True)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        return q.cpu().numpy(), scale[..., 0].cpu().numpy()
+        return q.contiguous(), scale[..., 0].contiguous()
     if storage == "float16":
-        return x.to(torch.float16).cpu().numpy(), None
+        return x.to(torch.float16).contiguous(), None
     raise CacheError(f"unknown storage dtype {storage!r}; choose one of {', '.join(STORAGE_DTYPES)}")
+
+
+def host_array(t: torch.Tensor, storage: str | None = None) -> np.ndarray:
+    """A CPU tensor from `encode_tensor` -> the numpy array that is stored (a view, no copy)."""
+    arr = t.numpy()
+    return arr.view(STORAGE_NUMPY[storage]) if storage is not None else arr
+
+
+def encode(x: torch.Tensor, storage: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A float tensor -> (stored numpy array, per-row fp32 scales or None). CPU or device input."""
+    q, scale = encode_tensor(x, storage)
+    return host_array(q.cpu(), storage), (scale.cpu().numpy() if scale is not None else None)
 
 
 def decode(arr: np.ndarray, storage: str, scale: np.ndarray | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -243,6 +263,7 @@ class ShardInfo:
     tokens: int
     seconds: float = 0.0
     keys: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)  # where the worker's time went (seconds); not in the manifest
 
     def manifest_entry(self) -> dict:
         return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "samples": self.samples, "tokens": self.tokens}

@@ -1,33 +1,61 @@
 """The teacher-forward worker: one shard id in, one verified shard file out.
 
 Used as-is by the local engine and wrapped in a Ray actor by `ray_jobs.cache_teacher`.
-The teacher runs frozen under `torch.no_grad`; encoding and writing of batch i run on a
-background thread while the teacher computes batch i+1.
+
+Where the time goes and how it overlaps (on a GPU):
+
+* the frozen teacher runs under `torch.no_grad`, and the stored form of every field (bf16 bits,
+  fp8 + scales, the kept positions, top-k) is computed on the device, so only the stored bytes
+  cross to the host;
+* those bytes go device -> host with non-blocking copies on a side stream into pinned buffers
+  (a bounded pool, reused), overlapping the next teacher forward;
+* the tar bytes are written straight from the pinned buffers (no intermediate copy) on the
+  shard's writer thread, sha256 runs on its own thread over the same buffers as they are written;
+* several shards are in flight at once (`run_shards`, `writer_threads`): one forward at a time on
+  the device (a lock), several writers on the host. Each shard is still written by one thread in a
+  fixed order, so its bytes (and sha256) never depend on thread timing.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hmscale.teacher.cache.format import (
+    STORAGE_TORCH,
     CaptureSpec,
     ShardInfo,
     TeacherShape,
     check_sample_key,
-    encode,
+    encode_tensor,
     layer_field,
+    layout,
     positions_for,
     shard_name,
 )
 from hmscale.teacher.cache.writer import ShardWriter
 
 FAULT_ENV = "HMSCALE_CACHE_FAULT"  # "SHARD:MARKER": die (os._exit) mid-way through SHARD once (tests)
+WRITERS_ENV = "HMSCALE_CACHE_WRITERS"  # shards in flight per worker (default: default_writer_threads)
+
+
+def default_writer_threads(device) -> int:
+    """Shards written concurrently by one worker: $HMSCALE_CACHE_WRITERS, else 1 on CPU (the forward
+    itself needs the cores) and cores/4 clamped to [2, 8] on a GPU (each shard keeps ~2 threads busy:
+    file writes and sha256)."""
+    env = os.environ.get(WRITERS_ENV)
+    if env:
+        return max(1, int(env))
+    if torch.device(device).type != "cuda":
+        return 1
+    return max(2, min(8, (os.cpu_count() or 8) // 4))
 
 
 def default_capture_fn():
@@ -51,11 +79,90 @@ def _fault_point(shard_id: int) -> None:
         os._exit(17)
 
 
+# ---------------------------------------------------------------------------------- pinned buffers
+
+
+class _BufferPool:
+    """At most `limit` sets of pinned host buffers (one tensor per device field, batch-sized), reused.
+
+    `acquire` blocks while all are in use; a set goes back with `release` (called from the hash
+    thread once its bytes are written and hashed).
+    """
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: int):
+        self.shapes = shapes
+        self.limit = max(1, int(limit))
+        self._free: list[dict] = []
+        self._made = 0
+        self._cv = threading.Condition()
+        self.alloc_s = 0.0
+        self.wait_s = 0.0
+
+    def _make(self) -> dict:
+        t = time.perf_counter()
+        bufs = {k: torch.empty(shp, dtype=dt, pin_memory=True) for k, (shp, dt) in self.shapes.items()}
+        self.alloc_s += time.perf_counter() - t
+        return bufs
+
+    def acquire(self) -> dict:
+        with self._cv:
+            if self._free:
+                return self._free.pop()
+            if self._made < self.limit:
+                self._made += 1
+                make = True
+            else:
+                t = time.perf_counter()
+                while not self._free:
+                    self._cv.wait()
+                self.wait_s += time.perf_counter() - t
+                return self._free.pop()
+        try:
+            return self._make()  # outside the lock: pinning hundreds of MB takes a while
+        except BaseException:
+            with self._cv:
+                self._made -= 1
+                self._cv.notify()
+            raise
+
+    def release(self, bufs: dict) -> None:
+        with self._cv:
+            self._free.append(bufs)
+            self._cv.notify()
+
+    def reserve(self, n: int) -> None:
+        """Allocate up to n sets now (so the first shards do not pay for pinning)."""
+        got = [self.acquire() for _ in range(min(n, self.limit))]
+        for b in got:
+            self.release(b)
+
+    @property
+    def bytes(self) -> int:
+        return self._made * sum(int(np.prod(s)) * torch.empty((), dtype=d).element_size() for s, d in self.shapes.values())
+
+
+@dataclass
+class _Batch:
+    """One teacher batch in flight: the stored arrays (host views), and what must finish before they are read."""
+
+    keys: list
+    tokens: np.ndarray
+    seq_idx: np.ndarray
+    positions: list
+    arrays: dict  # field -> (b, ...) numpy array in the stored dtype, in layout order
+    ready: object = None  # torch.cuda.Event: the device->host copies are done
+    hold: list = field(default_factory=list)  # device tensors kept alive until `ready`
+    bufs: dict | None = None  # the pinned buffer set (goes back to the pool after writing + hashing)
+
+
 class ShardWorker:
-    def __init__(self, teacher, plan, spec: CaptureSpec, cache_dir, *, batch_size: int = 8, device=None, capture_fn=None):
+    def __init__(self, teacher, plan, spec: CaptureSpec, cache_dir, *, batch_size: int = 8, device=None, capture_fn=None,
+                 writer_threads: int | None = None, max_buffers: int | None = None):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.teacher = teacher.to(self.device).eval().requires_grad_(False)
         self.plan = plan
         self.spec = spec
@@ -64,13 +171,57 @@ class ShardWorker:
         self.batch_size = int(batch_size)
         self.capture_fn = capture_fn or _default_capture
         self.forwards = 0  # teacher forwards run (tests assert a cached rerun runs none)
+        self.writer_threads = int(writer_threads or default_writer_threads(self.device))
+        self._lock = threading.Lock()  # one forward (and its copies) at a time on the device
+        self.cuda = self.device.type == "cuda"
+        fields = layout(spec, self.shape, plan.seq_len)
+        self.host_fields = ("tokens", "seq_idx", "positions")
+        # device fields in layout order -> (storage used for the numpy view, shape per sample)
+        self.dev_fields = {k: f for k, f in fields.items() if k not in self.host_fields}
+        self._pool = None
+        self._copy_stream = None
+        if self.cuda:
+            shapes = {k: ((self.batch_size, *f.shape), self._torch_dtype(k)) for k, f in self.dev_fields.items()}
+            # per shard in flight: the batch being written and the next one (+2 still being hashed)
+            self._pool = _BufferPool(shapes, max_buffers or 2 * self.writer_threads + 2)
+            self._copy_stream = torch.cuda.Stream(self.device)
+
+    def _storage(self, name: str) -> str | None:
+        if name == "topk_logprobs":
+            return self.spec.topk_dtype
+        if name == "topk_indices" or name.endswith("_scale"):
+            return None
+        return self.spec.dtype
+
+    def _host(self, t: torch.Tensor, name: str) -> np.ndarray:
+        """A host tensor of stored bits -> the numpy array written (a view, the layout's npy dtype)."""
+        return t.numpy().view(np.dtype(self.dev_fields[name].npy_dtype))
+
+    def _torch_dtype(self, name: str) -> torch.dtype:
+        if name == "topk_indices":
+            return torch.int16 if self.shape.vocab_size <= 65536 else torch.int32
+        if name.endswith("_scale"):
+            return torch.float32
+        return STORAGE_TORCH[self._storage(name)]
+
+    def reserve_buffers(self, n: int | None = None) -> float:
+        """Pin the host buffers now (default: as many as the writers can use); returns the seconds it took."""
+        if self._pool is None:
+            return 0.0
+        t = time.perf_counter()
+        self._pool.reserve(n or self._pool.limit)
+        return time.perf_counter() - t
 
     # ------------------------------------------------------------------ one batch on the device
 
     @torch.no_grad()
     def forward_batch(self, tokens: np.ndarray) -> dict:
-        """Device tensors per field for a batch (b, L): per-layer captures (stored dtype cast) and top-k."""
-        ids = torch.from_numpy(np.ascontiguousarray(tokens)).long().to(self.device)
+        """Device tensors per field for a batch (b, L): per-layer captures (as computed) and top-k."""
+        ids = torch.from_numpy(np.ascontiguousarray(tokens)).long()
+        if self.device.type == "cuda":  # pinned, so the copy does not wait for the batch before
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        else:
+            ids = ids.to(self.device)
         layers = list(self.spec.layers) if self.spec.tensors else []
         logits = None
         if self.spec.topk and self.capture_fn is _default_capture:
@@ -99,66 +250,180 @@ class ShardWorker:
             out["topk_logprobs"], out["topk_indices"] = vals, idx
         return out
 
-    def encode_batch(self, keys, tokens, seq_idx, dev: dict) -> list[tuple[str, dict]]:
-        """Device tensors -> per-sample numpy arrays in the stored layout (runs on the writer thread)."""
-        spec, L = self.spec, tokens.shape[1]
-        pos = [positions_for(spec, k, L) for k in keys]
+    @torch.no_grad()
+    def encode_device(self, dev: dict, positions: list) -> dict[str, torch.Tensor]:
+        """Captures -> the stored bits of every device field (layout order), computed where they are."""
         enc = {}
+        idx = None
+        if positions[0] is not None:
+            rows = torch.arange(len(positions), device=self.device)[:, None]
+            idx = (rows, torch.from_numpy(np.stack(positions)).long().to(self.device))
         for name, x in dev.items():
             if name == "topk_logprobs":
-                arr, _ = encode(x, spec.topk_dtype)
-                enc[name] = (arr, None)
+                enc[name] = encode_tensor(x, self.spec.topk_dtype)[0]
             elif name == "topk_indices":
-                dt = np.uint16 if self.shape.vocab_size <= 65536 else np.int32
-                enc[name] = (x.cpu().numpy().astype(dt), None)
+                if self.shape.vocab_size <= 65536:  # uint16 bits in an int16 tensor
+                    enc[name] = torch.where(x >= 32768, x - 65536, x).to(torch.int16)
+                else:
+                    enc[name] = x.to(torch.int32)
             else:
-                if name.endswith("attn_output") and pos[0] is not None:
-                    x = torch.stack([x[j, torch.from_numpy(p).long().to(x.device)] for j, p in enumerate(pos)])
-                enc[name] = encode(x, spec.dtype)
-        samples = []
-        for j, key in enumerate(keys):
-            arrays = {"tokens": np.ascontiguousarray(tokens[j], dtype=np.int32),
-                      "seq_idx": np.ascontiguousarray(seq_idx[j], dtype=np.int32)}
-            if pos[j] is not None:
-                arrays["positions"] = pos[j]
-            for name, (arr, scale) in enc.items():
-                arrays[name] = arr[j]
+                if name.endswith("attn_output") and idx is not None:
+                    x = x[idx]  # (b, m, h, p): the kept positions of each row
+                q, scale = encode_tensor(x, self.spec.dtype)
+                enc[name] = q
                 if scale is not None:
-                    arrays[name + "_scale"] = scale[j]
-            samples.append((key, arrays))
-        return samples
+                    enc[name + "_scale"] = scale
+        return {k: enc[k].contiguous() for k in self.dev_fields}
+
+    def launch(self, keys, tokens, seq_idx) -> _Batch:
+        """Teacher forward + device-side encode for one batch, and (on a GPU) the non-blocking copies
+        into a pinned buffer set; returns at once on a GPU (the batch is `ready` later)."""
+        L = tokens.shape[1]
+        pos = [positions_for(self.spec, k, L) for k in keys]
+        b = len(keys)
+        bufs = self._pool.acquire() if self._pool is not None else None
+        try:
+            with self._lock:
+                if not self.cuda:
+                    enc = self.encode_device(self.forward_batch(tokens), pos)
+                    arrays = {k: self._host(t, k) for k, t in enc.items()}
+                    return _Batch(keys, tokens, seq_idx, pos, arrays)
+                with torch.cuda.device(self.device):
+                    enc = self.encode_device(self.forward_batch(tokens), pos)
+                    compute = torch.cuda.current_stream(self.device)
+                    self._copy_stream.wait_stream(compute)
+                    with torch.cuda.stream(self._copy_stream):
+                        for k, t in enc.items():
+                            bufs[k][:b].copy_(t, non_blocking=True)
+                        ready = torch.cuda.Event()
+                        ready.record(self._copy_stream)
+            arrays = {k: self._host(bufs[k][:b], k) for k in enc}
+            return _Batch(keys, tokens, seq_idx, pos, arrays, ready=ready, hold=list(enc.values()), bufs=bufs)
+        except BaseException:
+            if bufs is not None:
+                self._pool.release(bufs)
+            raise
+
+    def _release(self, batch: _Batch) -> None:
+        if batch is not None and batch.bufs is not None:
+            bufs, batch.bufs = batch.bufs, None
+            self._pool.release(bufs)
+
+    def write_batch(self, writer: ShardWriter, batch: _Batch, stats: dict) -> None:
+        """Append the batch's samples to the shard (in row order); its buffers go back once hashed."""
+        if batch.ready is not None:
+            t = time.perf_counter()
+            batch.ready.synchronize()
+            stats["d2h_wait_s"] = stats.get("d2h_wait_s", 0.0) + time.perf_counter() - t
+        batch.hold = []
+        for j, key in enumerate(batch.keys):
+            arrays = {"tokens": np.ascontiguousarray(batch.tokens[j], dtype=np.int32),
+                      "seq_idx": np.ascontiguousarray(batch.seq_idx[j], dtype=np.int32)}
+            if batch.positions[j] is not None:
+                arrays["positions"] = batch.positions[j]
+            for name, arr in batch.arrays.items():
+                arrays[name] = arr[j]
+            writer.add_sample(key, arrays)
+        if batch.bufs is not None:
+            bufs, batch.bufs = batch.bufs, None
+            writer.after(lambda: self._pool.release(bufs))
 
     # ------------------------------------------------------------------ one shard
 
     def run_shard(self, shard_id: int) -> ShardInfo:
+        """Write one shard (thread-safe: several shards may run at once, see `run_shards`).
+
+        Batch i+1 is launched (forward + copies) before batch i is written, and the writing runs on a
+        helper thread, so the device and the host overlap within a shard too.
+        """
         t0 = time.perf_counter()
         shard = self.plan.shard(shard_id)
         keys = [check_sample_key(k) for k in shard["keys"]]
         tokens, seq_idx = shard["tokens"], shard["seq_idx"]
         writer = ShardWriter(self.cache_dir / shard_name(shard_id), shard_id)
-        pool = ThreadPoolExecutor(max_workers=1)
-        pending = None
+        stats: dict = {}
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{shard_id}-write")
+        pending = None  # (future, batch) being written
+        nxt = None
         try:
             for b0 in range(0, len(keys), self.batch_size):
                 sl = slice(b0, b0 + self.batch_size)
-                dev = self.forward_batch(tokens[sl])
+                nxt = self.launch(keys[sl], tokens[sl], seq_idx[sl])
                 if pending is not None:
-                    pending.result()
+                    pending[0].result()
+                    pending = None
                     if b0 >= len(keys) // 2:
                         _fault_point(shard_id)
-                pending = pool.submit(self._write, writer, keys[sl], tokens[sl], seq_idx[sl], dev)
+                pending = (pool.submit(self.write_batch, writer, nxt, stats), nxt)
+                nxt = None
             if pending is not None:
-                pending.result()
+                pending[0].result()
+                pending = None
             _fault_point(shard_id)
             info = writer.commit()
         except BaseException:
+            if pending is not None:
+                try:
+                    pending[0].result()
+                except BaseException:
+                    pass
+                self._release(pending[1])
+            self._release(nxt)
             writer.abort()
             raise
         finally:
             pool.shutdown(wait=True)
         info.seconds = time.perf_counter() - t0
+        info.stats.update(stats)
         return info
 
-    def _write(self, writer, keys, tokens, seq_idx, dev):
-        for key, arrays in self.encode_batch(keys, tokens, seq_idx, dev):
-            writer.add_sample(key, arrays)
+    def run_shards(self, shard_ids, on_done=None, *, threads: int | None = None) -> list[ShardInfo]:
+        """Write several shards, up to `threads` (default `writer_threads`) at once; `on_done(info)` runs in
+        the calling thread as each finishes. On an error the shards not started are skipped, those in
+        flight finish (and are reported), then the first error is raised with `.shard_id` set."""
+        threads = max(1, int(threads or self.writer_threads))
+        ids = list(shard_ids)
+        if threads == 1 or len(ids) <= 1:
+            out = []
+            for sid in ids:
+                try:
+                    info = self.run_shard(sid)
+                except BaseException as err:
+                    err.shard_id = sid
+                    raise
+                out.append(info)
+                if on_done is not None:
+                    on_done(info)
+            return out
+        out, error = [], None
+        ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cache-shard")
+        try:
+            futs = {ex.submit(self.run_shard, sid): sid for sid in ids}
+            todo = set(futs)
+            while todo:
+                done, todo = wait(todo, return_when=FIRST_COMPLETED)
+                for fut in sorted(done, key=lambda f: futs[f]):
+                    if fut.cancelled():
+                        continue
+                    err = fut.exception()
+                    if err is None:
+                        info = fut.result()
+                        out.append(info)
+                        if on_done is None:
+                            continue
+                        try:
+                            on_done(info)
+                            continue
+                        except BaseException as cb_err:
+                            err = cb_err
+                    if error is None:
+                        error = err
+                        if getattr(error, "shard_id", None) is None:
+                            error.shard_id = futs[fut]
+                        for other in todo:
+                            other.cancel()
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
+        if error is not None:
+            raise error
+        return out

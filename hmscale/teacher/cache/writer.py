@@ -1,4 +1,10 @@
-"""Writing one shard: a streaming, hashing tar writer that appears atomically."""
+"""Writing one shard: a streaming, hashing tar writer that appears atomically.
+
+One `ShardWriter` is fed by one thread, in order; the shard's bytes are a function of the samples
+alone (fixed tar metadata, fixed member order), never of thread timing. Several writers can run
+at once on different shards (file writes, sha256 and fsync all release the GIL): that is how the
+worker reaches several GB/s of host writes (`ShardWorker.run_shards`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import io
 import os
 import tarfile
 import tempfile
-from collections import deque
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,58 +21,83 @@ import numpy as np
 
 from hmscale.teacher.cache.format import ShardInfo
 
+_SMALL = 1 << 16  # writes below this are coalesced (tar/npy headers, padding)
 
-class _HashingFile:
-    """A write-only file wrapper that hashes and counts what passes through.
 
-    sha256 runs on its own thread (hashlib releases the GIL on large buffers), in write order,
-    overlapping the file writes; at most `depth` buffers wait to be hashed.
+class _HashingSink:
+    """Writes to an fd and feeds the same bytes, in the same order, to sha256 on a helper thread.
+
+    The file write happens in the caller's thread, the hash on one helper thread (hashlib releases
+    the GIL on large buffers), so the two overlap. Large buffers are passed by reference (no copy):
+    the caller must keep them unchanged until `after()` callbacks queued behind them have run.
+    Small writes are coalesced into one buffer, written and hashed as one piece.
     """
 
-    def __init__(self, f, depth: int = 16):
-        self.f = f
+    def __init__(self, fd: int):
+        self.fd = fd
         self.sha = hashlib.sha256()
         self.n = 0
+        self._small = bytearray()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sha256")
-        self._pending: deque = deque()
-        self._depth = depth
+        self._last = None
+        self.write_s = 0.0
 
-    def write(self, b) -> int:
+    def _out(self, mv) -> None:
+        t = time.perf_counter()
+        done, n = 0, len(mv)
+        while done < n:  # os.write may be partial
+            done += os.write(self.fd, mv[done:])
+        self.write_s += time.perf_counter() - t
+        self._last = self._pool.submit(self.sha.update, mv)  # FIFO: one worker, hashes in write order
+
+    def _flush_small(self) -> None:
+        if self._small:
+            buf, self._small = bytes(self._small), bytearray()
+            self._out(memoryview(buf))
+
+    def write(self, b) -> None:
         mv = memoryview(b).cast("B")
-        done = 0
-        while done < len(mv):  # raw (unbuffered) writes may be partial
-            done += self.f.write(mv[done:])
-        if len(mv) >= 1 << 16:
-            self._pending.append(self._pool.submit(self.sha.update, mv))
-            while len(self._pending) > self._depth:
-                self._pending.popleft().result()
-        else:
-            self.drain()
-            self.sha.update(mv)
+        if not len(mv):
+            return
         self.n += len(mv)
-        return len(mv)
+        if len(mv) < _SMALL:
+            self._small += mv
+            if len(self._small) >= _SMALL:
+                self._flush_small()
+        else:
+            self._flush_small()
+            self._out(mv)
 
-    def drain(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
+    def after(self, fn) -> None:
+        """Run `fn()` on the hash thread once every byte written so far has been hashed (e.g. free a buffer)."""
+        self._flush_small()
+        self._last = self._pool.submit(fn)
 
-    def hexdigest(self) -> str:
-        self.drain()
+    def finish(self) -> str:
+        self._flush_small()
+        if self._last is not None:
+            self._last.result()
         return self.sha.hexdigest()
 
     def close(self) -> None:
-        self.drain()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # runs every queued hash / callback (buffers get released)
+
+
+def _npy_header(arr: np.ndarray) -> bytes:
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(arr))
+    return head.getvalue()
 
 
 class ShardWriter:
     """Stream samples into `.{name}.<random>.tmp` beside the final path; `commit()` fsyncs and renames.
 
-    The tar is emitted directly (POSIX/pax headers from `tarfile.TarInfo`, then the .npy header and
-    the array's bytes in one write, zero-copy), with fixed metadata (mtime 0, uid 0, mode 0644) so
-    the same samples always give the same bytes: a shard redone on another worker has the same
-    sha256. Until `commit()` nothing is visible under the final name; `abort()` removes the
-    temporary file.
+    The tar is emitted directly (POSIX/pax headers from `tarfile.TarInfo`, then the .npy header, then
+    the array's own bytes, zero-copy), with fixed metadata (mtime 0, uid 0, mode 0644) so the same
+    samples always give the same bytes: a shard redone on another worker, or written while other
+    shards are written concurrently, has the same sha256. sha256 is computed from the bytes as they
+    are written (no re-read). Until `commit()` nothing is visible under the final name; `abort()`
+    removes the temporary file.
     """
 
     def __init__(self, path, shard_id: int):
@@ -75,31 +106,36 @@ class ShardWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self.tmp = Path(tmp)
-        self._raw = os.fdopen(fd, "wb", buffering=0)
-        self._hf = _HashingFile(self._raw)
+        self._fd = fd
+        self._sink = _HashingSink(fd)
         self.keys: list[str] = []
         self.tokens = 0
+        self.stats = {"write_s": 0.0, "hash_wait_s": 0.0, "fsync_s": 0.0}
+        self._closed = False
 
     def _member(self, name: str, arr: np.ndarray) -> None:
-        arr = np.ascontiguousarray(arr)
-        head = io.BytesIO()
-        np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(arr))
-        head = head.getvalue()
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        head = _npy_header(arr)
         info = tarfile.TarInfo(name)
         info.size = len(head) + arr.nbytes
         info.mtime = 0
         info.mode = 0o644
         info.uid = info.gid = 0
         info.uname = info.gname = ""
-        self._hf.write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape") + head)
+        self._sink.write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape") + head)
         if arr.nbytes:
-            self._hf.write(memoryview(arr).cast("B"))
+            self._sink.write(memoryview(arr.reshape(-1).view(np.uint8)))
         pad = -info.size % tarfile.BLOCKSIZE
         if pad:
-            self._hf.write(b"\0" * pad)
+            self._sink.write(b"\0" * pad)
 
     def add_sample(self, key: str, arrays: dict[str, np.ndarray]) -> None:
-        """Write one sample: `{key}.{field}.npy` for each array, in the given order."""
+        """Write one sample: `{key}.{field}.npy` for each array, in the given order.
+
+        Large arrays are written by reference: keep them unchanged until a later `after()` callback
+        runs (or the shard is committed / aborted).
+        """
         for field, arr in arrays.items():
             if arr.dtype.hasobject:
                 raise TypeError(f"{key}.{field}: object arrays are never written (they would need pickle)")
@@ -107,15 +143,25 @@ class ShardWriter:
         self.keys.append(key)
         self.tokens += int(arrays["tokens"].size) if "tokens" in arrays else 0
 
+    def after(self, fn) -> None:
+        """Call `fn()` (on the hash thread) once everything written so far is hashed: buffers can be reused then."""
+        self._sink.after(fn)
+
     def commit(self) -> ShardInfo:
         # end of archive: two zero blocks, then zero padding to a whole record (as tarfile does)
         end = 2 * tarfile.BLOCKSIZE
-        end += -(self._hf.n + end) % tarfile.RECORDSIZE
-        self._hf.write(b"\0" * end)
-        os.fsync(self._raw.fileno())
-        self._raw.close()
-        digest = self._hf.hexdigest()
-        self._hf.close()
+        end += -(self._sink.n + end) % tarfile.RECORDSIZE
+        self._sink.write(b"\0" * end)
+        t = time.perf_counter()
+        digest = self._sink.finish()
+        self.stats["hash_wait_s"] = time.perf_counter() - t
+        self._sink.close()
+        t = time.perf_counter()
+        os.fsync(self._fd)
+        self.stats["fsync_s"] = time.perf_counter() - t
+        os.close(self._fd)
+        self._closed = True
+        self.stats["write_s"] = self._sink.write_s
         os.chmod(self.tmp, 0o644)  # mkstemp makes 0600; a cache is shared
         os.replace(self.tmp, self.path)
         try:  # make the rename durable
@@ -130,30 +176,35 @@ class ShardWriter:
             shard=self.shard_id,
             file=self.path.name,
             sha256=digest,
-            bytes=self._hf.n,
+            bytes=self._sink.n,
             samples=len(self.keys),
             tokens=self.tokens,
             keys=list(self.keys),
+            stats=dict(self.stats),
         )
 
     def abort(self) -> None:
         try:
-            self._hf.close()
+            self._sink.close()
         except Exception:
             pass
-        try:
-            self._raw.close()
-        except Exception:
-            pass
+        if not self._closed:
+            self._closed = True
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
         self.tmp.unlink(missing_ok=True)
 
 
 def sha256_file(path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
         while True:
-            b = f.read(chunk)
-            if not b:
+            n = f.readinto(buf)
+            if not n:
                 break
-            h.update(b)
+            h.update(mv[:n])
     return h.hexdigest()
