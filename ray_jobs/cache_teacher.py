@@ -5,8 +5,10 @@
 
 The driver (`hmscale.teacher.cache.build_cache`) plans the cache and owns the manifest; `run_ray`
 starts `cache.workers` actors (`num_gpus=1` each when the cluster has GPUs, at most one per GPU),
-and hands out pending shard ids one at a time (a dynamic queue: fast workers take more shards).
-An actor that dies has its shard put back at the front of the queue and is replaced (up to
+and hands out pending shard ids from a dynamic queue (fast workers take more shards), up to
+`actor_writers` shards in flight per actor: a GPU actor writes several shards concurrently while its
+device runs one forward at a time (`ShardWorker`). An actor that dies has its shards put back at the
+front of the queue and is replaced (up to
 `cache.max_retries` restarts); a shard whose task raises is retried up to `cache.max_retries`
 times. Shards are written atomically by the actors, so a dead actor leaves only a hidden
 temporary file, which the driver removes at the end.
@@ -25,12 +27,15 @@ from collections import deque
 import ray
 
 from hmscale.teacher.cache.format import CacheError, shard_name
-from hmscale.teacher.cache.worker import FAULT_ENV
+from hmscale.teacher.cache.worker import FAULT_ENV, WRITERS_ENV
 
 
 @ray.remote
 class CacheWorkerActor:
-    def __init__(self, teacher, plan, spec, cache_dir, batch_size, capture_fn=None, threads=None):
+    """One teacher on one device; `run_shard` calls run concurrently (a threaded actor, `max_concurrency`),
+    so several shards are written at once while the device runs one forward at a time."""
+
+    def __init__(self, teacher, plan, spec, cache_dir, batch_size, capture_fn=None, threads=None, writers=None):
         import torch
 
         from hmscale.teacher.cache.worker import ShardWorker
@@ -38,13 +43,26 @@ class CacheWorkerActor:
         if threads:
             torch.set_num_threads(int(threads))
         device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
-        self.worker = ShardWorker(teacher, plan, spec, cache_dir, batch_size=batch_size, device=device, capture_fn=capture_fn)
+        self.worker = ShardWorker(teacher, plan, spec, cache_dir, batch_size=batch_size, device=device,
+                                  capture_fn=capture_fn, writer_threads=writers)
 
     def run_shard(self, shard_id: int):
         return self.worker.run_shard(shard_id)
 
     def stats(self) -> dict:
-        return {"pid": os.getpid(), "forwards": self.worker.forwards, "device": str(self.worker.device)}
+        return {"pid": os.getpid(), "forwards": self.worker.forwards, "device": str(self.worker.device),
+                "writers": self.worker.writer_threads}
+
+
+def actor_writers(gpus: int, cpus: float) -> int:
+    """Shards in flight per actor: $HMSCALE_CACHE_WRITERS, else 1 for CPU actors (the forward needs the
+    cores) and the node's cores per GPU / 4, clamped to [2, 8], for GPU actors."""
+    env = os.environ.get(WRITERS_ENV)
+    if env:
+        return max(1, int(env))
+    if not gpus:
+        return 1
+    return max(2, min(8, int(cpus // max(gpus, 1)) // 4))
 
 
 def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=None) -> None:
@@ -53,52 +71,71 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
 
     own = connect(cfg.parallel.ray_address, log=log)
     try:
-        gpus = int(ray.cluster_resources().get("GPU", 0))
+        res = ray.cluster_resources()
+        gpus = int(res.get("GPU", 0))
         n = min(cfg.cache.workers, len(pending), gpus if gpus else cfg.cache.workers)
-        env = {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}
+        writers = actor_writers(gpus, res.get("CPU", 1))
+        env = {k: os.environ[k] for k in (FAULT_ENV, WRITERS_ENV) if os.environ.get(k)}
         opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=1)
+        opts["max_concurrency"] = writers + 1  # + stats()
         if env:
             opts["runtime_env"] = {"env_vars": env}
         teacher_ref, plan_ref = ray.put(teacher.to("cpu")), ray.put(plan)
         # CPU actors share the node's cores (the whole cluster's on one node; capped by this node's)
-        threads = None if gpus else max(1, min(os.cpu_count() or 1, int(ray.cluster_resources().get("CPU", 1)) // max(n, 1)))
+        threads = None if gpus else max(1, min(os.cpu_count() or 1, int(res.get("CPU", 1)) // max(n, 1)))
 
         def start():
             return CacheWorkerActor.options(**opts).remote(
-                teacher_ref, plan_ref, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, capture_fn, threads
+                teacher_ref, plan_ref, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, capture_fn, threads, writers
             )
 
         actors = {i: start() for i in range(n)}
-        log(f"cache: {n} Ray teacher-forward workers ({'1 GPU' if gpus else '1 CPU'} each), {len(pending)} shards to do")
+        generation = {i: 0 for i in range(n)}  # bumped when the actor is replaced
+        log(f"cache: {n} Ray teacher-forward workers ({'1 GPU' if gpus else '1 CPU'} each, up to {writers} "
+            f"shard{'s' if writers > 1 else ''} in flight each), {len(pending)} shards to do")
         queue = deque(pending)
-        idle = list(actors)
+        free = {i: writers for i in range(n)}  # free shard slots per actor
         inflight: dict = {}
         failures: dict[int, int] = {}
         restarts = 0
+
+        fresh: set[int] = set()  # restarted actors still loading: a live one takes work first
+
+        def next_actor():
+            best = max(free, key=lambda i: (free[i] > 0, i not in fresh, free[i], -i))
+            return best if free[best] > 0 else None
+
         while queue or inflight:
-            while queue and idle:
-                a = idle.pop()
+            while queue and (a := next_actor()) is not None:
+                free[a] -= 1
                 sid = queue.popleft()
-                inflight[actors[a].run_shard.remote(sid)] = (a, sid)
+                inflight[actors[a].run_shard.remote(sid)] = (a, generation[a], sid)
             ready, _ = ray.wait(list(inflight), num_returns=1)
             ref = ready[0]
-            a, sid = inflight.pop(ref)
+            a, gen, sid = inflight.pop(ref)
             try:
                 info = ray.get(ref)
             except ray.exceptions.RayActorError as err:
+                queue.appendleft(sid)  # the lost shard is done first, by a live worker if there is one
+                if gen != generation[a]:  # this actor was already replaced: its other shards come back too
+                    free[a] += 1
+                    log(f"cache: worker {a} died on {shard_name(sid)} too; the shard goes back to the queue")
+                    continue
                 restarts += 1
                 log(f"cache: worker {a} died on {shard_name(sid)} ({type(err).__name__}); "
                     f"the shard goes back to the queue, restarting the worker ({restarts}/{cfg.cache.max_retries})")
                 if restarts > cfg.cache.max_retries:
                     raise CacheError(f"teacher-forward workers died {restarts} times (last on {shard_name(sid)}); "
                                      f"see the worker logs, or raise cache.max_retries") from None
-                queue.appendleft(sid)
                 try:
                     ray.kill(actors[a])
                 except Exception:
                     pass
                 actors[a] = start()
-                idle.insert(0, a)  # the retried shard goes to a live idle worker first, if there is one
+                generation[a] += 1
+                fresh.add(a)
+                # the dead actor's other shards keep their slots until their failures come back (free[a] += 1 each)
+                free[a] = writers - sum(1 for (b, _, _) in inflight.values() if b == a)
                 continue
             except ray.exceptions.RayTaskError as err:
                 failures[sid] = failures.get(sid, 0) + 1
@@ -107,9 +144,11 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                 if failures[sid] > cfg.cache.max_retries:
                     raise CacheError(f"{shard_name(sid)} failed {failures[sid]} times; last error: {cause}") from None
                 queue.append(sid)
-                idle.append(a)
+                free[a] += 1
                 continue
-            idle.append(a)
+            free[a] += 1
+            if gen == generation[a]:
+                fresh.discard(a)
             on_done(info)
         for actor in actors.values():
             ray.kill(actor)
