@@ -7,9 +7,11 @@ Either way only this driver writes the manifest.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,12 +147,22 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
     """Shards recorded in the manifest whose file is present with the recorded size and sha256."""
     good = set()
     recorded = manifest.shards
-    for sid in shard_ids:
-        entry = recorded.get(sid)
-        if entry is None:
-            continue
+    todo = [sid for sid in shard_ids if sid in recorded]
+
+    def ok(sid) -> bool:
+        entry = recorded[sid]
         path = manifest.cache_dir / entry["file"]
-        if path.exists() and path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]:
+        try:
+            return path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
+        except OSError:  # missing (or unreadable): redo it
+            return False
+
+    # checked concurrently (sha256 and reads release the GIL); decided and logged in shard order
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(todo) or 1))) as ex:
+        results = list(ex.map(ok, todo))
+    for sid, fine in zip(todo, results):
+        entry = recorded[sid]
+        if fine:
             good.add(sid)
         else:
             log(f"cache: {entry['file']} is missing or does not match the manifest; redoing it")

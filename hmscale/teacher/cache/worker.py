@@ -89,8 +89,9 @@ class _BufferPool:
     thread once its bytes are written and hashed).
     """
 
-    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: int):
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: int, pin: bool = True):
         self.shapes = shapes
+        self.pin = pin
         self.limit = max(1, int(limit))
         self._free: list[dict] = []
         self._made = 0
@@ -100,7 +101,7 @@ class _BufferPool:
 
     def _make(self) -> dict:
         t = time.perf_counter()
-        bufs = {k: torch.empty(shp, dtype=dt, pin_memory=True) for k, (shp, dt) in self.shapes.items()}
+        bufs = {k: torch.empty(shp, dtype=dt, pin_memory=self.pin) for k, (shp, dt) in self.shapes.items()}
         self.alloc_s += time.perf_counter() - t
         return bufs
 
@@ -157,7 +158,7 @@ class _Batch:
 
 class ShardWorker:
     def __init__(self, teacher, plan, spec: CaptureSpec, cache_dir, *, batch_size: int = 8, device=None, capture_fn=None,
-                 writer_threads: int | None = None, max_buffers: int | None = None):
+                 writer_threads: int | None = None, max_buffers: int | None = None, staged: bool | None = None):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -180,10 +181,14 @@ class ShardWorker:
         self.dev_fields = {k: f for k, f in fields.items() if k not in self.host_fields}
         self._pool = None
         self._copy_stream = None
-        if self.cuda:
+        # staged: the stored bytes are copied into a pool of (pinned) host buffers; always on a GPU, on
+        # request on the CPU (tests exercise the buffer path there)
+        self.staged = self.cuda if staged is None else bool(staged)
+        if self.staged:
             shapes = {k: ((self.batch_size, *f.shape), self._torch_dtype(k)) for k, f in self.dev_fields.items()}
             # per shard in flight: the batch being written and the next one (+2 still being hashed)
-            self._pool = _BufferPool(shapes, max_buffers or 2 * self.writer_threads + 2)
+            self._pool = _BufferPool(shapes, max_buffers or 2 * self.writer_threads + 2, pin=self.cuda)
+        if self.cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
 
     def _storage(self, name: str) -> str | None:
@@ -284,19 +289,24 @@ class ShardWorker:
         bufs = self._pool.acquire() if self._pool is not None else None
         try:
             with self._lock:
+                ready = None
                 if not self.cuda:
                     enc = self.encode_device(self.forward_batch(tokens), pos)
-                    arrays = {k: self._host(t, k) for k, t in enc.items()}
-                    return _Batch(keys, tokens, seq_idx, pos, arrays)
-                with torch.cuda.device(self.device):
-                    enc = self.encode_device(self.forward_batch(tokens), pos)
-                    compute = torch.cuda.current_stream(self.device)
-                    self._copy_stream.wait_stream(compute)
-                    with torch.cuda.stream(self._copy_stream):
-                        for k, t in enc.items():
-                            bufs[k][:b].copy_(t, non_blocking=True)
-                        ready = torch.cuda.Event()
-                        ready.record(self._copy_stream)
+                    if not self.staged:
+                        arrays = {k: self._host(t, k) for k, t in enc.items()}
+                        return _Batch(keys, tokens, seq_idx, pos, arrays)
+                    for k, t in enc.items():
+                        bufs[k][:b].copy_(t)
+                else:
+                    with torch.cuda.device(self.device):
+                        enc = self.encode_device(self.forward_batch(tokens), pos)
+                        compute = torch.cuda.current_stream(self.device)
+                        self._copy_stream.wait_stream(compute)
+                        with torch.cuda.stream(self._copy_stream):
+                            for k, t in enc.items():
+                                bufs[k][:b].copy_(t, non_blocking=True)
+                            ready = torch.cuda.Event()
+                            ready.record(self._copy_stream)
             arrays = {k: self._host(bufs[k][:b], k) for k in enc}
             return _Batch(keys, tokens, seq_idx, pos, arrays, ready=ready, hold=list(enc.values()), bufs=bufs)
         except BaseException:

@@ -174,3 +174,25 @@ def test_ray_actor_with_several_shards_in_flight_dies(tmp_path, teacher, tools, 
     monkeypatch.setenv(WRITERS_ENV, "1")
     local = build_cache(tools.make_cfg(tmp_path / "local"), data, teacher, engine="local")
     assert _shards(local) == _shards(path)
+
+
+@pytest.mark.parametrize("writers,max_buffers", [(1, 1), (3, 2), (3, None)])
+def test_staged_buffer_path_byte_identical(tmp_path, teacher, tools, monkeypatch, writers, max_buffers):
+    """The GPU path's buffer pool (batch-sized host buffers, reused once written and hashed; a short last
+    batch uses a prefix) run on the CPU: the same bytes as the direct path, the pool never exceeds its limit."""
+    from hmscale.teacher.cache import plan_cache
+
+    data = tools.make_data(shards=5, per_shard=3)
+    cfg = tools.make_cfg(tmp_path, **SPEC)
+    cp = plan_cache(cfg, data.plan, teacher)
+    direct = ShardWorker(teacher, data.plan, cp.spec, tmp_path / "direct", batch_size=2, device="cpu", writer_threads=1)
+    want = {i.file: i.sha256 for i in direct.run_shards(range(5))}
+    with monkeypatch.context() as m:
+        _jitter(m, writers)
+        staged = ShardWorker(teacher, data.plan, cp.spec, tmp_path / "staged", batch_size=2, device="cpu",
+                             writer_threads=writers, max_buffers=max_buffers, staged=True)
+        got = {i.file: i.sha256 for i in staged.run_shards(range(5))}
+    assert got == want
+    assert _shards(tmp_path / "staged") == _shards(tmp_path / "direct")
+    pool = staged._pool
+    assert pool._made <= pool.limit and len(pool._free) == pool._made  # every buffer set came back
