@@ -177,7 +177,7 @@ class ShardWorker:
         self.cuda = self.device.type == "cuda"
         fields = layout(spec, self.shape, plan.seq_len)
         self.host_fields = ("tokens", "seq_idx", "positions")
-        # device fields in layout order -> (storage used for the numpy view, shape per sample)
+        # the fields computed on the device, in layout order -> FieldSpec (npy dtype, shape per sample)
         self.dev_fields = {k: f for k, f in fields.items() if k not in self.host_fields}
         self._pool = None
         self._copy_stream = None
@@ -186,8 +186,8 @@ class ShardWorker:
         self.staged = self.cuda if staged is None else bool(staged)
         if self.staged:
             shapes = {k: ((self.batch_size, *f.shape), self._torch_dtype(k)) for k, f in self.dev_fields.items()}
-            # per shard in flight: the batch being written and the next one (+2 still being hashed)
-            self._pool = _BufferPool(shapes, max_buffers or 2 * self.writer_threads + 2, pin=self.cuda)
+            # one set per shard being written, +2 so the device can run ahead (the host is the slower side)
+            self._pool = _BufferPool(shapes, max_buffers or self.writer_threads + 2, pin=self.cuda)
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
 
@@ -305,7 +305,7 @@ class ShardWorker:
                         with torch.cuda.stream(self._copy_stream):
                             for k, t in enc.items():
                                 bufs[k][:b].copy_(t, non_blocking=True)
-                            ready = torch.cuda.Event()
+                            ready = torch.cuda.Event(blocking=True)  # the waiting writer sleeps, not spins
                             ready.record(self._copy_stream)
             arrays = {k: self._host(bufs[k][:b], k) for k in enc}
             return _Batch(keys, tokens, seq_idx, pos, arrays, ready=ready, hold=list(enc.values()), bufs=bufs)

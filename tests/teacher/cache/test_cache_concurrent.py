@@ -176,14 +176,17 @@ def test_ray_actor_with_several_shards_in_flight_dies(tmp_path, teacher, tools, 
     assert _shards(local) == _shards(path)
 
 
-@pytest.mark.parametrize("writers,max_buffers", [(1, 1), (3, 2), (3, None)])
-def test_staged_buffer_path_byte_identical(tmp_path, teacher, tools, monkeypatch, writers, max_buffers):
+BF16_SPEC = {"cache.capture.topk": 2, "cache.capture.topk_dtype": "bfloat16", "cache.batch_size": 2}
+
+
+@pytest.mark.parametrize("writers,max_buffers,spec", [(1, 1, SPEC), (3, 2, SPEC), (3, None, SPEC), (2, None, BF16_SPEC)])
+def test_staged_buffer_path_byte_identical(tmp_path, teacher, tools, monkeypatch, writers, max_buffers, spec):
     """The GPU path's buffer pool (batch-sized host buffers, reused once written and hashed; a short last
     batch uses a prefix) run on the CPU: the same bytes as the direct path, the pool never exceeds its limit."""
     from hmscale.teacher.cache import plan_cache
 
     data = tools.make_data(shards=5, per_shard=3)
-    cfg = tools.make_cfg(tmp_path, **SPEC)
+    cfg = tools.make_cfg(tmp_path, **spec)
     cp = plan_cache(cfg, data.plan, teacher)
     direct = ShardWorker(teacher, data.plan, cp.spec, tmp_path / "direct", batch_size=2, device="cpu", writer_threads=1)
     want = {i.file: i.sha256 for i in direct.run_shards(range(5))}
