@@ -39,6 +39,19 @@ ABLATIONS = {
 
 
 def base_overrides(args) -> list[str]:
+    if args.cpu_proxy:
+        # a CPU stand-in for the H200 run: a well-trained pythia-micro teacher, distilled with a few % of its
+        # tokens at about the H200 run's optimizer step counts (stage 2 ~270 steps)
+        return [
+            "teacher.flavor=pythia-micro", "tokenizer.vocab_size=2048", "data.seq_len=256",
+            f"data.max_documents={args.max_documents}", "data.val_fraction=0.05",
+            f"teacher.pretrain_seconds={args.teacher_seconds}", "teacher.pretrain_steps=100000",
+            "teacher.pretrain_batch_size=16", "teacher.pretrain_lr=3e-3",
+            "stage1.micro_batch_size=4", "stage1.lr=1e-2", "stage2.micro_batch_size=4", "stage2.lr=1e-3",
+            "stage2.warmup_steps=20", "stage2.eval_every=100000",
+            "parallel.engine=local", "parallel.zero_stage=1", "cache.enabled=false", "stage1.source=online",
+            "eval.max_sequences=128",
+        ]
     if args.smoke:
         return [
             "teacher.flavor=pythia-nano", "tokenizer.vocab_size=512", "data.seq_len=64", "data.max_documents=60",
@@ -65,7 +78,11 @@ def main(argv=None):
     ap.add_argument("--teacher-seconds", type=float, default=150.0)
     ap.add_argument("--fraction", type=float, default=0.03, help="distillation tokens / teacher pretraining tokens")
     ap.add_argument("--max-documents", type=int, default=6000)
+    ap.add_argument("--cpu-proxy", action="store_true",
+                    help="CPU stand-in for the H200 run (pythia-micro teacher; use with --teacher-seconds, --fraction)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these ablations")
+    ap.add_argument("-s", "--set", dest="overrides", action="append", default=[], metavar="K=V",
+                    help="extra config override for every ablation (after the benchmark's own)")
     args = ap.parse_args(argv)
 
     from hmscale.config import build_config
@@ -76,7 +93,7 @@ def main(argv=None):
 
     out = Path(args.out)
     t_start = time.time()
-    base = base_overrides(args) + [f"output_dir={out}/prep"]
+    base = base_overrides(args) + list(args.overrides) + [f"output_dir={out}/prep"]
     cfg = build_config(overrides=base)
     prep = prepare(cfg)
     data, teacher = prep["data"], prep["teacher"]

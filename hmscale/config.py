@@ -126,6 +126,17 @@ class Stage1Config(_Section):
     source: Literal["cache", "online"] = "cache"
     steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage1_tokens
     layer_parallel: bool = False  # spread layers over workers (each trains its own layers' phi)
+    # passes over the stage's token share (budget.stage1_tokens): stage 1 is layer-local and cheap, and
+    # one pass leaves phi far from converged at small budgets; the same rows are revisited, no new tokens
+    epochs: int = Field(1, ge=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decay floor, a fraction of lr
+
+    @model_validator(mode="after")
+    def _check_epochs(self):
+        if self.epochs > 1 and self.steps:
+            raise ValueError(f"stage1.epochs: {self.epochs} passes and stage1.steps={self.steps} both set the "
+                             "step count; set one of them (epochs=1, or steps=null)")
+        return self
 
 
 class ComponentsConfig(_Section):
@@ -146,11 +157,21 @@ class Stage2Config(_Section):
     micro_batch_size: int = Field(8, gt=0)
     grad_accum: int = Field(1, gt=0)
     grad_clip: float = Field(1.0, gt=0)
-    kd_weight: float = Field(0.0, ge=0)  # weight of the KD term on cached top-k teacher log-probs
+    kd_weight: float = Field(0.0, ge=0)  # weight of the KD term (teacher log-probs, see kd_source)
     kd_temperature: float = Field(1.0, gt=0)
+    # where the KD targets come from: "cache" = the cached top-k log-probs (cache.capture.topk > 0);
+    # "online" = the live teacher's full-vocabulary logits, computed next to each batch (KL to the teacher)
+    kd_source: Literal["cache", "online"] = "cache"
+    ce_weight: float = Field(1.0, ge=0)  # weight of next-token cross-entropy (0: KD only)
     eval_every: int = Field(50, gt=0)
     steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage2_tokens
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
+
+    @model_validator(mode="after")
+    def _check_loss(self):
+        if self.ce_weight == 0 and self.kd_weight == 0:
+            raise ValueError("stage2.ce_weight: 0 with stage2.kd_weight=0 leaves no loss; set ce_weight > 0 or kd_weight > 0")
+        return self
 
 
 class ParallelConfig(_Section):

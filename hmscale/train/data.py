@@ -9,6 +9,8 @@ Sources:
 - `ArraySource(tokens[, topk_ids, topk_logprobs])`  in-memory rows (tests, fixtures, benchmarks).
 - `PlanSource(plan)`                                 rows of a `hmscale.data.ShardPlan` (lazy, random access).
 - `CacheSource(reader)`                              rows (+ top-k teacher log-probs) of a teacher cache.
+- `SubsetSource(source, ids)`                        a fixed subset of another source's rows (stage 1's
+                                                     token share, revisited for several epochs).
 """
 
 from __future__ import annotations
@@ -105,6 +107,44 @@ class CacheSource:
                 for t in samples[0]["layers"][i]:
                     out[f"layer{i}.{t}"] = torch.stack([s["layers"][i][t] for s in samples])
         return out
+
+
+class SubsetSource:
+    """The rows `ids` (indices into `source`) of another source, renumbered 0..len(ids)-1."""
+
+    def __init__(self, source, ids):
+        self.source = source
+        self.ids = np.asarray(ids, dtype=np.int64)
+        if self.ids.ndim != 1 or len(self.ids) == 0:
+            raise ValueError("SubsetSource: ids must be a non-empty 1-d list of row indices")
+        if self.ids.min() < 0 or self.ids.max() >= source.num_sequences:
+            raise ValueError(f"SubsetSource: ids must lie in [0, {source.num_sequences})")
+
+    @property
+    def num_sequences(self) -> int:
+        return int(len(self.ids))
+
+    @property
+    def seq_len(self) -> int:
+        return self.source.seq_len
+
+    @property
+    def has_topk(self) -> bool:
+        return self.source.has_topk
+
+    def fetch(self, ids: np.ndarray) -> dict:
+        return self.source.fetch(self.ids[np.asarray(ids, dtype=np.int64)])
+
+
+def token_share(source, tokens: int, seed: int) -> "SubsetSource | None":
+    """The rows a one-pass run over `tokens` tokens of `source` would read first (the first positions of
+    the epoch-0 permutation of `Sampler(source.num_sequences, seed)`), as a SubsetSource; None when that
+    share is the whole source."""
+    n = -(-int(tokens) // source.seq_len)  # ceil
+    n = max(1, n)
+    if n >= source.num_sequences:
+        return None
+    return SubsetSource(source, Sampler(source.num_sequences, seed=seed).ids(0, n))
 
 
 @dataclass

@@ -7,6 +7,8 @@ teacher attention input only, so:
 - `stage1.source=online`: the live teacher runs on token batches and its per-layer inputs are captured.
 - `stage1.layer_parallel=true`: layer l trains on worker l % world (each worker reads only its
   layers from the cache); otherwise every worker trains all layers on its share of the data (ZeRO dp).
+- `stage1.epochs=E`: E passes over the stage's token share (`budget.stage1_tokens`): the rows a one-pass
+  run reads first, reshuffled each pass (no new tokens; phi is tiny and converges slowly in one pass).
 
 The logged `loss` is the mean over layers; `layer_loss/<l>` per layer.
 
@@ -32,7 +34,7 @@ from torch import nn
 
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import seed_everything, setup_layout, stage_dir
-from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch
+from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
 from hmscale.train.engine import Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine, train_loop
 
 
@@ -115,9 +117,11 @@ class Stage1Trainable(nn.Module):
 
 
 def stage1_steps(cfg, tokens_per_step: int) -> int:
+    """Optimizer steps: stage1.steps, else stage1.epochs passes over budget.stage1_tokens."""
     if cfg.stage1.steps:
         return int(cfg.stage1.steps)
-    return max(1, cfg.budget.stage1_tokens // max(tokens_per_step, 1))
+    epochs = int(getattr(cfg.stage1, "epochs", 1))
+    return max(1, epochs * cfg.budget.stage1_tokens // max(tokens_per_step, 1))
 
 
 def _teacher_ref(cfg, teacher) -> str | None:
@@ -262,13 +266,16 @@ def run_stage1(
             source = CacheSource(reader, layers=mine, topk=False)
         else:
             source = PlanSource(data.plan)
-    cached = isinstance(source, CacheSource)
+    if s1.epochs > 1 and not s1.steps:
+        # several passes over the stage's token share: the rows a one-pass run would read, revisited
+        source = token_share(source, cfg.budget.stage1_tokens, seed=cfg.seed + 1) or source
+    cached = isinstance(getattr(source, "source", source), CacheSource)
 
     module = Stage1Trainable(student, mine, owners, layout.world).to(layout.device)
     tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len * (layout.world if mpu is not None else 1)
     total_steps = stage1_steps(cfg, tokens_per_step)
     spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,
-                     total_steps=total_steps, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
+                     total_steps=total_steps, min_lr_ratio=s1.min_lr_ratio, weight_decay=0.0, grad_clip=1.0,
                      zero_stage=par.zero_stage, bf16=False, ds_config=par.ds_config)
     engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu)
 

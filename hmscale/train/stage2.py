@@ -1,9 +1,12 @@
 """Stage 2: convert the stage-1 Hedgehog student into HedgeMamba and fine-tune it.
 
-Everything but the input embeddings trains, with next-token cross-entropy plus an optional KD
-term on cached top-k teacher log-probs (`stage2.kd_weight`, temperature `stage2.kd_temperature`):
-`kd = -T^2 * sum_k softmax(lp_teacher/T)_k * log_softmax(z_student/T)[id_k]`, averaged over tokens
-(the teacher distribution renormalised over its top k).
+Everything but the input embeddings trains, with `stage2.ce_weight` x next-token cross-entropy plus
+`stage2.kd_weight` x a KD term (temperature T = `stage2.kd_temperature`), averaged over tokens:
+- `stage2.kd_source=cache`: cached top-k teacher log-probs,
+  `kd = -T^2 * sum_k softmax(lp_teacher/T)_k * log_softmax(z_student/T)[id_k]`
+  (the teacher distribution renormalised over its top k);
+- `stage2.kd_source=online`: the live teacher's full-vocabulary logits on the same batch (no grad; bf16
+  autocast when parallel.bf16 on GPU), `kd = T^2 * KL(softmax(z_teacher/T) || softmax(z_student/T))`.
 
 Run dir (`<run_dir>/stage2/`):
   checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json (step, samples_seen, loss)
@@ -14,6 +17,7 @@ Run dir (`<run_dir>/stage2/`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -37,38 +41,52 @@ from hmscale.train.engine import (
 )
 
 
-def _row_losses(logits_row, target_row, ids_row, tlp_row, temperature: float):
-    """Sums over one sequence's positions (fp32 math): cross-entropy and, when ids_row is given, KD."""
+def _row_losses(logits_row, target_row, ids_row, tlp_row, temperature: float, teacher_row=None):
+    """Sums over one sequence's positions (fp32 math): cross-entropy and KD (zero when there is no teacher):
+    cached top-k (ids_row, tlp_row) or the live teacher's full logits (teacher_row)."""
     z = logits_row.float()
     ce = F.cross_entropy(z, target_row, reduction="sum")
+    T = float(temperature)
+    if teacher_row is not None:
+        t_lp = torch.log_softmax(teacher_row.float() / T, dim=-1)
+        s_lp = torch.log_softmax(z / T, dim=-1)
+        return ce, (t_lp.exp() * (t_lp - s_lp)).sum() * (T * T)
     if ids_row is None:
         return ce, torch.zeros((), device=z.device)
-    T = float(temperature)
     p_t = torch.softmax(tlp_row.float() / T, dim=-1)
     s_lp = torch.log_softmax(z / T, dim=-1).gather(-1, ids_row)
     return ce, -(p_t * s_lp).sum() * (T * T)
 
 
 def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict, kd_weight: float,
-                     temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
-    """(total loss, {"ce", "kd"}) for next-token prediction, token means, fp32 math.
+                     temperature: float = 1.0, *, ce_weight: float = 1.0,
+                     teacher_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """(ce_weight * ce + kd_weight * kd, {"ce", "kd"}) for next-token prediction, token means, fp32 math.
 
-    Computed one sequence at a time under activation checkpointing: only the model's own (bf16) logits
-    stay alive for the backward; the fp32 copy, log-softmax and KD terms of a row are recomputed.
+    KD targets: `teacher_logits` (b, l, V) when given (full-vocabulary KL), else the batch's cached
+    top-k (`topk_ids`, `topk_logprobs`). Computed one sequence at a time under activation checkpointing:
+    only the model's own (bf16) logits stay alive for the backward; the fp32 copy, log-softmax and KD
+    terms of a row are recomputed.
     """
     kd_on = kd_weight > 0
-    if kd_on and "topk_ids" not in batch:
-        raise TrainingError("stage2.kd_weight > 0 needs cached teacher top-k log-probs; "
-                            "set cache.capture.topk > 0 and rebuild the cache, or set stage2.kd_weight=0")
+    online = kd_on and teacher_logits is not None
+    if kd_on and not online and "topk_ids" not in batch:
+        raise TrainingError("stage2.kd_weight > 0 needs teacher log-probs: set stage2.kd_source=online (the live "
+                            "teacher), or cache.capture.topk > 0 and rebuild the cache, or set stage2.kd_weight=0")
+    if online and teacher_logits.shape[:2] != logits.shape[:2]:
+        raise TrainingError(f"teacher logits {tuple(teacher_logits.shape)} do not match the student's {tuple(logits.shape)}")
     from torch.utils.checkpoint import checkpoint
 
     b, l = input_ids.shape
     n = b * (l - 1)
     ce_sum = kd_sum = 0.0
+    vocab = logits.shape[-1]
     for i in range(b):
+        cached = kd_on and not online
         args = (logits[i, :-1], input_ids[i, 1:],
-                batch["topk_ids"][i, :-1] if kd_on else None,  # the teacher's prediction at t is for token t+1
-                batch["topk_logprobs"][i, :-1] if kd_on else None, temperature)
+                batch["topk_ids"][i, :-1] if cached else None,  # the teacher's prediction at t is for token t+1
+                batch["topk_logprobs"][i, :-1] if cached else None, temperature,
+                teacher_logits[i, :-1, :vocab] if online else None)
         if torch.is_grad_enabled() and logits.requires_grad:
             ce_i, kd_i = checkpoint(_row_losses, *args, use_reentrant=False)
         else:
@@ -77,11 +95,11 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
         kd_sum = kd_sum + kd_i
     ce = ce_sum / n
     extras = {"ce": ce.detach()}
-    loss = ce
+    loss = ce * ce_weight if ce_weight != 1.0 else ce
     if kd_on:
         kd = kd_sum / n
         extras["kd"] = kd.detach()
-        loss = ce + kd_weight * kd
+        loss = loss + kd_weight * kd
     return loss, extras
 
 
@@ -102,17 +120,44 @@ def stage2_steps(cfg, tokens_per_step: int) -> int:
     return max(1, cfg.budget.stage2_tokens // max(tokens_per_step, 1))
 
 
+def _cached_kd(s2) -> bool:
+    return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache"
+
+
+def _online_kd(s2) -> bool:
+    return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "online"
+
+
 def _source_for(cfg, data, cache_dir):
-    """Stage-2 rows: the cache (tokens + top-k) when it has what we need, else the data plan."""
-    if cache_dir is not None:
+    """Stage-2 rows: the cache (tokens + top-k) when given, else the data plan. With online KD the data plan
+    wins over a given cache (which may hold only stage 1's rows)."""
+    if cache_dir is not None and not (_online_kd(cfg.stage2) and data is not None):
         from hmscale.teacher.cache import CacheReader
 
-        return CacheSource(CacheReader(cache_dir), topk=cfg.stage2.kd_weight > 0)
+        return CacheSource(CacheReader(cache_dir), topk=_cached_kd(cfg.stage2))
     if data is None:
         raise TrainingError("stage 2 needs training data: pass data=prepare_data(cfg) or a cache directory")
-    if cfg.stage2.kd_weight > 0:
-        raise TrainingError("stage2.kd_weight > 0 needs the teacher cache (top-k log-probs); enable cache and set cache.capture.topk")
+    if _cached_kd(cfg.stage2):
+        raise TrainingError("stage2.kd_weight > 0 with kd_source=cache needs the teacher cache (top-k log-probs); "
+                            "enable cache and set cache.capture.topk, or set stage2.kd_source=online")
     return PlanSource(data.plan)
+
+
+def _kd_teacher(cfg, teacher, student, data, layout):
+    """The live teacher for online KD (frozen, eval, on this worker's device): the given one, the
+    stage-1 student's, or the run's (`get_teacher`)."""
+    if teacher is None and student is not None:
+        teacher = getattr(student, "teacher", None)
+    if teacher is None:
+        if data is None:
+            raise TrainingError("stage2.kd_source=online needs the teacher: pass teacher= (or data= to load the run's teacher)")
+        from hmscale.teacher import get_teacher
+
+        teacher = get_teacher(cfg, data, device=str(layout.device), log=lambda *a, **k: None)
+    teacher.to(layout.device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
 
 
 def build_stage2_model(cfg, run_dir, *, teacher=None, student=None):
@@ -198,8 +243,15 @@ def run_stage2(
 
     if source is None:
         source = _source_for(cfg, data, cache_dir)
-    if s2.kd_weight > 0 and not source.has_topk:
-        raise TrainingError("stage2.kd_weight > 0 but the training rows carry no teacher top-k; set cache.capture.topk > 0")
+    if _cached_kd(s2) and not source.has_topk:
+        raise TrainingError("stage2.kd_weight > 0 but the training rows carry no teacher top-k; set cache.capture.topk > 0 "
+                            "or stage2.kd_source=online")
+    kd_teacher = _kd_teacher(cfg, teacher, student, data, layout) if _online_kd(s2) else None
+    if kd_teacher is not None and kd_teacher.config.vocab_size < model.config.vocab_size:
+        raise TrainingError(f"stage2.kd_source=online: the teacher has {kd_teacher.config.vocab_size} tokens, "
+                            f"the student {model.config.vocab_size}; they must share the vocabulary")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if par.bf16 and layout.device.type == "cuda"
+                else contextlib.nullcontext())
     seq_len = source.seq_len
     tokens_per_step = s2.micro_batch_size * s2.grad_accum * layout.dp_size * seq_len
     total_steps = stage2_steps(cfg, tokens_per_step)
@@ -229,8 +281,13 @@ def run_stage2(
     def micro_step(step: int, micro: int):
         batch = get_batch(source, sampler, bplan, step, micro, layout.device)
         x = batch["input_ids"]
+        t_logits = None
+        if kd_teacher is not None:
+            with torch.no_grad(), autocast:
+                t_logits = kd_teacher(input_ids=x, use_cache=False).logits
         logits = engine(input_ids=x).logits
-        return causal_lm_losses(logits, x, batch, s2.kd_weight, s2.kd_temperature)
+        return causal_lm_losses(logits, x, batch, s2.kd_weight, s2.kd_temperature,
+                                ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits)
 
     val_tokens = getattr(data, "val_tokens", None) if data is not None else None
 

@@ -1,0 +1,186 @@
+"""Recipe options: stage-1 epochs over a fixed token share, stage-2 KD from the live teacher, ce_weight."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hmscale.config import build_config
+from hmscale.train.data import ArraySource, Sampler, SubsetSource, token_share
+from hmscale.train.engine import TrainingError, read_metrics
+
+os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
+
+VOCAB, L = 96, 32
+
+
+def tiny_teacher(seed=0, sharpen=1.0):
+    """A random pythia-nano; `sharpen` scales its output embedding (a random model's predictions are
+    nearly uniform: a student matches them whatever its attention does)."""
+    from transformers import GPTNeoXForCausalLM
+
+    from hmscale.teacher.flavors import neox_config
+
+    torch.manual_seed(seed)
+    model = GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=VOCAB)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    return model
+
+
+def toks(n=48):
+    return np.random.default_rng(1).integers(0, VOCAB, size=(n, L))
+
+
+class RecordingSource(ArraySource):
+    """An ArraySource that remembers which rows were fetched."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.seen: list[int] = []
+
+    def fetch(self, ids):
+        self.seen.extend(int(i) for i in ids)
+        return super().fetch(ids)
+
+
+# ---------------------------------------------------------------- token share
+
+
+def test_token_share_is_what_one_pass_reads_first():
+    src = ArraySource(toks(40))
+    share = token_share(src, tokens=10 * L - 5, seed=3)  # ceil -> 10 rows
+    assert isinstance(share, SubsetSource) and share.num_sequences == 10 and share.seq_len == L
+    first = Sampler(40, seed=3).ids(0, 10)
+    np.testing.assert_array_equal(share.ids, first)
+    np.testing.assert_array_equal(share.fetch(np.arange(10))["input_ids"].numpy(), src.tokens[first])
+    assert token_share(src, tokens=40 * L, seed=3) is None  # the whole source: no subset
+    with pytest.raises(ValueError, match="ids must lie"):
+        SubsetSource(src, [0, 40])
+
+
+def test_stage1_epochs_revisit_the_share_only(tmp_path):
+    from hmscale.train.stage1 import run_stage1
+
+    common = ["stage1.source=online", "stage1.micro_batch_size=4", "stage1.lr=0.05", "stage1.warmup_steps=1",
+              "budget.total_tokens=1280", "budget.split=[0.5,0.5]", "parallel.zero_stage=1"]  # share: 640 tokens = 20 rows
+    teacher = tiny_teacher()
+    one_src, three_src = RecordingSource(toks()), RecordingSource(toks())
+    one = run_stage1(build_config({}, common), tmp_path / "one", teacher=teacher, source=one_src, export=False)
+    three = run_stage1(build_config({}, common + ["stage1.epochs=3"]), tmp_path / "three", teacher=teacher,
+                       source=three_src, export=False)
+    assert one["total_steps"] == 5 and three["total_steps"] == 15
+    share = set(one_src.seen)
+    assert len(share) == 20 and set(three_src.seen) == share  # the same 20 rows, no new tokens
+    counts = np.bincount(three_src.seen)
+    assert sorted(set(counts[list(share)])) == [3]  # each row once per pass
+    # later passes keep lowering the layer-local loss
+    assert np.mean(three["losses"][-5:]) < np.mean(one["losses"][-5:])
+
+
+def test_stage1_min_lr_ratio_sets_the_floor(tmp_path):
+    from hmscale.train.stage1 import run_stage1
+
+    cfg = build_config({}, ["stage1.source=online", "stage1.micro_batch_size=4", "stage1.steps=4", "stage1.lr=0.05",
+                            "stage1.warmup_steps=0", "stage1.min_lr_ratio=0.5", "parallel.zero_stage=1"])
+    run_stage1(cfg, tmp_path, teacher=tiny_teacher(), source=ArraySource(toks()), export=False)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "stage1" / "metrics.jsonl") if "lr" in r]
+    assert len(lrs) == 4 and lrs[0] < 0.05
+    assert min(lrs) == pytest.approx(0.025) and lrs[-1] == pytest.approx(0.025)  # cosine ends at 0.5 x lr
+
+
+# ---------------------------------------------------------------- online KD
+
+
+def test_online_kd_loss_is_the_full_vocab_kl():
+    from hmscale.train.stage2 import causal_lm_losses
+
+    torch.manual_seed(0)
+    b, l, V, T = 3, 17, 50, 2.0
+    z = torch.randn(b, l, V, requires_grad=True)
+    t = torch.randn(b, l, V)
+    x = torch.randint(0, V, (b, l))
+    loss, ex = causal_lm_losses(z, x, {}, 0.7, T, ce_weight=0.25, teacher_logits=t)
+    (g,) = torch.autograd.grad(loss, z)
+    ce = F.cross_entropy(z[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+    kl = F.kl_div(torch.log_softmax(z[:, :-1] / T, -1).reshape(-1, V), torch.log_softmax(t[:, :-1] / T, -1).reshape(-1, V),
+                  log_target=True, reduction="batchmean") * T * T
+    (g_ref,) = torch.autograd.grad(0.25 * ce + 0.7 * kl, z)
+    torch.testing.assert_close(loss, 0.25 * ce + 0.7 * kl)
+    torch.testing.assert_close(ex["kd"], kl.detach())
+    torch.testing.assert_close(g, g_ref)
+    # the teacher's own logits: no KD left
+    _, ex0 = causal_lm_losses(t, x, {}, 1.0, T, teacher_logits=t)
+    assert float(ex0["kd"]) < 1e-5
+
+
+def test_kd_without_targets_is_a_clear_error():
+    from hmscale.train.stage2 import causal_lm_losses
+
+    with pytest.raises(TrainingError, match="kd_source=online"):
+        causal_lm_losses(torch.randn(1, 4, 8), torch.zeros(1, 4, dtype=torch.long), {}, 1.0)
+
+
+def _perturbed_student(teacher, seed=1, noise=0.2):
+    """HedgeMamba converted from `teacher`, with noise on its MLPs (so it starts away from the teacher)."""
+    from hmscale.models.convert import to_hedgehog, to_hedgemamba
+
+    model = to_hedgemamba(to_hedgehog(teacher))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mlp" in name and p.ndim == 2:
+                p.add_(noise * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_stage2_online_kd_matches_the_live_teacher(tmp_path):
+    import copy
+
+    from hmscale.train.data import BatchPlan, get_batch
+    from hmscale.train.stage2 import run_stage2
+
+    teacher = tiny_teacher(sharpen=10.0)
+    cfg = build_config({}, ["stage2.steps=8", "stage2.micro_batch_size=4", "stage2.warmup_steps=1", "stage2.lr=3e-3",
+                            "stage2.kd_source=online", "stage2.kd_weight=1.0", "stage2.ce_weight=0",
+                            "parallel.zero_stage=1"])
+    data = toks()
+    model = _perturbed_student(teacher)
+    start = copy.deepcopy(model).eval()
+    res = run_stage2(cfg, tmp_path, model=model, teacher=teacher, source=ArraySource(data), export=False)
+    rec = [r for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert all("kd" in r and "ce" in r for r in rec) and res["done"]
+    # KD only: the optimised loss is the KL to the teacher, and it falls
+    assert rec[0]["loss"] == pytest.approx(rec[0]["kd"], rel=1e-5)
+    assert np.mean([r["kd"] for r in rec[-3:]]) < 0.7 * rec[0]["kd"]
+    # step 0's KD is KL(teacher || student) on step 0's rows
+    batch = get_batch(ArraySource(data), Sampler(len(data), seed=cfg.seed + 2), BatchPlan(4, 1, 0, 1), 0, 0, "cpu")
+    with torch.no_grad():
+        s = torch.log_softmax(start(input_ids=batch["input_ids"]).logits[:, :-1].float(), -1)
+        t = torch.log_softmax(teacher(input_ids=batch["input_ids"]).logits[:, :-1].float(), -1)
+    kl = float((t.exp() * (t - s)).sum(-1).mean())
+    assert kl > 0.05 and rec[0]["kd"] == pytest.approx(kl, rel=1e-4)
+
+
+def test_stage2_online_kd_uses_the_stage1_students_teacher(tmp_path):
+    from hmscale.models.convert import to_hedgehog
+    from hmscale.train.stage2 import run_stage2
+
+    cfg = build_config({}, ["stage2.steps=2", "stage2.micro_batch_size=4", "stage2.kd_source=online",
+                            "stage2.kd_weight=0.5", "parallel.zero_stage=1"])
+    res = run_stage2(cfg, tmp_path, student=to_hedgehog(tiny_teacher()), source=ArraySource(toks()), export=False)
+    rec = [r for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert res["done"] and all(r["loss"] == pytest.approx(r["ce"] + 0.5 * r["kd"], rel=1e-5) for r in rec)
+
+
+def test_stage2_online_kd_needs_a_teacher(tmp_path):
+    from hmscale.models.convert import to_hedgehog, to_hedgemamba
+    from hmscale.train.stage2 import run_stage2
+
+    cfg = build_config({}, ["stage2.steps=2", "stage2.micro_batch_size=4", "stage2.kd_source=online",
+                            "stage2.kd_weight=1.0", "parallel.zero_stage=1"])
+    model = to_hedgemamba(to_hedgehog(tiny_teacher()))
+    with pytest.raises(TrainingError, match="needs the teacher"):
+        run_stage2(cfg, tmp_path, model=model, source=ArraySource(toks()), export=False)
