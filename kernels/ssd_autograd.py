@@ -1,8 +1,11 @@
 """autograd wiring of the Triton SSD, and the ``ssd_triton`` entry point.
 
-The Triton core computes the un-normalised scan without D. ``normalize`` appends a column of ones to x
-(so the last state row and output column are the normaliser, exactly the same scan) and divides
-afterwards; ``D x`` is added last. Both are plain tensor ops on top of the core, so autograd covers them.
+By default (v2 backward) ``normalize`` and ``D`` are fused into the core: the states carry the normaliser as one
+extra row (x keeps its P columns, no padded p tile), the scan kernel divides by it and adds ``D x`` before
+writing y in the input dtype, keeping the fp32 numerator for the backward, whose first step
+(``norm_bwd_prologue``) takes the gradient through the division. ``HMSCALE_SSD_NORM=cat`` (and the v1 backward)
+instead appends a column of ones to x (the last state row and output column are then the normaliser, exactly
+the same scan), and the division and ``D x`` are plain tensor ops on top of the core, for autograd.
 No epsilon is added to the normaliser: callers must keep it away from zero (positive B, C feature maps
 make it strictly positive).
 """
@@ -14,29 +17,53 @@ import os
 import torch
 
 from .reference import doc_ids_from_seq_idx
-from .ssd_triton_bwd import ssd_bwd
-from .ssd_triton_fwd import ssd_fwd
+from .ssd_triton_bwd import bwd_variant, ssd_bwd
+from .ssd_triton_fwd import norm_bwd_prologue, ssd_fwd
 
-__all__ = ["ssd_triton", "SSDCoreFunction"]
+__all__ = ["ssd_triton", "SSDCoreFunction", "norm_mode"]
 
 
 class SSDCoreFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype):
-        y, final, states, gdec = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype)
-        ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec)
+    def forward(ctx, x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm=False, D=None):
+        need = any(ctx.needs_input_grad)
+        Dhp = None
+        if D is not None:  # fused D skip, as (h, p) fp32
+            h, p = x.shape[2], x.shape[3]
+            Dhp = (D[:, None] if D.dim() == 1 else D).float().expand(h, p).contiguous()
+        y, ynum, den, final, states, gdec = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                    norm, Dhp, save_ynum=need)
+        ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp)
         ctx.chunk_size = chunk_size
         ctx.has_init = initial_state is not None
+        ctx.norm = norm
+        ctx.D_meta = (D.shape, D.dtype) if D is not None else None
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, doc, states, gdec = ctx.saved_tensors
+        x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
-        dx, ddt, dA, dB, dC, dinit = ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec,
-                                             ctx.chunk_size, ctx.has_init)
-        return dx, ddt, dA, dB, dC, dinit, None, None, None
+        dden = None
+        dyn = dy
+        if ctx.norm:
+            dyn, dden = norm_bwd_prologue(dy, ynum, den)
+        dx, ddt, dA, dB, dC, dinit, dD = ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec,
+                                                 ctx.chunk_size, ctx.has_init, D=Dhp, dyo=dy)
+        if ctx.D_meta is not None:
+            shape, dtype = ctx.D_meta
+            dD = (dD.sum(-1) if len(shape) == 1 else dD).to(dtype)
+        return dx, ddt, dA, dB, dC, dinit, None, None, None, None, dD
+
+
+def norm_mode() -> str:
+    """``fused`` (default: the normaliser is one extra state row inside the kernels) or ``cat`` (a column of ones
+    appended to x; always used with the v1 backward). Env ``HMSCALE_SSD_NORM``."""
+    v = os.environ.get("HMSCALE_SSD_NORM", "fused").lower()
+    if v not in ("fused", "cat"):
+        raise ValueError(f"HMSCALE_SSD_NORM must be fused or cat, got {v!r}")
+    return "cat" if bwd_variant() == "v1" else v
 
 
 def _check(x, dt, A, B, C, chunk_size):
@@ -61,7 +88,9 @@ def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_id
     b, l, h, p = x.shape
     xin = x
     xc = x.contiguous()
-    if normalize:
+    # fused (the v2 default): the normaliser row lives in the kernels and the scan applies 1 / den and D x itself
+    fused = bwd_variant() == "v2" and (not normalize or norm_mode() == "fused")
+    if normalize and not fused:
         xc = torch.cat([xc, torch.ones_like(xc[..., :1])], dim=-1)
     dtc = dt.contiguous().float() if dt.dtype != torch.float32 else dt.contiguous()
     Ac = A.contiguous().float() if A.dtype != torch.float32 else A.contiguous()
@@ -69,6 +98,12 @@ def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_id
     Cc = C.contiguous().to(x.dtype)
     init = initial_state.contiguous().float() if initial_state is not None else None
     doc = doc_ids_from_seq_idx(seq_idx, b, l, x.device).contiguous() if seq_idx is not None else None
+    if fused:
+        y, final = SSDCoreFunction.apply(xc, dtc, Ac, Bc, Cc, init, doc, int(chunk_size), x.dtype,
+                                         bool(normalize), D)
+        if return_final_state:
+            return y, final
+        return y
     out_dtype = torch.float32 if normalize else x.dtype
     y, final = SSDCoreFunction.apply(xc, dtc, Ac, Bc, Cc, init, doc, int(chunk_size), out_dtype)
     if normalize:

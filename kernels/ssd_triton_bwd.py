@@ -5,19 +5,22 @@ Notation per chunk (Q tokens, positions t >= s): cs the within-chunk cumulative 
 started in the chunk), ``wend_s = exp(cs_end - cs_s)`` (zero unless s is in the chunk's last document),
 ``S0`` the state entering the chunk, ``dS`` the gradient of the state leaving it.
 
-Four launches:
+Launches (default, backward variant v2):
 
-1. ``_chunk_dstate_bwd`` (parallel): ``dlocal_c = sum_t win_t dy_t C_t^T``.
+0. ``norm_bwd_prologue`` (normalize only, ssd_triton_fwd): the gradient through y = ynum / den.
+1. ``_chunk_dstate_bwd`` (parallel): ``dlocal_c = sum_t win_t dy_t C_t^T`` (plus the normaliser row).
 2. ``_state_pass_bwd`` (sequential over chunks, reversed): ``dS_prev = g_c dS + dlocal_c``; overwrites
    the buffer with the gradient leaving each chunk, writes d initial_state and, per state tile,
    the partial dot <dS, S_prev> that is the gradient of the carry factor g_c.
-3. ``_chunk_bwd_dx`` (grid: chunk x batch*head x p tiles): ``dx_s = dt_s [ sum_t (C_t.B_s) decay_ts dy_t
-   + wend_s dS B_s ]``.
+3. ``_chunk_bwd_dx_dcs`` (grid: chunk x batch*head x p tiles): ``dx_s = dt_s [ sum_t (C_t.B_s) decay_ts dy_t
+   + wend_s dS B_s ]`` (+ D dy), and per p tile the partial direct dt gradient and d cs (and dD).
 4. ``_chunk_bwd_dbc`` (grid: chunk x batch*group x n tiles, looping over the group's heads so that
-   groups shared by several heads are reduced without atomics): dB, dC, and per head the partial
-   (over the n tile) gradients of dt (direct) and of cs.
+   groups shared by several heads are reduced without atomics): dB, dC.
+5. ``_finish_bwd`` (grid: chunk x batch*head): d cs -> d(dt A) by a reverse cumulative sum within each chunk,
+   then ddt and the per-chunk partials of dA.
 
-The caller turns d cs into d(dt A) by a reverse cumulative sum within each chunk.
+Variant v1 (``HMSCALE_SSD_BWD=v1``) has ``_chunk_bwd_dx`` (dx only) and the decay-gradient partials in
+``_chunk_bwd_dbc`` instead.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .ssd_triton_fwd import _chunk_decay, _chunk_docs, _pow2, block_sizes, precisions, state_precision
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _xdot, block_sizes, dbc_state_precision, kcfg,
+                             pass_config, precisions, state_precision)
 
 
 @triton.jit
-def _chunk_dstate_bwd(dy_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr,
+def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr,
                       L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                      HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pn = tl.program_id(2)
@@ -58,10 +62,15 @@ def _chunk_dstate_bwd(dy_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr,
                  mask=mask_t[:, None] & mask_p[None, :], other=0.0)
     Ct = tl.load((C_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
                  mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-    dyw = dy.to(tl.float32) * win[:, None]  # fp32 operands, PREC tf32x3 for 16-bit inputs
-    dS = tl.dot(tl.trans(dyw), Ct.to(tl.float32), input_precision=PREC)
-    tl.store((dst_ptr + (bh * NC + c) * P * N) + (offs_p[:, None] * N + offs_n[None, :]), dS.to(dst_ptr.dtype.element_ty),
-             mask=mask_p[:, None] & mask_n[None, :])
+    dyw = dy.to(tl.float32) * win[:, None]  # about fp32 accuracy (PREC)
+    dS = _xdot(tl.trans(dyw), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
+    d_base = dst_ptr + (bh * NC + c) * (P + NORM) * N
+    tl.store(d_base + (offs_p[:, None] * N + offs_n[None, :]), dS, mask=mask_p[:, None] & mask_n[None, :])
+    if NORM:
+        if pb == 0:  # the normaliser row: sum_t win_t dden_t C_t
+            dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+            dSr = tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)
+            tl.store(d_base + P * N + offs_n, dSr, mask=mask_n)
 
 
 @triton.jit
@@ -79,38 +88,60 @@ def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC
     sbase = st_ptr + bh * NC * PN + offs
     gbase = gdec_ptr + bh * NC
     dgbase = dg_ptr + (bh * NBLK + blk) * NC
-    for i0 in range(0, NC, 4):  # four chunks per step, loads first (see _state_pass_fwd)
+    # four chunks per step (reversed), the next step's loads issued before this step's stores
+    # (see _state_pass_fwd)
+    k0 = NC - 1
+    k1 = tl.maximum(NC - 2, 0)
+    k2 = tl.maximum(NC - 3, 0)
+    k3 = tl.maximum(NC - 4, 0)
+    d0 = tl.load(dbase + k0 * PN, mask=mask, other=0.0)
+    d1 = tl.load(dbase + k1 * PN, mask=mask, other=0.0)
+    d2 = tl.load(dbase + k2 * PN, mask=mask, other=0.0)
+    d3 = tl.load(dbase + k3 * PN, mask=mask, other=0.0)
+    s0 = tl.load(sbase + k0 * PN, mask=mask, other=0.0)
+    s1 = tl.load(sbase + k1 * PN, mask=mask, other=0.0)
+    s2 = tl.load(sbase + k2 * PN, mask=mask, other=0.0)
+    s3 = tl.load(sbase + k3 * PN, mask=mask, other=0.0)
+    g0 = tl.load(gbase + k0)
+    g1 = tl.load(gbase + k1)
+    g2 = tl.load(gbase + k2)
+    g3 = tl.load(gbase + k3)
+    for i0 in range(0, NC, 4):
         c0 = NC - 1 - i0
-        c1 = tl.maximum(c0 - 1, 0)
-        c2 = tl.maximum(c0 - 2, 0)
-        c3 = tl.maximum(c0 - 3, 0)
-        d0 = tl.load(dbase + c0 * PN, mask=mask, other=0.0).to(tl.float32)
-        d1 = tl.load(dbase + c1 * PN, mask=mask, other=0.0).to(tl.float32)
-        d2 = tl.load(dbase + c2 * PN, mask=mask, other=0.0).to(tl.float32)
-        d3 = tl.load(dbase + c3 * PN, mask=mask, other=0.0).to(tl.float32)
-        s0 = tl.load(sbase + c0 * PN, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sbase + c1 * PN, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sbase + c2 * PN, mask=mask, other=0.0).to(tl.float32)
-        s3 = tl.load(sbase + c3 * PN, mask=mask, other=0.0).to(tl.float32)
-        g0 = tl.load(gbase + c0)
-        g1 = tl.load(gbase + c1)
-        g2 = tl.load(gbase + c2)
-        g3 = tl.load(gbase + c3)
+        n0 = tl.maximum(c0 - 4, 0)
+        n1 = tl.maximum(c0 - 5, 0)
+        n2 = tl.maximum(c0 - 6, 0)
+        n3 = tl.maximum(c0 - 7, 0)
+        e0 = tl.load(dbase + n0 * PN, mask=mask, other=0.0)
+        e1 = tl.load(dbase + n1 * PN, mask=mask, other=0.0)
+        e2 = tl.load(dbase + n2 * PN, mask=mask, other=0.0)
+        e3 = tl.load(dbase + n3 * PN, mask=mask, other=0.0)
+        t0 = tl.load(sbase + n0 * PN, mask=mask, other=0.0)
+        t1 = tl.load(sbase + n1 * PN, mask=mask, other=0.0)
+        t2 = tl.load(sbase + n2 * PN, mask=mask, other=0.0)
+        t3 = tl.load(sbase + n3 * PN, mask=mask, other=0.0)
+        h0 = tl.load(gbase + n0)
+        h1 = tl.load(gbase + n1)
+        h2 = tl.load(gbase + n2)
+        h3 = tl.load(gbase + n3)
         tl.store(dgbase + c0, tl.sum(dS * s0, axis=0))
-        tl.store(dbase + c0 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dbase + c0 * PN, dS, mask=mask)
         dS = g0 * dS + d0
         if i0 + 1 < NC:
-            tl.store(dgbase + c1, tl.sum(dS * s1, axis=0))
-            tl.store(dbase + c1 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgbase + c0 - 1, tl.sum(dS * s1, axis=0))
+            tl.store(dbase + (c0 - 1) * PN, dS, mask=mask)
             dS = g1 * dS + d1
         if i0 + 2 < NC:
-            tl.store(dgbase + c2, tl.sum(dS * s2, axis=0))
-            tl.store(dbase + c2 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgbase + c0 - 2, tl.sum(dS * s2, axis=0))
+            tl.store(dbase + (c0 - 2) * PN, dS, mask=mask)
             dS = g2 * dS + d2
         if i0 + 3 < NC:
-            tl.store(dgbase + c3, tl.sum(dS * s3, axis=0))
-            tl.store(dbase + c3 * PN, dS.to(dst_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgbase + c0 - 3, tl.sum(dS * s3, axis=0))
+            tl.store(dbase + (c0 - 3) * PN, dS, mask=mask)
             dS = g3 * dS + d3
+        d0, d1, d2, d3 = e0, e1, e2, e3
+        s0, s1, s2, s3 = t0, t1, t2, t3
+        g0, g1, g2, g3 = h0, h1, h2, h3
     if HAS_DINIT:
         tl.store(dinit_ptr + bh * PN + offs, dS, mask=mask)
 
@@ -143,7 +174,7 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         dSt = tl.load((dst_ptr + (bh * NC + c) * P * N) + (offs_p[None, :] * N + offs_n[:, None]),
                       mask=mask_p[None, :] & mask_n[:, None], other=0.0).to(tl.float32)  # (BN, BP) = dS^T
-        accZ += tl.dot(Bt.to(tl.float32), dSt, input_precision=SPREC)
+        accZ = _xdot(Bt, dSt, accZ, SPREC, "a")
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
     wend = tl.exp(cs_end - cs)
@@ -161,14 +192,17 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
 
 
 @triton.jit
-def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
-                      ddt_ptr, dcs_ptr,
+def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
+                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr):
-    """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over this p tile,
-    the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
-    ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums use fp32 operands at XPREC."""
+                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+                      DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False):
+    """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
+    this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
+    ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
+    the first p tile also adds the normaliser column's terms (x = 1, dy = dden, state row P). HAS_D: the D skip's
+    gradients from ``dyo`` (the gradient of the final output): dx += D dyo, and per-chunk partial sums of dyo x."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -179,10 +213,12 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_pt
     offs_p = pb * BP + tl.arange(0, BP)
     mask_p = offs_p < P
     bc_base = (b * L * G + grp) * N
-    s_base = (bh * NC + c) * P * N
+    s_base = (bh * NC + c) * (P + NORM) * N
     accGT = tl.zeros([Q, Q], dtype=tl.float32)  # [s, t] = B_s . C_t
     accZ = tl.zeros([Q, BP], dtype=tl.float32)  # [s, p] = (dS B_s)_p
     accYI = tl.zeros([Q, BP], dtype=tl.float32)  # [t, p] = (S0 C_t)_p
+    accZr = tl.zeros([Q], dtype=tl.float32)  # normaliser row: dS[P] . B_s
+    accYIr = tl.zeros([Q], dtype=tl.float32)  # S0[P] . C_t
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
@@ -193,10 +229,15 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_pt
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
-        dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)  # (BN, BP) = dS^T
-        accZ += tl.dot(Bt.to(tl.float32), dSt, input_precision=XPREC)
-        S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)  # (BN, BP) = S0^T
-        accYI += tl.dot(Ct.to(tl.float32), S0t, input_precision=XPREC)
+        dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
+        accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
+        S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
+        accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
+        if NORM:
+            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
+            accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
     wend = tl.exp(cs_end - cs)
@@ -210,14 +251,34 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_pt
     xo = (b * L * H + h) * P
     xt = offs_t[:, None] * (H * P) + offs_p[None, :]
     xm = mask_t[:, None] & mask_p[None, :]
-    dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
-    stuff = tl.dot(MT, dy, input_precision=XPREC) + wend[:, None] * accZ  # dx / dt
-    tl.store(dx_ptr + xo + xt, (dt[:, None] * stuff).to(dx_ptr.dtype.element_ty), mask=xm)
-    y = tl.dot(tl.trans(MT * dt[:, None]), x, input_precision=XPREC) + win[:, None] * accYI
-    ddt_direct = tl.sum(x * stuff, axis=1)
-    endterm = wend * dt * tl.sum(x * accZ, axis=1)
-    dcs = tl.sum(dy * y, axis=1) - dt * ddt_direct
+    dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
+    x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
+    if DY_EXACT:  # dx / dt
+        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "b")
+    else:
+        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "none")
+    xf = x.to(tl.float32)
+    dxv = dt[:, None] * stuff
+    if HAS_D:  # D (h, p) fp32; dD partial (b*h, nc, p)
+        dyo = tl.load(dyo_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
+        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
+        dxv += Dv[None, :] * dyo
+        tl.store(dD_ptr + (bh * NC + c) * P + offs_p, tl.sum(dyo * xf, axis=0), mask=mask_p)
+    tl.store(dx_ptr + xo + xt, dxv.to(dx_ptr.dtype.element_ty), mask=xm)
+    y = _xdot(tl.trans(MT * dt[:, None]), x, win[:, None] * accYI, XPREC, "b")
+    ddt_direct = tl.sum(xf * stuff, axis=1)
+    u = tl.sum(xf * accZ, axis=1)
+    dyy = tl.sum(dy.to(tl.float32) * y, axis=1)
+    if NORM:  # the normaliser column (x = 1), on the first p tile only
+        fr = tl.where(pb == 0, 1.0, 0.0)
+        dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+        stuff_r = tl.sum(MT * dr[None, :], axis=1) + wend * accZr
+        y_r = tl.sum(MT * dt[:, None], axis=0) + win * accYIr
+        ddt_direct += fr * stuff_r
+        u += fr * accZr
+        dyy += fr * (dr * y_r)
+    endterm = wend * dt * u
+    dcs = dyy - dt * ddt_direct
     dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
     po = (bh * NPB + pb) * (NC * Q) + c * Q + tt
     tl.store(ddt_ptr + po, ddt_direct)
@@ -225,12 +286,13 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_pt
 
 
 @triton.jit
-def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
+def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
                    dB_ptr, dC_ptr, ddt_ptr, dcs_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-                   IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True):
+                   IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
+                   DY_EXACT: tl.constexpr = True):
     c = tl.program_id(0)
     bg = tl.program_id(1).to(tl.int64)
     nb = tl.program_id(2)
@@ -257,7 +319,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
         bh = b * H + h
         offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
         x_base = (b * L * H + h) * P
-        s_base = (bh * NC + c) * P * N
+        s_base = (bh * NC + c) * (P + NORM) * N
         accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
         accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
         accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
@@ -271,10 +333,21 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
             accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
             so = offs_p[:, None] * N + offs_n[None, :]
             sm = mask_p[:, None] & mask_n[None, :]
-            dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)
-            accXS += tl.dot(x.to(tl.float32), dS, input_precision=SPREC)
-            S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0).to(tl.float32)
-            accDYS += tl.dot(dy.to(tl.float32), S0, input_precision=SPREC)
+            dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
+            accXS = _xdot(x, dS, accXS, SPREC, "a")
+            S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
+            if DY_EXACT:
+                accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
+            else:
+                accDYS = _xdot(dy, S0, accDYS, SPREC, "none")
+        if NORM:  # the normaliser column: x = 1, dy = dden, state row P
+            dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+            ones = tl.where(mask_t, 1.0, 0.0)
+            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            accDYX += dr[:, None] * ones[None, :]
+            accXS += ones[:, None] * dSr[None, :]
+            accDYS += dr[:, None] * S0r[None, :]
         keep = causal
         win = tl.exp(cs)
         wend = tl.exp(cs_end - cs)
@@ -305,6 +378,34 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, 
     tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
 
 
+@triton.jit
+def _finish_bwd(dcs_ptr, ddtp_ptr, dg_ptr, gdec_ptr, dt_ptr, A_ptr, ddt_ptr, dAp_ptr, L, H, NC, NPART, NBLK,
+                Q: tl.constexpr, BB: tl.constexpr):
+    """Per chunk: sum the tile partials of d cs and of the direct dt gradient, add the carry factor's gradient
+    (sum over state blocks of <dS, S_prev>, times g) to the chunk's last position, reverse cumulative sum
+    (d cs -> d a, a = dt A), then ddt = direct + A d a (stored (b, l, h)) and the chunk's partial of dA = sum d a dt."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    tt = tl.arange(0, Q)
+    dcs = tl.zeros([Q], dtype=tl.float32)
+    ddt = tl.zeros([Q], dtype=tl.float32)
+    for i in range(NPART):
+        off = (bh * NPART + i) * (NC * Q) + c * Q + tt
+        dcs += tl.load(dcs_ptr + off)
+        ddt += tl.load(ddtp_ptr + off)
+    bb = tl.arange(0, BB)
+    dg = tl.sum(tl.load(dg_ptr + (bh * NBLK + bb) * NC + c, mask=bb < NBLK, other=0.0), axis=0)
+    dcs = tl.where(tt == Q - 1, dcs + dg * tl.load(gdec_ptr + bh * NC + c), dcs)
+    da = tl.cumsum(dcs, axis=0, reverse=True)
+    offs_t = c * Q + tt
+    mask = offs_t < L
+    dtv = tl.load(dt_ptr + (b * L * H + h) + offs_t * H, mask=mask, other=0.0)
+    tl.store(ddt_ptr + (b * L * H + h) + offs_t * H, ddt + tl.load(A_ptr + h) * da, mask=mask)
+    tl.store(dAp_ptr + bh * NC + c, tl.sum(tl.where(mask, da * dtv, 0.0), axis=0))
+
+
 def bwd_variant() -> str:
     """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
     dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
@@ -318,27 +419,33 @@ def bwd_variant() -> str:
 def dbc_config(n: int):
     """(BP, BN, num_stages, num_warps) of ``_chunk_bwd_dbc``, the backward's slowest kernel.
 
-    Defaults measured on the H200 (see kernels/NOTES.md): v2 (16, min(64, N), 2, 4), the best of a sweep of six
-    tilings at both the 410m and the 1.4b hedge shapes; v1 (16, min(64, N), 1, 8), its spill-free choice.
+    Defaults measured on the H200 (see kernels/NOTES.md): v2 (16, min(64, N), 3, 4), the best of two sweeps (with the
+    bf16 split for its state dots: 3 stages beat 2 by 17-25%); v1 (16, min(64, N), 1, 8), its spill-free choice.
     ``HMSCALE_SSD_DBC_CFG="BP,BN,stages,warps"`` overrides it, for tuning runs only (powers of two, >= 16).
     """
     env = os.environ.get("HMSCALE_SSD_DBC_CFG")
     if env:
         bp, bn, st, nw = (int(v) for v in env.split(","))
         return bp, min(bn, _pow2(n)), st, nw
-    if bwd_variant() == "v2":  # without the decay-gradient terms the kernel pipelines without spilling
-        return 16, min(64, _pow2(n)), 2, 4
+    if bwd_variant() == "v2":  # without the decay-gradient terms the kernel pipelines
+        return 16, min(64, _pow2(n)), 3, 4
     return 16, min(64, _pow2(n)), 1, 8
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool):
-    """Gradients (dx, ddt, dA, dB, dC, dinit). ``states`` holds S_prev per chunk (from ssd_fwd)."""
+def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None):
+    """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
+    when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
+    the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
+    numerator when normalised, else the same) and dD (h, p) is returned, else None."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
+    norm = states.shape[3] == p + 1
+    if (norm or D is not None) and bwd_variant() != "v2":
+        raise ValueError("the fused normaliser and D skip need the v2 backward")
     dev = x.device
     prec, sprec = precisions(x.dtype)
     # dtype of the dots that involve dy: the input dtype, except when dy is fp32 for 16-bit inputs
@@ -347,61 +454,71 @@ def ssd_bwd(dy, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: b
         in_dtype, prec = tl.float32, "tf32"
     else:
         in_dtype = _TL_DTYPE[x.dtype]
-    BP, BN = block_sizes(p, n, Q)
-    BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
+    dy_exact = dy.dtype == x.dtype
     BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
-    # dots run in 3xTF32 (about fp32 accuracy) for 16-bit inputs, exact fp32 for fp32 inputs
+    # dots run at about fp32 accuracy (state_precision)
     sprec_dbc = state_precision(x.dtype)
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
+    dden = dden.contiguous() if norm else dy
     dst = torch.empty_like(states)  # same storage dtype as the forward states
+    BP, BN, nw = block_sizes(p, n, x.dtype, "dstate")
     grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
-    _chunk_dstate_bwd[grid1](dy, dt, A, C, doc_arg, dst, l, h, g, p, n, nc,
-                             Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
-                             num_warps=4)
-    PN = p * n
-    BLOCK = min(1024, _pow2(PN))
+    _chunk_dstate_bwd[grid1](dy, dden, dt, A, C, doc_arg, dst, l, h, g, p, n, nc,
+                             Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
+                             num_warps=nw)
+    PN = states.shape[3] * n
+    BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
     nblk = triton.cdiv(PN, BLOCK)
     dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
-    dinit = torch.empty(b, h, p, n, device=dev, dtype=torch.float32) if need_dinit else None
+    dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     _state_pass_bwd[(b * h, nblk)](dst, states, gdec, dfinal.contiguous() if has_dfinal else dst,
                                    dinit if need_dinit else dst, dg, nc, PN, nblk,
-                                   HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=4)
+                                   HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
-    dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype,
+    dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
                   num_warps=warps_dbc, num_stages=stages_dbc)
     if bwd_variant() == "v2":
-        BP2 = min(64, _pow2(p))
+        bp2, bn2, nw2, st2 = kcfg("dx", x.dtype)
+        BP2 = min(bp2, _pow2(p))
         npb = triton.cdiv(p, BP2)
         ddt_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
         dcs_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
-        _chunk_bwd_dx_dcs[(nc, b * h, npb)](x, dy, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
-                                           l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(32, _pow2(n)),
+        extra = dict(num_stages=st2) if st2 else {}
+        has_d = D is not None
+        dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
+        dyo_arg = dyo.contiguous() if has_d else dy
+        _chunk_bwd_dx_dcs[(nc, b * h, npb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
+                                           dyo_arg, D if has_d else dt, dD_part if has_d else dt,
+                                           l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                                            HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
-                                           num_warps=8)
+                                           DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, num_warps=nw2, **extra)
         nnb = triton.cdiv(n, BN_dbc)
-        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         l, h, g, p, n, nc, nnb, SPREC=sprec, DCS=False, **dbc_kw)
+        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+                                         l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype), DCS=False,
+                                         NORM=int(norm), **dbc_kw)
     else:
+        dD_part = None
+        BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
+        BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
         _chunk_bwd_dx[(nc, b * h, triton.cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
                                                       Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
                                                       SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
         nnb = triton.cdiv(n, BN_dbc)
         ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
         dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
-        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                          l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
-    # d cs -> d a (reverse cumulative sum within each chunk), then dt and A
-    dcs = dcs_part.sum(1).view(b, h, nc, Q)
-    dg_tot = dg.sum(1).view(b, h, nc) * gdec.view(b, h, nc)
-    dcs[..., Q - 1] += dg_tot
-    da = dcs.flip(-1).cumsum(-1).flip(-1).view(b, h, nc * Q)[:, :, :l]
-    ddt_direct = ddt_part.sum(1)[:, :l].view(b, h, l)
-    ddt = (ddt_direct + A.view(1, h, 1) * da).transpose(1, 2)
-    dA = (da * dt.transpose(1, 2)).sum((0, 2))
-    return dx, ddt, dA, dB, dC, dinit
+    # d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch
+    ddt = torch.empty(b, l, h, device=dev, dtype=torch.float32)
+    dA_part = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
+    _finish_bwd[(nc, b * h)](dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc, dcs_part.shape[1], nblk,
+                             Q=Q, BB=_pow2(nblk, 2), num_warps=2)
+    dA = dA_part.view(b, h, nc).sum((0, 2))
+    dD = dD_part.view(b, h, nc, p).sum((0, 2)) if dD_part is not None else None
+    return dx, ddt, dA, dB, dC, dinit, dD

@@ -9,19 +9,70 @@ Three launches, no host synchronisation:
    log-decay ``cs`` is recomputed from dt in every kernel; it is never stored.
 2. ``_state_pass_fwd`` (grid: batch*head x state tiles, sequential over chunks) turns the local
    states into the state entering each chunk, in place (``S_prev_c``), and writes the final state.
-   It is a pure stream over fp32 states with the next chunk's load issued ahead.
+   It is a pure stream over fp32 states with the next chunks' loads issued ahead.
 3. ``_chunk_scan_fwd`` (grid: chunk x batch*head x p tiles) writes
    ``y = (C B^T o decay o dt) x + exp(cs) S_prev C`` for the chunk.
 
-Layouts (all contiguous): x/y (b, l, h, p); dt (b, l, h) fp32; A (h,) fp32; B/C (b, l, g, n);
-doc (b, l) int32 monotone document ids; states (b, h, nc, p, n) fp32; gdecay (b*h, nc) fp32.
+The normaliser (``NORM``, for ``normalize=True``) is the same scan applied to an all-ones column of x. It is
+not materialised as a column of x (P + 1 columns would double the p tiles at P = 64): the states carry it as
+one extra row (row P of a (P + 1) x N state), built and consumed with vector ops by the first p tile's
+programs, and the scan writes it as a separate output ``den`` (b, l, h).
+
+Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
+B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) fp32;
+gdecay (b*h, nc) fp32.
+
+Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
+into two bf16 parts (hi + lo, about 16 mantissa bits) and multiplied on the bf16 tensor cores against the
+exact bf16 operand, accumulating in fp32 ("bf16x2": 2 bf16 dots instead of 3xTF32's 3 tf32 dots at half
+the rate); fp16 inputs keep 3xTF32, fp32 inputs exact fp32.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _hilo(v):
+    """fp32 -> (hi, lo) bf16 with hi + lo = v to about 16 mantissa bits."""
+    v = v.to(tl.float32)
+    hi = v.to(tl.bfloat16)
+    lo = (v - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def _xdot(a, b, acc, PREC: tl.constexpr, EXACT: tl.constexpr):
+    """``acc + a @ b`` (fp32 accumulator) for the dots that need about fp32 accuracy.
+
+    PREC "ieee" | "tf32" | "tf32x3": fp32 operands at that dot precision. PREC "bf16x2": bf16 tensor-core
+    dots with each fp32 operand split by ``_hilo``; EXACT "a" / "b" names the operand that is exactly a bf16
+    value (it is not split: 2 dots), "none" neither (3 dots, the lo x lo term dropped)."""
+    if PREC == "bf16x2":
+        if EXACT == "a":
+            a16 = a.to(tl.bfloat16)
+            bh, bl = _hilo(b)
+            acc = tl.dot(a16, bl, acc)
+            acc = tl.dot(a16, bh, acc)
+        elif EXACT == "b":
+            b16 = b.to(tl.bfloat16)
+            ah, al = _hilo(a)
+            acc = tl.dot(al, b16, acc)
+            acc = tl.dot(ah, b16, acc)
+        else:
+            ah, al = _hilo(a)
+            bh, bl = _hilo(b)
+            acc = tl.dot(al, bh, acc)
+            acc = tl.dot(ah, bl, acc)
+            acc = tl.dot(ah, bh, acc)
+    else:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PREC)
+    return acc
 
 
 @triton.jit
@@ -54,7 +105,7 @@ def _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q: tl.constexpr):
 def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
                      L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                     HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pn = tl.program_id(2)
@@ -77,12 +128,15 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
     Bt = tl.load((B_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
                  mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-    # fp32 operands (PREC is tf32x3 for 16-bit inputs): the chunk states feed the decay gradient,
-    # which is sensitive to their rounding
+    # about fp32 accuracy (PREC): the chunk states feed the decay gradient, which is sensitive to their rounding
     xw = x.to(tl.float32) * w[:, None]
-    S = tl.dot(tl.trans(xw), Bt.to(tl.float32), input_precision=PREC)
-    tl.store((st_ptr + (bh * NC + c) * P * N) + (offs_p[:, None] * N + offs_n[None, :]), S.to(st_ptr.dtype.element_ty),
-             mask=mask_p[:, None] & mask_n[None, :])
+    S = _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
+    s_base = st_ptr + (bh * NC + c) * (P + NORM) * N
+    tl.store(s_base + (offs_p[:, None] * N + offs_n[None, :]), S, mask=mask_p[:, None] & mask_n[None, :])
+    if NORM:
+        if pb == 0:  # the normaliser row: sum_s w_s B_s
+            Sr = tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
+            tl.store(s_base + P * N + offs_n, Sr, mask=mask_n)
     if pn == 0:
         g = tl.exp(cs_end)
         if HAS_DOC:
@@ -103,39 +157,51 @@ def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
         S = tl.zeros([BLOCK], dtype=tl.float32)
     base = st_ptr + bh * NC * PN + offs
     gbase = gdec_ptr + bh * NC
-    # four chunks per step: their loads are issued together (independent of S), then the
-    # sequential updates; hides most of the memory latency of this otherwise serial loop
+    # four chunks per step, and the next step's four loads are issued before this step's stores
+    # (they read other chunks), so the serial chain waits on memory about once per 8 chunks, not per 4
+    l0 = tl.load(base, mask=mask, other=0.0)
+    l1 = tl.load(base + tl.minimum(1, NC - 1) * PN, mask=mask, other=0.0)
+    l2 = tl.load(base + tl.minimum(2, NC - 1) * PN, mask=mask, other=0.0)
+    l3 = tl.load(base + tl.minimum(3, NC - 1) * PN, mask=mask, other=0.0)
+    g0 = tl.load(gbase)
+    g1 = tl.load(gbase + tl.minimum(1, NC - 1))
+    g2 = tl.load(gbase + tl.minimum(2, NC - 1))
+    g3 = tl.load(gbase + tl.minimum(3, NC - 1))
     for c0 in range(0, NC, 4):
-        c1 = tl.minimum(c0 + 1, NC - 1)
-        c2 = tl.minimum(c0 + 2, NC - 1)
-        c3 = tl.minimum(c0 + 3, NC - 1)
-        l0 = tl.load(base + c0 * PN, mask=mask, other=0.0).to(tl.float32)
-        l1 = tl.load(base + c1 * PN, mask=mask, other=0.0).to(tl.float32)
-        l2 = tl.load(base + c2 * PN, mask=mask, other=0.0).to(tl.float32)
-        l3 = tl.load(base + c3 * PN, mask=mask, other=0.0).to(tl.float32)
-        g0 = tl.load(gbase + c0)
-        g1 = tl.load(gbase + c1)
-        g2 = tl.load(gbase + c2)
-        g3 = tl.load(gbase + c3)
-        tl.store(base + c0 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+        n0 = tl.minimum(c0 + 4, NC - 1)
+        n1 = tl.minimum(c0 + 5, NC - 1)
+        n2 = tl.minimum(c0 + 6, NC - 1)
+        n3 = tl.minimum(c0 + 7, NC - 1)
+        m0 = tl.load(base + n0 * PN, mask=mask, other=0.0)
+        m1 = tl.load(base + n1 * PN, mask=mask, other=0.0)
+        m2 = tl.load(base + n2 * PN, mask=mask, other=0.0)
+        m3 = tl.load(base + n3 * PN, mask=mask, other=0.0)
+        h0 = tl.load(gbase + n0)
+        h1 = tl.load(gbase + n1)
+        h2 = tl.load(gbase + n2)
+        h3 = tl.load(gbase + n3)
+        tl.store(base + c0 * PN, S, mask=mask)
         S = g0 * S + l0
         if c0 + 1 < NC:
-            tl.store(base + c1 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+            tl.store(base + (c0 + 1) * PN, S, mask=mask)
             S = g1 * S + l1
         if c0 + 2 < NC:
-            tl.store(base + c2 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+            tl.store(base + (c0 + 2) * PN, S, mask=mask)
             S = g2 * S + l2
         if c0 + 3 < NC:
-            tl.store(base + c3 * PN, S.to(st_ptr.dtype.element_ty), mask=mask)
+            tl.store(base + (c0 + 3) * PN, S, mask=mask)
             S = g3 * S + l3
+        l0, l1, l2, l3 = m0, m1, m2, m3
+        g0, g1, g2, g3 = h0, h1, h2, h3
     tl.store(final_ptr + bh * PN + offs, S, mask=mask)
 
 
 @triton.jit
-def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr,
+def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr,
                     L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
+                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
+                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -146,8 +212,10 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr,
     offs_p = pb * BP + tl.arange(0, BP)
     mask_p = offs_p < P
     bc_base = (b * L * G + grp) * N
+    s_base = st_ptr + (bh * NC + c) * (P + NORM) * N
     accG = tl.zeros([Q, Q], dtype=tl.float32)
     accS = tl.zeros([Q, BP], dtype=tl.float32)
+    accR = tl.zeros([Q], dtype=tl.float32)  # normaliser: C_t . S0[P, :]
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
@@ -156,9 +224,12 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr,
         Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
-        Sp = tl.load((st_ptr + (bh * NC + c) * P * N) + (offs_p[None, :] * N + offs_n[:, None]),
-                     mask=mask_p[None, :] & mask_n[:, None], other=0.0).to(tl.float32)  # (BN, BP) = S_prev^T
-        accS += tl.dot(Ct.to(tl.float32), Sp, input_precision=SPREC)
+        Sp = tl.load(s_base + (offs_p[None, :] * N + offs_n[:, None]),
+                     mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = S_prev^T
+        accS = _xdot(Ct, Sp, accS, SPREC, "a")
+        if NORM:
+            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] >= tt[None, :]
     win = tl.exp(cs)
@@ -172,29 +243,69 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr,
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
     y = tl.dot(M.to(x.dtype), x, input_precision=PREC)
     y += accS * win[:, None]
-    tl.store((y_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-             y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
+    yo = (b * L * H + h) * P + (offs_t[:, None] * (H * P) + offs_p[None, :])
+    ym = mask_t[:, None] & mask_p[None, :]
+    if NORM:  # the epilogue: y / den (+ D x below); the numerator is kept (fp32) for the backward
+        den = tl.sum(M, axis=1) + win * accR
+        if pb == 0:
+            tl.store(den_ptr + (b * L * H + h) + offs_t * H, den, mask=mask_t)
+        if SAVE_YNUM:
+            tl.store(ynum_ptr + yo, y, mask=ym)
+        y = y / tl.where(mask_t, den, 1.0)[:, None]
+    if HAS_D:  # D (h, p) fp32
+        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
+        y += Dv[None, :] * x.to(tl.float32)
+    tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=ym)
 
 
 def _pow2(v: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(v)))
 
 
+def split_mode() -> str:
+    """``HMSCALE_SSD_SPLIT``: which dots of bf16 inputs against fp32 operands use the bf16 hi/lo split.
+    ``dbc`` (default): the dots that need about fp32 accuracy (state building, state gradients, the decay-gradient
+    sums; 3xTF32 before) and the dB/dC kernel's state terms (tf32 before; the split was faster there on the H200);
+    ``state``: only the former; ``all``: also the scan's state term (slower there: it stays tf32 by default);
+    ``off``: 3xTF32 / tf32 as before."""
+    v = os.environ.get("HMSCALE_SSD_SPLIT", "dbc").lower()
+    if v not in ("dbc", "state", "all", "off"):
+        raise ValueError(f"HMSCALE_SSD_SPLIT must be dbc, state, all or off, got {v!r}")
+    return v
+
+
 def precisions(dtype: torch.dtype):
-    """Dot precision for the input-dtype dots and for the fp32 state dots.
+    """Dot precision for the input-dtype dots and for the scan's fp32 state dot (where tf32 suffices).
 
     fp32 inputs: exact fp32 ("ieee") everywhere. 16-bit inputs: tensor-core dots in that dtype,
-    and tf32 for the dots against the fp32 states (better than rounding the states to 16 bits).
+    and tf32 for the dot against the fp32 states (better than rounding the states to 16 bits);
+    bf16 with ``HMSCALE_SSD_SPLIT=all``: the bf16 split there too.
     """
     if dtype == torch.float32:
         return "ieee", "ieee"
+    if dtype == torch.bfloat16 and split_mode() == "all":
+        return "ieee", "bf16x2"
     return "ieee", "tf32"
+
+
+def dbc_state_precision(dtype: torch.dtype) -> str:
+    """Dot precision of the dB/dC kernel's dots against fp32 states (x^T dS, dy^T S0)."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and split_mode() in ("dbc", "all"):
+        return "bf16x2"
+    return "tf32"
 
 
 def state_precision(dtype: torch.dtype) -> str:
     """Dot precision for fp32 operands that build or consume chunk states where accuracy matters
-    (local states, their gradients, and the decay-gradient terms): 3xTF32 for 16-bit inputs."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+    (local states, their gradients, and the decay-gradient terms): about fp32 accuracy. fp32 inputs: exact;
+    bf16: the bf16 hi/lo split (unless ``HMSCALE_SSD_SPLIT=off``); fp16: 3xTF32."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and split_mode() != "off":
+        return "bf16x2"
+    return "tf32x3"
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -206,37 +317,109 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-def block_sizes(p: int, n: int, Q: int):
-    BP = min(64, _pow2(p))
-    BN = min(64, _pow2(n))
-    return BP, BN
+# Default launch configurations (BP, BN, warps[, stages]; pass: BLOCK, warps) for 16-bit inputs, chosen from
+# per-kernel profiles of tiling sweeps on the H200 (kernels/NOTES.md); fp32 inputs keep the earlier ones.
+DEFAULT_CFG = {
+    "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (32, 64, 4, 0),
+    "pass": (1024, 8), "pass_b": (1024, 8),
+}
+DEFAULT_CFG_FP32 = {
+    "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
+    "pass": (1024, 4), "pass_b": (1024, 4),
+}
 
 
-def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None):
-    """Run the forward. Returns y, final_state, states (S_prev of each chunk, fp32), gdecay."""
+def kcfg(name: str, dtype: torch.dtype) -> tuple:
+    """Launch configuration of one kernel; ``HMSCALE_SSD_CFG="state=64,64,4;scan=64,128,8;..."`` overrides it
+    (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
+    (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps)."""
+    default = (DEFAULT_CFG_FP32 if dtype == torch.float32 else DEFAULT_CFG)[name]
+    env = os.environ.get("HMSCALE_SSD_CFG", "")
+    for item in env.split(";"):
+        k, _, v = item.partition("=")
+        if k.strip() == name and v:
+            got = tuple(int(t) for t in v.split(","))
+            return got + default[len(got):]
+    return default
+
+
+def block_sizes(p: int, n: int, dtype: torch.dtype, name: str = "state"):
+    """(BP, BN, num_warps) of the state-building kernels (chunk_state, dstate)."""
+    bp, bn, nw = kcfg(name, dtype)
+    return min(bp, _pow2(p)), min(bn, _pow2(n)), nw
+
+
+def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
+    block, nw = kcfg(name, dtype)
+    return min(block, _pow2(pn)), nw
+
+
+def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
+            save_ynum: bool = False):
+    """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, fp32, p + norm rows),
+    gdecay. With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and ynum, the fp32
+    numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x`` to y."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = triton.cdiv(l, Q)
     dev = x.device
-    states = torch.empty(b, h, nc, p, n, device=dev, dtype=state_dtype(x.dtype))
+    ps = p + int(norm)
+    states = torch.empty(b, h, nc, ps, n, device=dev, dtype=state_dtype(x.dtype))
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
-    final = torch.empty(b, h, p, n, device=dev, dtype=torch.float32)
+    final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
+    den = torch.empty(b, l, h, device=dev, dtype=torch.float32) if norm else None
+    ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if norm and save_ynum else None
     prec, sprec = precisions(x.dtype)
-    BP, BN = block_sizes(p, n, Q)
+    BP, BN, nw = block_sizes(p, n, x.dtype, "state")
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
     _chunk_state_fwd[grid1](x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
-                            Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), num_warps=4)
-    PN = p * n
-    BLOCK = min(1024, _pow2(PN))
+                            Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
+                            num_warps=nw)
+    PN = ps * n
+    BLOCK, nw = pass_config(PN, x.dtype)
     has_init = initial_state is not None
     grid2 = (b * h, triton.cdiv(PN, BLOCK))
     _state_pass_fwd[grid2](states, gdec, initial_state if has_init else final, final, nc, PN,
-                           HAS_INIT=has_init, BLOCK=BLOCK, num_warps=4)
-    grid3 = (nc, b * h, triton.cdiv(p, BP))
-    _chunk_scan_fwd[grid3](x, dt, A, B, C, doc_arg, states, y, l, h, g, p, n, nc,
-                           Q=Q, BP=BP, BN=min(128 if x.dtype != torch.float32 else 64, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-                           num_warps=8)
-    return y, final, states, gdec
+                           HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
+    bp, bn, nw, nst = kcfg("scan", x.dtype)
+    bp = min(bp, _pow2(p))
+    extra = dict(num_stages=nst) if nst else {}
+    grid3 = (nc, b * h, triton.cdiv(p, bp))
+    _chunk_scan_fwd[grid3](x, dt, A, B, C, doc_arg, states, y, den if norm else y, ynum if ynum is not None else y,
+                           D if D is not None else dt, l, h, g, p, n, nc,
+                           Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
+                           NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None, num_warps=nw, **extra)
+    return y, ynum, den, final, states, gdec
+
+
+@triton.jit
+def _norm_bwd_prologue(dy_ptr, ynum_ptr, den_ptr, dyn_ptr, dden_ptr, R, P,
+                       BR: tl.constexpr, BPF: tl.constexpr):
+    """Gradient through y = ynum / den, per row (token, head): dynum = dy / den, dden = -sum_p dy ynum / den^2."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.arange(0, BPF)
+    rm = rows < R
+    m = rm[:, None] & (cols[None, :] < P)
+    off = rows[:, None] * P + cols[None, :]
+    dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
+    yn = tl.load(ynum_ptr + off, mask=m, other=0.0)
+    rden = 1.0 / tl.load(den_ptr + rows, mask=rm, other=1.0)
+    dyn = dy * rden[:, None]
+    tl.store(dyn_ptr + off, dyn, mask=m)
+    tl.store(dden_ptr + rows, -tl.sum(dyn * yn, axis=1) * rden, mask=rm)
+
+
+def norm_bwd_prologue(dy, ynum, den):
+    """(dynum fp32 like ynum, dden fp32 like den) from the gradient of y = ynum / den (+ D x)."""
+    b, l, h, p = ynum.shape
+    dy = dy.contiguous()
+    dyn = torch.empty_like(ynum)
+    dden = torch.empty_like(den)
+    R = b * l * h
+    BPF = _pow2(p)
+    BR = max(1, 2048 // BPF)
+    _norm_bwd_prologue[(triton.cdiv(R, BR),)](dy, ynum, den, dyn, dden, R, p, BR=BR, BPF=BPF, num_warps=8)
+    return dyn, dden
