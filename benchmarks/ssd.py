@@ -3,6 +3,7 @@ causal SDPA (flash) with the same heads; forward and forward+backward, 16K token
 Also the decode step against its memory floor (state read + write at the measured copy bandwidth).
 
     python benchmarks/ssd.py [--quick] [--chunks 64,128]
+    python benchmarks/ssd.py --sweep variants.txt [--old DIR]   # tuning: fwd+bwd and per-kernel times per variant
 
 mamba_ssm is imported from /tmp/anchors (see ../shared/gpu/preamble.sh); when missing, its columns say n/a.
 FLOP counts are those of the chunked algorithm at chunk 64 (fwd: 2Q(N+P) + 4PN per token and head;
@@ -186,6 +187,105 @@ def dbc_sweep(configs):
     os.environ.pop("HMSCALE_SSD_DBC_CFG", None)
 
 
+SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the last: the 160m training call, softmax B/C, D)
+    "410m_2k": (16, 16, 64, 128, 2048, False),
+    "410m_8k": (16, 16, 64, 128, 8192, False),
+    "410m_16k": (16, 16, 64, 128, 16384, False),
+    "1.4b_2k": (16, 16, 128, 256, 2048, False),
+    "1.4b_8k": (16, 16, 128, 256, 8192, False),
+    "1.4b_16k": (16, 16, 128, 256, 16384, False),
+    "160m_norm": (12, 12, 64, 128, 2048, True),
+}
+KERNEL_SHORT = {"_chunk_state_fwd": "state", "_state_pass_fwd": "pass", "_chunk_scan_fwd": "scan",
+                "_chunk_dstate_bwd": "dstate", "_state_pass_bwd": "pass_b", "_chunk_bwd_dx_dcs": "dx",
+                "_chunk_bwd_dx": "dx1", "_chunk_bwd_dbc": "dbc"}
+
+
+def kernel_times(fn, iters=5):
+    """Per-kernel CUDA time (us per call) of fn, by torch.profiler; everything not ours summed as 'torch'."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        # self time: a CPU op's device time is its kernels', which are counted themselves
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        k = KERNEL_SHORT.get(e.key, "torch")
+        out[k] = out.get(k, 0.0) + t / iters
+    return out
+
+
+def sweep_inputs(H, G, P, N, L, norm):
+    b = TOKENS // L
+    x, dt, A, B, C, gy = make(b, L, H, G, P, N)
+    kw = {}
+    if norm:  # positive feature maps as in the model, and the D skip
+        B = torch.softmax(B.detach().float() * 4, -1).to(B.dtype).requires_grad_()
+        C = torch.softmax(C.detach().float() * 4, -1).to(C.dtype).requires_grad_()
+        kw = dict(normalize=True, D=torch.randn(H, device="cuda", requires_grad=True))
+    return x, dt, A, B, C, gy, kw
+
+
+def run_sweep(path, warm_only=False, part="0/1", old_dir=None):
+    """Time ours fwd+bwd (and per-kernel) for the variants of a sweep file: one per line,
+    ``label | ENV=VAL ENV=VAL ... | shape,shape`` (shapes optional; names in SWEEP_SHAPES). ``IMPL=old`` times the
+    kernels package found at --old instead. --warm-only --part i/n only compiles a share of the variants."""
+    variants = []
+    for line in open(path):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [t.strip() for t in line.split("|")]
+        env = dict(kv.split("=", 1) for kv in parts[1].split()) if len(parts) > 1 and parts[1] else {}
+        shapes = parts[2].split(",") if len(parts) > 2 and parts[2] else list(SWEEP_SHAPES)
+        variants.append((parts[0], env, shapes))
+    i, n = (int(v) for v in part.split("/"))
+    if warm_only:
+        variants = variants[i::n]
+    old = None
+    if old_dir:
+        sys.path.insert(0, old_dir)
+        import kernels_old  # noqa: F401
+        old = kernels_old.ssd
+    data = {}
+    base_env = dict(os.environ)
+    if not warm_only:
+        print("| variant | shape | fwd+bwd ms | per kernel us (profiler) |\n|---|---|---|---|", flush=True)
+    for label, env, shapes in variants:
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update({k: v for k, v in env.items() if k != "IMPL"})
+        fn_ssd = old if env.get("IMPL") == "old" else ssd
+        for sh in shapes:
+            if sh not in data:
+                torch.manual_seed(0)
+                data[sh] = sweep_inputs(*SWEEP_SHAPES[sh])
+            x, dt, A, B, C, gy, kw = data[sh]
+            ins = [x, dt, A, B, C] + ([kw["D"]] if "D" in kw else [])
+            fb = lambda: torch.autograd.grad(fn_ssd(x, dt, A, B, C, **kw), ins, gy)  # noqa: E731
+            try:
+                fb()
+                torch.cuda.synchronize()
+                if warm_only:
+                    continue
+                t = bench(fb, warmup=10, rep=40)
+                kt = kernel_times(fb)
+                ks = " ".join(f"{k} {v:.0f}" for k, v in sorted(kt.items(), key=lambda kv: -kv[1]))
+                print(f"| {label} | {sh} | {t:.3f} | {ks} |", flush=True)
+            except Exception as e:  # a tiling that does not compile or fit: report and go on
+                print(f"| {label} | {sh} | ERROR | {type(e).__name__}: {str(e)[:160]} |", flush=True)
+    os.environ.clear()
+    os.environ.update(base_env)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -194,7 +294,14 @@ def main():
     ap.add_argument("--dbc-sweep", default="",
                     help="only time these ';'-separated dB/dC kernel configs 'BP,BN,stages,warps', then exit")
     ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown at two shapes")
+    ap.add_argument("--sweep", default="", help="time the variants of this sweep file (see run_sweep), then exit")
+    ap.add_argument("--warm-only", action="store_true", help="with --sweep: only compile (share --part i/n)")
+    ap.add_argument("--part", default="0/1")
+    ap.add_argument("--old", default=None, help="with --sweep: a folder holding a package kernels_old (IMPL=old)")
     args = ap.parse_args()
+    if args.sweep:
+        run_sweep(args.sweep, args.warm_only, args.part, args.old)
+        return
     chunks = [int(c) for c in args.chunks.split(",")]
     torch.manual_seed(0)
     if args.dbc_sweep:
