@@ -8,9 +8,11 @@ worker reaches several GB/s of host writes (`ShardWorker.run_shards`).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import os
+import sys
 import tarfile
 import tempfile
 import time
@@ -22,6 +24,24 @@ import numpy as np
 from hmscale.teacher.cache.format import ShardInfo
 
 _SMALL = 1 << 16  # writes below this are coalesced (tar/npy headers, padding)
+_WRITEBACK_MIN = 64 << 20  # start the disk writing of what is written once this much is pending
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None: lets the disk write a shard while the rest is produced."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SFR = _sync_file_range()
+_SFR_WRITE = 2  # SYNC_FILE_RANGE_WRITE: start writeback of dirty pages in the range, do not wait
 
 
 class _HashingSink:
@@ -41,12 +61,20 @@ class _HashingSink:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sha256")
         self._last = None
         self.write_s = 0.0
+        self.on_disk = 0  # bytes handed to the file
+        self._wb = 0  # bytes whose writeback was started
 
     def _out(self, mv) -> None:
         t = time.perf_counter()
         done, n = 0, len(mv)
         while done < n:  # os.write may be partial
             done += os.write(self.fd, mv[done:])
+        self.on_disk += n
+        if _SFR is not None and self.on_disk - self._wb >= _WRITEBACK_MIN:
+            # the final fsync then waits for the tail only, not for the whole shard (a ctypes call
+            # releases the GIL); errors (a filesystem without it) only mean no early start
+            _SFR(self.fd, self._wb, self.on_disk - self._wb, _SFR_WRITE)
+            self._wb = self.on_disk
         self.write_s += time.perf_counter() - t
         self._last = self._pool.submit(self.sha.update, mv)  # FIFO: one worker, hashes in write order
 
