@@ -52,7 +52,7 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
-          profile: bool = False, compile_blocks: bool = False) -> dict:
+          profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -78,6 +78,26 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
     for _ in range(warmup):
         step()
+    if sync_debug and cuda:  # one step with every host<->device synchronisation reported (with its stack)
+        import traceback
+        import warnings
+
+        seen = []
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename][-3:]
+            seen.append((str(message).splitlines()[0][:100], [f"{f.filename}:{f.lineno}" for f in frames]))
+
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+            torch.cuda.set_sync_debug_mode("default")
+        print(f"\n{name}: {len(seen)} synchronising calls in one step")
+        for msg, where in seen[:20]:
+            print(f"  {msg} at {' <- '.join(reversed(where))}")
     if profile and cuda:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -122,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-teacher", action="store_true")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
+    ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "train_throughput.json"))
     args = ap.parse_args(argv)
@@ -153,7 +174,7 @@ def main(argv=None) -> int:
             try:
                 r = bench(f"{flavor} {kind}{suffix}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
-                          compile_blocks=args.compile)
+                          compile_blocks=args.compile, sync_debug=args.sync_debug)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -183,6 +183,7 @@ class ParallelConfig(_Section):
     ds_config: str | None = None  # a ds_configs/*.json; None = ds_configs/zero{stage}.json
     use_gpu: bool = False
     bf16: bool = False
+    compile: bool = False  # torch.compile each student block in stage 2 (GPU; the first steps pay the compile)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)  # newest complete checkpoints kept per stage
     max_failures: int = Field(2, ge=0)  # Ray Train restarts after a worker dies

@@ -240,6 +240,10 @@ def run_stage2(
         model = hp.apply_tensor_parallel(model, layout.mesh)
     model.to(layout.device)
     model.train()
+    if par.compile:
+        from hmscale.parallel import apply_compile
+
+        apply_compile(model)
 
     if source is None:
         source = _source_for(cfg, data, cache_dir)
