@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,11 @@ def base_overrides(args) -> list[str]:
     ]
 
 
+def stage1_key(cfg) -> str:
+    """Everything stage 1's result depends on (stage 2's settings are not part of it)."""
+    return cfg.hash("teacher", "tokenizer", "data", "cache", "budget", "stage1", "parallel", "seed")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/fidelity")
@@ -89,14 +95,16 @@ def main(argv=None):
     from hmscale.eval import perplexity
     from hmscale.recipe import load_final_model
     from hmscale.train.stage1 import load_stage1_student
-    from ray_jobs.distill import prepare, run_distill
+    from hmscale.data import prepare_data
+    from hmscale.teacher import get_teacher
+    from ray_jobs.distill import run_distill
 
     out = Path(args.out)
     t_start = time.time()
     base = base_overrides(args) + list(args.overrides) + [f"output_dir={out}/prep"]
     cfg = build_config(overrides=base)
-    prep = prepare(cfg)
-    data, teacher = prep["data"], prep["teacher"]
+    data = prepare_data(cfg)
+    teacher = get_teacher(cfg, data)
     stats = getattr(teacher, "hmscale_info", {}) or {}
     teacher_tokens = int(stats.get("tokens") or stats.get("pretrain", {}).get("tokens") or 0)
     if not teacher_tokens:
@@ -111,12 +119,22 @@ def main(argv=None):
           f"distillation budget {budget:,} tokens ({args.fraction:.1%}) per ablation", flush=True)
 
     results = {"teacher": {"ppl": teacher_ppl, "tokens": teacher_tokens}}
+    stage1_done: dict[str, Path] = {}
     for name, extra in ABLATIONS.items():
         if args.only and name not in args.only:
             continue
         t0 = time.time()
         run_cfg = build_config(overrides=base + extra + [f"budget.total_tokens={budget}", f"output_dir={out}/{name}"])
-        run_distill(run_cfg, out / name)
+        key = stage1_key(run_cfg)
+        if key in stage1_done and not (out / name / "stage1" / "summary.json").exists():
+            # same stage-1 config, data and seed as an earlier ablation: its stage 1 is this one's too
+            shutil.copytree(stage1_done[key], out / name / "stage1", ignore=shutil.ignore_patterns("checkpoints", "tb"))
+            print(f"[fidelity] {name}: stage 1 shared with {stage1_done[key].parent.name}", flush=True)
+        # the data and teacher are the base's; a teacher cache is built per run only when the run reads one
+        needs_cache = (run_cfg.stage1.source == "cache" and run_cfg.cache.enabled) or (
+            run_cfg.stage2.kd_weight > 0 and run_cfg.stage2.kd_source == "cache")
+        run_distill(run_cfg, out / name, prepared=None if needs_cache else {"data": data, "teacher": teacher, "cache_dir": None})
+        stage1_done.setdefault(key, out / name / "stage1")
         model = load_final_model(out / name, data).to(device)
         hm_ppl = perplexity(model, rows, 16)
         results[name] = {"ppl": hm_ppl, "seconds": round(time.time() - t0, 1)}

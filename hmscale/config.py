@@ -163,6 +163,10 @@ class Stage2Config(_Section):
     # "online" = the live teacher's full-vocabulary logits, computed next to each batch (KL to the teacher)
     kd_source: Literal["cache", "online"] = "cache"
     ce_weight: float = Field(1.0, ge=0)  # weight of next-token cross-entropy (0: KD only)
+    # lr multipliers (x stage2.lr) for the parts that are not the teacher's own weights: the recurrent
+    # parts HedgeMamba adds at identity (gate z_proj, conv, dt_proj, A, D) and the stage-1 feature maps
+    new_params_lr_scale: float = Field(1.0, gt=0)
+    feature_map_lr_scale: float = Field(1.0, gt=0)
     eval_every: int = Field(50, gt=0)
     steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage2_tokens
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)

@@ -113,6 +113,34 @@ def freeze_embeddings(model: torch.nn.Module) -> int:
     return n
 
 
+# parameter names (last two components) of the parts HedgeMamba adds to the teacher's weights
+NEW_PARAM_NAMES = ("conv.weight", "conv.bias", "dt_proj.weight", "dt_proj.bias", "mixer.A_log", "mixer.A_scale",
+                   "mixer.D", "z_proj.weight", "z_proj.bias")
+FEATURE_MAP_NAMES = ("feature_map.weight", "feature_map.bias")
+
+
+def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feature_map_scale: float = 1.0):
+    """The trainable parameters as optimizer groups: the teacher's weights at `lr`, HedgeMamba's added
+    recurrent parts (NEW_PARAM_NAMES) at `lr * new_scale`, the feature maps at `lr * feature_map_scale`.
+    Plain parameter list when both scales are 1 (one group, as before)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if new_scale == 1.0 and feature_map_scale == 1.0:
+        return [p for _, p in params]
+    buckets = {"base": [], "new": [], "feature_map": []}
+    for name, p in params:
+        tail = ".".join(name.split(".")[-2:])
+        kind = "new" if tail in NEW_PARAM_NAMES else "feature_map" if tail in FEATURE_MAP_NAMES else "base"
+        buckets[kind].append(p)
+    scales = {"base": 1.0, "new": new_scale, "feature_map": feature_map_scale}
+    for kind in ("new", "feature_map"):
+        if scales[kind] != 1.0 and not buckets[kind]:
+            field = "new_params_lr_scale" if kind == "new" else "feature_map_lr_scale"
+            raise TrainingError(f"stage2.{field}: the model has no {kind.replace('_', ' ')} parameters to scale; "
+                                f"set it to 1 (or turn the components on)")
+    # the base group first: the logged lr is group 0's
+    return [{"params": buckets[k], "lr": lr * scales[k], "name": k} for k in ("base", "new", "feature_map") if buckets[k]]
+
+
 def stage2_steps(cfg, tokens_per_step: int) -> int:
     steps = getattr(cfg.stage2, "steps", None)
     if steps:
@@ -264,7 +292,8 @@ def run_stage2(
         total_steps=total_steps, min_lr_ratio=s2.min_lr_ratio, weight_decay=s2.weight_decay, grad_clip=s2.grad_clip,
         zero_stage=par.zero_stage, bf16=par.bf16, ds_config=par.ds_config,
     )
-    engine = build_engine(model, spec, dp_world=layout.dp_size, mpu=layout.mpu)
+    groups = param_groups(model, s2.lr, getattr(s2, "new_params_lr_scale", 1.0), getattr(s2, "feature_map_lr_scale", 1.0))
+    engine = build_engine(model, spec, dp_world=layout.dp_size, mpu=layout.mpu, params=groups)
 
     ckpt = Checkpointer(out / "checkpoints", keep=getattr(par, "keep_checkpoints", 2), rank=layout.rank)
     start_step = 0
