@@ -29,7 +29,7 @@ def test_compile_targets_are_the_blocks():
         compile_targets(torch.nn.Linear(2, 2))
 
 
-def test_compiled_blocks_match_eager():
+def _compare_compiled_with_eager():
     eager = _model()
     compiled = copy.deepcopy(eager)
     assert apply_compile(compiled) == 2
@@ -49,27 +49,12 @@ def test_compiled_blocks_match_eager():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_stage2_compiles_the_student_when_asked(tmp_path, monkeypatch):
-    """parallel.compile=true routes the stage-2 student through apply_compile (recorded, not compiled, for speed)."""
-    import numpy as np
+def test_compiled_blocks_match_eager():
+    """Run in a fresh interpreter: inductor's compile threads make a later fork() of this process crash
+    (the 2-process DeepSpeed tests fork)."""
+    import subprocess
+    import sys
 
-    import hmscale.parallel as hp
-    from hmscale.config import build_config
-    from hmscale.models.convert import to_hedgehog
-    from hmscale.teacher.flavors import neox_config
-    from hmscale.train.data import ArraySource
-    from hmscale.train.stage2 import run_stage2
-    from transformers import GPTNeoXForCausalLM
-
-    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
-    seen = []
-    monkeypatch.setattr(hp, "apply_compile", lambda model, **kw: seen.append(type(model).__name__) or 0)
-    torch.manual_seed(0)
-    teacher = GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=96)).eval()
-    tokens = np.random.default_rng(0).integers(0, 96, size=(16, 32))
-    for flag, expect in (("false", []), ("true", ["HedgeMambaForCausalLM"])):
-        seen.clear()
-        cfg = build_config({}, ["stage2.steps=1", "stage2.micro_batch_size=4", "parallel.zero_stage=1",
-                                f"parallel.compile={flag}"])
-        run_stage2(cfg, tmp_path / flag, student=to_hedgehog(teacher), source=ArraySource(tokens), export=False)
-        assert seen == expect
+    code = f"import runpy; runpy.run_path({__file__!r})['_compare_compiled_with_eager'](); print('compare-ok')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "compare-ok" in proc.stdout, proc.stderr[-3000:]
