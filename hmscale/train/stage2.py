@@ -122,7 +122,8 @@ FEATURE_MAP_NAMES = ("feature_map.weight", "feature_map.bias")
 def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feature_map_scale: float = 1.0):
     """The trainable parameters as optimizer groups: the teacher's weights at `lr`, HedgeMamba's added
     recurrent parts (NEW_PARAM_NAMES) at `lr * new_scale`, the feature maps at `lr * feature_map_scale`.
-    Plain parameter list when both scales are 1 (one group, as before)."""
+    Plain parameter list when both scales are 1 (one group, as before). Components switched off have no
+    parameters, so their group is absent (the same config serves every ablation)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if new_scale == 1.0 and feature_map_scale == 1.0:
         return [p for _, p in params]
@@ -132,12 +133,8 @@ def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feat
         kind = "new" if tail in NEW_PARAM_NAMES else "feature_map" if tail in FEATURE_MAP_NAMES else "base"
         buckets[kind].append(p)
     scales = {"base": 1.0, "new": new_scale, "feature_map": feature_map_scale}
-    for kind in ("new", "feature_map"):
-        if scales[kind] != 1.0 and not buckets[kind]:
-            field = "new_params_lr_scale" if kind == "new" else "feature_map_lr_scale"
-            raise TrainingError(f"stage2.{field}: the model has no {kind.replace('_', ' ')} parameters to scale; "
-                                f"set it to 1 (or turn the components on)")
-    # the base group first: the logged lr is group 0's
+    # a group with no parameters (e.g. the Hedgehog-only ablation: no gate, conv or SSM) is left out;
+    # the base group comes first: the logged lr is group 0's
     return [{"params": buckets[k], "lr": lr * scales[k], "name": k} for k in ("base", "new", "feature_map") if buckets[k]]
 
 

@@ -208,10 +208,12 @@ def test_param_groups_split_teacher_weights_added_parts_and_feature_maps():
     assert "in_proj.weight" in kinds["base"] and "lm_head.weight" in kinds["base"]
     total = sum(len(g["params"]) for g in groups.values())
     assert total == sum(1 for p in model.parameters() if p.requires_grad)  # every trainable parameter, once
-    # no added parts to scale (Hedgehog-only ablation): a one-line error, not a silent no-op
+    # no added parts (the Hedgehog-only ablation): the same config trains the teacher's weights and phi
     bare = to_hedgemamba(to_hedgehog(tiny_teacher()), ComponentsConfig(gate=False, conv=False, ssm=False))
-    with pytest.raises(TrainingError, match="new_params_lr_scale"):
-        param_groups(bare, 1e-3, new_scale=10)
+    freeze_embeddings(bare)
+    bare_groups = param_groups(bare, 1e-3, new_scale=10, feature_map_scale=30)
+    assert [g["name"] for g in bare_groups] == ["base", "feature_map"]
+    assert sum(len(g["params"]) for g in bare_groups) == sum(1 for p in bare.parameters() if p.requires_grad)
 
 
 def test_stage2_trains_the_groups_at_their_lr(tmp_path, monkeypatch):
