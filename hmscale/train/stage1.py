@@ -383,7 +383,8 @@ def _ensure_cache(cfg, data, teacher, layout):
 
     box = [None]
     if layout.rank == 0:
-        box[0] = str(build_cache(cfg, data, teacher, engine="local"))
+        # this worker's own device: the other ranks wait in the broadcast below
+        box[0] = str(build_cache(cfg, data, teacher, engine="local", device=layout.device))
     if dist.is_initialized() and layout.world > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]

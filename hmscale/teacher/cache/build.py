@@ -175,9 +175,12 @@ def _clean_temporaries(cache_dir: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_fn=None, device=None) -> Path:
+def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_fn=None, device=None,
+                devices=None, processes: bool = False) -> Path:
     """Cache the teacher's per-layer tensors (and top-k) over the data plan; returns the cache directory.
 
+    Local engine: `device` (one, in this process), `devices` (one spawned process each; default every
+    GPU up to cache.workers); `processes=True` uses a spawned process even for one device (benchmarks).
     Reuses a finished cache with the same (teacher fingerprint, plan hash, capture spec) without any
     teacher forward; a partial one is completed (finished shards are verified and skipped).
     """
@@ -253,7 +256,8 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
 
     try:
         if engine == "local":
-            run_local(cfg, plan, teacher, cp, pending, on_done, device=device, capture_fn=capture_fn)
+            run_local(cfg, plan, teacher, cp, pending, on_done, device=device, devices=devices, capture_fn=capture_fn,
+                      log=log, processes=processes)
         else:
             from ray_jobs.cache_teacher import run_ray
 
@@ -268,12 +272,32 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
     return cache_dir
 
 
-def run_local(cfg, plan, teacher, cp: CachePlan, pending, on_done, *, device=None, capture_fn=None) -> None:
-    """The pending shards in this process: one teacher, several shards written concurrently
-    (`ShardWorker.writer_threads`; $HMSCALE_CACHE_WRITERS overrides)."""
+def local_devices(cfg, device=None) -> list[str]:
+    """Devices of the local engine: the given one; else one per GPU, up to cache.workers; else the CPU."""
+    if device is not None:
+        return [str(device)]
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus > 1:
+        return [f"cuda:{i}" for i in range(min(gpus, cfg.cache.workers))]
+    return ["cuda" if gpus else "cpu"]
+
+
+def run_local(cfg, plan, teacher, cp: CachePlan, pending, on_done, *, device=None, devices=None, capture_fn=None,
+              log=_log, processes: bool = False) -> None:
+    """The pending shards on this machine. One device: in this process, one teacher, several shards
+    written concurrently (`ShardWorker.writer_threads`; $HMSCALE_CACHE_WRITERS overrides). Several
+    (`devices`, or every GPU up to cache.workers): one spawned process per device (`multiproc`)."""
+    devices = list(devices) if devices else local_devices(cfg, device)
+    if processes or (len(devices) > 1 and len(pending) > 1):
+        from hmscale.teacher.cache.multiproc import run_processes
+
+        run_processes(cfg, plan, teacher, cp, pending, on_done, devices=devices, log=log, capture_fn=capture_fn)
+        return
     from hmscale.teacher.cache.worker import ShardWorker
 
-    worker = ShardWorker(teacher, plan, cp.spec, cp.cache_dir, batch_size=cfg.cache.batch_size, device=device,
+    worker = ShardWorker(teacher, plan, cp.spec, cp.cache_dir, batch_size=cfg.cache.batch_size, device=devices[0],
                          capture_fn=capture_fn)
     try:
         worker.run_shards(pending, on_done)

@@ -1,0 +1,114 @@
+"""The local cache engine on several devices of one machine: one process per device (no Ray needed).
+
+`run_processes(..., devices=["cuda:0", "cuda:1"])` spawns one worker process per device. Each
+holds its own copy of the teacher and a `ShardWorker` (several shards in flight, as in one process)
+and takes the pending shards round-robin (shards are equal in size, so the split is even). Finished
+shards come back to the driver as `ShardInfo`s through a queue; only the driver touches the
+manifest. A worker that raises reports the shard and the error; one that dies (killed, out of
+memory) is noticed by its exit code. Either way the run stops with a `CacheError` and the shards
+already written stay recorded, so rerunning finishes the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue as queue_mod
+import time
+import traceback
+
+import torch
+
+from hmscale.teacher.cache.format import CacheError, shard_name
+
+
+def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads):
+    """Runs in the spawned process: ("ready", index, None) once its teacher is on the device, ("done", index,
+    ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback)) on a failure."""
+    try:
+        if threads:
+            torch.set_num_threads(int(threads))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        from hmscale.teacher.cache.worker import ShardWorker
+
+        worker = ShardWorker(teacher, plan, spec, cache_dir, batch_size=batch_size, device=device, capture_fn=capture_fn)
+        worker.reserve_buffers()
+        results.put(("ready", index, None))
+        worker.run_shards(shard_ids, lambda info: results.put(("done", index, info)))
+        results.put(("exit", index, len(shard_ids)))
+    except BaseException as err:  # noqa: BLE001 - everything goes back to the driver
+        sid = getattr(err, "shard_id", None)
+        results.put(("error", index, (sid, f"{type(err).__name__}: {err}", traceback.format_exc(limit=6))))
+
+
+def split_round_robin(shard_ids, n: int) -> list[list[int]]:
+    """Shard ids dealt to n workers in turn (worker i gets ids[i::n])."""
+    ids = list(shard_ids)
+    return [ids[i::n] for i in range(n)]
+
+
+def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=print, capture_fn=None) -> float:
+    """The pending shards on one spawned process per entry of `devices`; `on_done(ShardInfo)` runs here.
+    Returns the seconds from the start until every worker was ready (process start, imports, teacher load)."""
+    devices = [str(d) for d in devices][: max(1, len(pending))]
+    n = len(devices)
+    if capture_fn is not None and getattr(capture_fn, "__name__", "") == "<lambda>":
+        raise CacheError("the multi-process cache engine needs a module-level capture function (it is pickled)")
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    # each process gets a CPU copy of the teacher (the caller's stays where it is)
+    on_cpu = all(p.device.type == "cpu" for p in teacher.parameters())
+    teacher_cpu = teacher if on_cpu else copy.deepcopy(teacher).to("cpu")
+    threads = max(1, (os.cpu_count() or 1) // n)
+    parts = split_round_robin(pending, n)
+    log(f"cache: {n} worker processes ({', '.join(devices)}), {len(pending)} shards to do")
+    procs = []
+    for i, (dev, ids) in enumerate(zip(devices, parts)):
+        p = ctx.Process(target=_worker_main, name=f"hmscale-cache-{i}",
+                        args=(i, dev, teacher_cpu, plan, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, ids,
+                              results, capture_fn, threads),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    running, waiting = set(range(n)), set(range(n))
+    t0 = time.perf_counter()
+    startup = 0.0
+    try:
+        while running:
+            try:
+                kind, i, payload = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                for j in list(running):
+                    code = procs[j].exitcode
+                    if code is not None:  # gone without saying goodbye: check the queue once more first
+                        try:
+                            kind, i, payload = results.get(timeout=2.0)
+                            break
+                        except queue_mod.Empty:
+                            raise CacheError(f"cache worker {j} on {devices[j]} died (exit code {code}); the shards "
+                                             "written so far are kept: rerun to finish the others") from None
+                else:
+                    continue
+            if kind == "ready":
+                waiting.discard(i)
+                if not waiting:
+                    startup = time.perf_counter() - t0
+                    log(f"cache: {n} workers ready after {startup:.1f} s")
+            elif kind == "done":
+                on_done(payload)
+            elif kind == "exit":
+                running.discard(i)
+            else:
+                sid, message, tb = payload
+                where = shard_name(sid) if sid is not None else "its start"
+                log(f"cache: worker {i} on {devices[i]} failed on {where}:\n{tb}")
+                raise CacheError(f"teacher forward failed on {where} (worker {i}, {devices[i]}): {message}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+    return startup
