@@ -9,9 +9,10 @@ process layout, tensor-parallel sharding, DeepSpeed ZeRO-2, the deterministic ba
 all-reduced loss) in N freshly spawned processes (one per GPU, NCCL; gloo on CPU), on a random-init
 Pythia-410m-shaped HedgeMamba student and random tokens, with the same global batch everywhere:
 
-    1 GPU      world 1, grad_accum N            (the reference)
-    dp=N       world N, ZeRO-2, grad_accum 1
-    tp=2xdp    world N, tp=2, dp=N/2, grad_accum 2
+    1gpu       world 1, grad_accum N                   (the reference)
+    dp         world N, ZeRO-2, grad_accum 1
+    tp2        world N, tp=2, dp=N/2, micro batch x 2  (the memory tp frees buys the larger micro batch)
+    tp2_ga     world N, tp=2, dp=N/2, grad_accum 2     (the same micro batch as the others)
 
 Throughput: tokens per optimizer step / median step time of the steps after `--skip` (the compile and
 allocator warm-up), per GPU. Scaling efficiency = per-GPU tokens/s of dp=N / tokens/s of 1 GPU (target
@@ -26,6 +27,9 @@ against one GPU (target >= 90 % linear), for the full capture spec and a light o
 10 % of positions). Both run in spawned worker processes (`processes=True`); shards/s counts from the
 moment every worker is ready (teacher on its device, pinned buffers reserved) to the last shard; the
 start-up time is printed beside it.
+
+Communication (`--part comm`): bf16 all-reduce time and NCCL bus bandwidth between the GPUs (what
+tensor parallelism pays per layer).
 
 Writes JSON (`--out`) and prints markdown tables.
 """
@@ -92,7 +96,25 @@ def _train_rank(rank: int, world: int, port: int, run: dict, out_dir: str) -> No
         model = HedgeMambaForCausalLM(mcfg)
     global_batch = run["micro_batch"] * run["grad_accum"] * (world // run["tp"])
     tokens = np.random.default_rng(0).integers(0, run["vocab"], size=(global_batch * run["steps"], run["seq"]))
-    res = run_stage2(cfg, out_dir, model=model, source=ArraySource(tokens.astype(np.int32)), export=False)
+    hook, prof = None, None
+    if run.get("profile") and rank == 0:  # one optimizer step (after the warm-up) under the profiler
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        at = max(0, min(run["skip"], run["steps"] - 3))  # a later step closes the active window
+        def save(pr):
+            ka = pr.key_averages()
+            text = ka.table(sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=30, max_name_column_width=70)
+            text += "\n" + ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)
+            Path(out_dir, "profile.txt").write_text(text)
+
+        prof = profile(activities=acts, schedule=schedule(wait=at, warmup=1, active=1), on_trace_ready=save)
+        prof.start()
+        hook = lambda step: prof.step()  # noqa: E731 - called at the start of every step
+    res = run_stage2(cfg, out_dir, model=model, source=ArraySource(tokens.astype(np.int32)), export=False,
+                     fault_hook=hook)
+    if prof is not None:
+        prof.stop()
     peak = torch.cuda.max_memory_allocated(device) if gpu else 0
     stats = {"rank": rank, "peak_bytes": int(peak)}
     if rank == 0:
@@ -117,6 +139,8 @@ def run_training(name: str, world: int, run: dict, work: Path) -> dict:
     tokens_per_step = run["micro_batch"] * run["grad_accum"] * (world // run["tp"]) * run["seq"]
     tps = tokens_per_step / step_s
     r0 = ranks[0]
+    if (out_dir / "profile.txt").exists():
+        print(f"\n--- profile of one step of {name} (rank 0) ---\n" + (out_dir / "profile.txt").read_text(), flush=True)
     out = {"name": name, "world": world, "tp": r0["tp"], "dp": r0["dp"], "grad_accum": run["grad_accum"],
            "micro_batch": run["micro_batch"], "seq": run["seq"], "bf16": run["bf16"], "tokens_per_step": tokens_per_step,
            "median_step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
@@ -133,42 +157,50 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 def training_part(args, n: int, gpu: bool, work: Path) -> dict:
     base = dict(flavor=args.flavor, vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps,
-                skip=args.skip, gpu=gpu, bf16=gpu and not args.fp32_only)
+                skip=args.skip, gpu=gpu, bf16=gpu and not args.fp32_only, profile=args.profile)
     tp = 2 if n % 2 == 0 else 1
+    want = set(args.runs.split(",")) if args.runs else None
     runs = {}
+
+    def go(name, world, run):
+        if want is None or name in want:
+            runs[name] = run_training(name, world, run, work)
+
     print(f"training: {args.flavor}-shaped student, {n} {'GPUs' if gpu else 'CPU processes'}, seq {args.seq}, "
           f"micro batch {args.micro_batch}, global batch {args.micro_batch * n}, {args.steps} steps", flush=True)
+    # tp=2 x dp=n/2 keeps the global batch: micro batch x 2 (the memory tp frees), or grad_accum 2 (tp2_ga)
     if not args.fp32_only:
-        runs["1gpu"] = run_training("1gpu", 1, dict(base, tp=1, grad_accum=n), work)
-        runs["dp"] = run_training("dp", n, dict(base, tp=1, grad_accum=1), work)
+        go("1gpu", 1, dict(base, tp=1, grad_accum=n))
+        go("dp", n, dict(base, tp=1, grad_accum=1))
         if tp == 2:
-            runs["tp2"] = run_training("tp2", n, dict(base, tp=2, grad_accum=2), work)
+            go("tp2", n, dict(base, tp=2, grad_accum=1, micro_batch=2 * args.micro_batch))
+            go("tp2_ga", n, dict(base, tp=2, grad_accum=2))
         if base["bf16"]:
-            runs["1gpu_repeat"] = run_training("1gpu_repeat", 1, dict(base, tp=1, grad_accum=n), work)
+            go("1gpu_repeat", 1, dict(base, tp=1, grad_accum=n))
     f32 = dict(base, bf16=False, seq=args.fp32_seq, micro_batch=args.fp32_micro_batch)
     if gpu:
         print(f"fp32 loss equality: seq {args.fp32_seq}, micro batch {args.fp32_micro_batch}", flush=True)
-        runs["fp32_1gpu"] = run_training("fp32_1gpu", 1, dict(f32, tp=1, grad_accum=n), work)
-        runs["fp32_dp"] = run_training("fp32_dp", n, dict(f32, tp=1, grad_accum=1), work)
+        go("fp32_1gpu", 1, dict(f32, tp=1, grad_accum=n))
+        go("fp32_dp", n, dict(f32, tp=1, grad_accum=1))
         if tp == 2:
-            runs["fp32_tp2"] = run_training("fp32_tp2", n, dict(f32, tp=2, grad_accum=2), work)
+            go("fp32_tp2", n, dict(f32, tp=2, grad_accum=1, micro_batch=2 * args.fp32_micro_batch))
     summary = {}
-    if "1gpu" in runs:
-        one = runs["1gpu"]["tokens_per_s"]
-        summary["dp_scaling_efficiency"] = runs["dp"]["tokens_per_s_per_gpu"] / one
-        if "tp2" in runs:
-            summary["tp2_vs_dp_per_gpu"] = runs["tp2"]["tokens_per_s_per_gpu"] / runs["dp"]["tokens_per_s_per_gpu"]
-        ref = runs["1gpu"]["losses"]
-        summary["loss_diff_dp"] = max_diff(runs["dp"]["losses"], ref)
-        if "tp2" in runs:
-            summary["loss_diff_tp2"] = max_diff(runs["tp2"]["losses"], ref)
-        if "1gpu_repeat" in runs:
-            summary["loss_noise_1gpu"] = max_diff(runs["1gpu_repeat"]["losses"], ref)
-    if "fp32_1gpu" in runs:
-        ref = runs["fp32_1gpu"]["losses"]
-        summary["fp32_loss_diff_dp"] = max_diff(runs["fp32_dp"]["losses"], ref)
-        if "fp32_tp2" in runs:
-            summary["fp32_loss_diff_tp2"] = max_diff(runs["fp32_tp2"]["losses"], ref)
+
+    def diff(key, a, b):
+        if a in runs and b in runs:
+            summary[key] = max_diff(runs[a]["losses"], runs[b]["losses"])
+
+    if "1gpu" in runs and "dp" in runs:
+        summary["dp_scaling_efficiency"] = runs["dp"]["tokens_per_s_per_gpu"] / runs["1gpu"]["tokens_per_s"]
+    for t in ("tp2", "tp2_ga"):
+        if t in runs and "dp" in runs:
+            summary[f"{t}_vs_dp_per_gpu"] = runs[t]["tokens_per_s_per_gpu"] / runs["dp"]["tokens_per_s_per_gpu"]
+    diff("loss_diff_dp", "dp", "1gpu")
+    diff("loss_diff_tp2", "tp2", "1gpu")
+    diff("loss_diff_tp2_ga", "tp2_ga", "1gpu")
+    diff("loss_noise_1gpu", "1gpu_repeat", "1gpu")
+    diff("fp32_loss_diff_dp", "fp32_dp", "fp32_1gpu")
+    diff("fp32_loss_diff_tp2", "fp32_tp2", "fp32_1gpu")
     rows = [r for r in runs.values()]
     print("\n| run | world | tp x dp | grad accum | precision | seq x micro | ms/step | tok/s | tok/s per GPU | peak GiB/GPU | final loss |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -181,12 +213,57 @@ def training_part(args, n: int, gpu: bool, work: Path) -> dict:
         print(f"{k}: {v:.6g}")
     if "dp_scaling_efficiency" in summary:
         print(f"data-parallel scaling efficiency {100 * summary['dp_scaling_efficiency']:.1f} % (target >= 90 %)")
-    if "tp2_vs_dp_per_gpu" in summary:
-        print(f"tp=2 per-GPU throughput {100 * summary['tp2_vs_dp_per_gpu']:.1f} % of data parallel (target >= 85 %)")
+    for t in ("tp2", "tp2_ga"):
+        if f"{t}_vs_dp_per_gpu" in summary:
+            print(f"{t}: per-GPU throughput {100 * summary[f'{t}_vs_dp_per_gpu']:.1f} % of data parallel (target >= 85 %)")
     if "fp32_loss_diff_dp" in summary:
         worst = max(v for k, v in summary.items() if k.startswith("fp32_loss_diff"))
         print(f"fp32 losses over {args.steps} steps: max |diff| vs 1 GPU {worst:.3g} (target <= 1e-4)")
     return {"runs": runs, "summary": summary}
+
+
+# ------------------------------------------------------------------------------------ communication
+
+
+def _comm_rank(rank: int, world: int, port: int, sizes_mb: list, gpu: bool, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
+    rows = []
+    for mb in sizes_mb:
+        x = torch.randn(int(mb * 2**20) // 2, dtype=torch.bfloat16, device=device)
+        for _ in range(3):
+            dist.all_reduce(x)
+        if gpu:
+            torch.cuda.synchronize()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        if gpu:
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / reps
+        # NCCL's "bus bandwidth": 2 (n-1)/n x bytes / time
+        rows.append({"mb": mb, "ms": dt * 1e3, "bus_gb_s": 2 * (world - 1) / world * x.numel() * 2 / dt / 1e9})
+    if rank == 0:
+        Path(out_dir, "comm.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def comm_part(args, n: int, gpu: bool, work: Path) -> list:
+    """bf16 all-reduce time and bus bandwidth over the n devices (NCCL on GPUs)."""
+    sizes = [1, 8, 32, 256] if not args.smoke else [1]
+    torch.multiprocessing.start_processes(_comm_rank, args=(n, _free_port(), sizes, gpu, str(work)), nprocs=n,
+                                          join=True, start_method="spawn")
+    rows = json.loads((work / "comm.json").read_text())
+    print(f"\nall-reduce, bf16, {n} {'GPUs (NCCL)' if gpu else 'CPU processes (gloo)'}:")
+    for r in rows:
+        print(f"  {r['mb']:>4} MiB: {r['ms']:.3f} ms, bus bandwidth {r['bus_gb_s']:.1f} GB/s", flush=True)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ caching
@@ -218,6 +295,8 @@ def cache_part(args, n: int, gpu: bool, work: Path) -> dict:
                                    "cache.capture.token_fraction=0.1"]}
     if args.smoke:
         specs = {"full": []}
+    if args.cache_specs:
+        specs = {k: v for k, v in specs.items() if k in args.cache_specs.split(",")}
     devices_n = [f"cuda:{i}" for i in range(n)] if gpu else ["cpu"] * n
     out = {}
     print(f"\ncaching: {flavor}-shaped teacher, {shards} shards x {per_shard} sequences x {seq} tokens, "
@@ -227,7 +306,7 @@ def cache_part(args, n: int, gpu: bool, work: Path) -> dict:
         for label, devices in (("1", devices_n[:1]), (str(n), devices_n)):
             root = work / f"cache-{spec_name}-{label}"
             shutil.rmtree(root, ignore_errors=True)
-            cfg = build_config({}, [f"cache.root={root}", f"cache.batch_size={args.cache_batch}", f"teacher.flavor={flavor}",
+            cfg = build_config({}, [f"cache.root={root}", f"cache.batch_size={args.cache_batch}",
                                     f"cache.max_tokens={len(tokens)}", f"cache.workers={n}", "cache.allow_exceed_disk=true",
                                     *items])
             ready = []
@@ -257,7 +336,7 @@ def cache_part(args, n: int, gpu: bool, work: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["train", "cache", "all"], default="all")
+    ap.add_argument("--part", choices=["train", "cache", "comm", "all"], default="all")
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 gloo processes, tiny shapes (seconds)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
     ap.add_argument("--flavor", default="pythia-410m")
@@ -269,11 +348,15 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32-seq", type=int, default=1024)
     ap.add_argument("--fp32-micro-batch", type=int, default=2)
     ap.add_argument("--fp32-only", action="store_true", help="only the fp32 loss-equality runs")
+    ap.add_argument("--profile", action="store_true", help="print a profile of one step (rank 0) of each run")
+    ap.add_argument("--runs", default=None, help="comma list of runs to do (default all): 1gpu,dp,tp2,tp2_ga,"
+                    "1gpu_repeat,fp32_1gpu,fp32_dp,fp32_tp2")
     ap.add_argument("--cache-flavor", default="pythia-160m")
     ap.add_argument("--cache-seq", type=int, default=2048)
     ap.add_argument("--cache-shards", type=int, default=32)
     ap.add_argument("--sequences-per-shard", type=int, default=16)
     ap.add_argument("--cache-batch", type=int, default=8)
+    ap.add_argument("--cache-specs", default=None, help="comma list of capture specs (default: full,light)")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "multi_gpu.json"))
     args = ap.parse_args(argv)
@@ -295,6 +378,8 @@ def main(argv=None) -> int:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device, "n": n,
               "argv": sys.argv[1:]}
     try:
+        if args.part in ("comm", "all"):
+            result["comm"] = comm_part(args, n, gpu, work)
         if args.part in ("train", "all"):
             result["train"] = training_part(args, n, gpu, work)
         if args.part in ("cache", "all"):

@@ -49,7 +49,8 @@ import kernels
 
 from .feature_map import HedgehogFeatureMap, feature_map_init
 from .hedgehog import causal_lm_loss
-from .neox_attention import apply_rotary, rotary_cos_sin, split_qkv
+from .fused_ops import causal_depthwise_conv, split_qkv_rotary
+from .neox_attention import rotary_cos_sin
 
 __all__ = [
     "HedgeMambaConfig",
@@ -223,6 +224,9 @@ class CausalDepthwiseConv(nn.Module):
             prev = x.new_zeros(b, W - 1, c)
         else:
             prev = state.transpose(1, 2).to(x.dtype)
+        if seq_idx is None and W > 1:  # no document boundaries: one-write backward (fused_ops)
+            y, new_state = causal_depthwise_conv(x, prev, self.weight, self.bias)
+            return y, new_state.transpose(1, 2).contiguous()
         xp = torch.cat([prev, x], dim=1)  # (b, W-1+l, C)
         w = self.weight.to(x.dtype)
         doc = docp = None
@@ -337,10 +341,9 @@ class HedgeMambaMixer(nn.Module):
             qkv, new_conv = self.conv(qkv, conv_state, seq_idx)
             if cache is not None:
                 cache.conv_states[i] = new_conv
-        q, k, v = split_qkv(qkv, H)
         r = self.config.rotary_ndims
         cos, sin = rotary_cos_sin(position_ids, r, self.config.rotary_emb_base, dtype=h.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = split_qkv_rotary(qkv, H, cos, sin)
         Cf, Bf = self.feature_map(q), self.feature_map(k)
         dt, A, D = self.ssm_parameters(h)
         if token_mask is not None:

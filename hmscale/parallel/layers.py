@@ -66,19 +66,22 @@ class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W_local = rows ``index`` of the full weight."""
 
     def __init__(self, in_features: int, out_features_local: int, bias: bool = True, group=None, tp_size: int = 1,
-                 device=None, dtype=None):
+                 device=None, dtype=None, reduce_input_grad: bool = True):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features_local
         self.group, self.tp_size = group, tp_size
+        # False when the caller already put the input through copy_to_tp_region (one all-reduce of the
+        # input gradient for several column-parallel layers reading the same input)
+        self.reduce_input_grad = reduce_input_grad
         self.weight = mark_tp_param(nn.Parameter(torch.empty(out_features_local, in_features, device=device, dtype=dtype)), 0)
         self.bias = mark_tp_param(nn.Parameter(torch.zeros(out_features_local, device=device, dtype=dtype)), 0) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, index: torch.Tensor, mesh) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, index: torch.Tensor, mesh, reduce_input_grad: bool = True) -> "ColumnParallelLinear":
         w = linear.weight.detach()
         new = cls(linear.in_features, len(index), linear.bias is not None, mesh.tp_group, mesh.tp_size,
-                  device=w.device, dtype=w.dtype)
+                  device=w.device, dtype=w.dtype, reduce_input_grad=reduce_input_grad)
         with torch.no_grad():
             new.weight.copy_(w[index])
             if linear.bias is not None:
@@ -89,7 +92,9 @@ class ColumnParallelLinear(nn.Module):
         return new
 
     def forward(self, x):
-        return F.linear(copy_to_tp_region(x, self.group, self.tp_size), self.weight, self.bias)
+        if self.reduce_input_grad:
+            x = copy_to_tp_region(x, self.group, self.tp_size)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
         return f"in={self.in_features}, out_local={self.out_features}, tp={self.tp_size}"

@@ -6,6 +6,11 @@ the conv channels) are one contiguous block of ``3 P h/t`` rows. Per-head pieces
 projection, ``A_log``, ``A_scale``, ``D``, gate projection rows) are sliced the same way; ``out_proj`` is
 row-parallel over the same heads. The MLP is column-parallel in ``dense_h_to_4h`` and row-parallel in
 ``dense_4h_to_h``. Embeddings, LayerNorms and the LM head stay replicated.
+
+Collectives per block: two all-reduces forward (after ``out_proj`` and ``dense_4h_to_h``) and two
+backward: the mixer's three column-parallel layers (``in_proj``, ``dt_proj``, ``z_proj``) read the same
+input, which passes ``copy_to_tp_region`` once (a forward pre-hook on the mixer), so its gradient is
+all-reduced once, not three times.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch import nn
 
 from hmscale.models.hedgemamba import HedgeMambaBlock
 
-from .layers import ColumnParallelLinear, RowParallelLinear, mark_tp_param
+from .layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, mark_tp_param
 from .mesh import ParallelMesh
 
 __all__ = ["apply_tensor_parallel", "check_tp_divides", "gather_tensor_parallel_state_dict"]
@@ -32,6 +37,15 @@ def check_tp_divides(n_heads: int, tp: int, intermediate_size: int | None = None
 def _slice_param(p: nn.Parameter, index: torch.Tensor, dim: int = 0) -> nn.Parameter:
     new = nn.Parameter(p.detach().index_select(dim, index.to(p.device)).clone(), requires_grad=p.requires_grad)
     return mark_tp_param(new, dim)
+
+
+def _mixer_input_hook(mesh: ParallelMesh):
+    """Forward pre-hook: the mixer's input (replicated over the tp group) enters the tp region once."""
+
+    def hook(module, args):
+        return (copy_to_tp_region(args[0], mesh.tp_group, mesh.tp_size), *args[1:])
+
+    return hook
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
@@ -54,7 +68,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         mx = block.mixer
         if mx.n_heads != H:
             raise ValueError("apply_tensor_parallel: the model is already sharded")
-        mx.in_proj = ColumnParallelLinear.from_linear(mx.in_proj, qkv_rows, mesh)
+        mx.in_proj = ColumnParallelLinear.from_linear(mx.in_proj, qkv_rows, mesh, reduce_input_grad=False)
         if mx.conv is not None:
             mx.conv.weight = _slice_param(mx.conv.weight, qkv_rows)
             mx.conv.bias = _slice_param(mx.conv.bias, qkv_rows)
@@ -64,14 +78,15 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         fm.bias = _slice_param(fm.bias, heads)
         fm.n_heads = hl
         if cfg.ssm:
-            mx.dt_proj = ColumnParallelLinear.from_linear(mx.dt_proj, heads, mesh)
+            mx.dt_proj = ColumnParallelLinear.from_linear(mx.dt_proj, heads, mesh, reduce_input_grad=False)
             mx.A_log = _slice_param(mx.A_log, heads)
             mx.A_scale = _slice_param(mx.A_scale, heads)
             mx.D = _slice_param(mx.D, heads)
         if mx.z_proj is not None:
-            mx.z_proj = ColumnParallelLinear.from_linear(mx.z_proj, head_rows, mesh)
+            mx.z_proj = ColumnParallelLinear.from_linear(mx.z_proj, head_rows, mesh, reduce_input_grad=False)
         mx.out_proj = RowParallelLinear.from_linear(mx.out_proj, head_rows, mesh)
         mx.n_heads = hl
+        mx.register_forward_pre_hook(_mixer_input_hook(mesh))
         mlp = block.mlp
         mlp.dense_h_to_4h = ColumnParallelLinear.from_linear(mlp.dense_h_to_4h, mlp_rows, mesh)
         mlp.dense_4h_to_h = RowParallelLinear.from_linear(mlp.dense_4h_to_h, mlp_rows, mesh)
