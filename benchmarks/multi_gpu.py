@@ -6,7 +6,8 @@
 
 Training: every configuration runs the product's stage-2 path (`hmscale.train.stage2.run_stage2`:
 process layout, tensor-parallel sharding, DeepSpeed ZeRO-2, the deterministic batch plan, the
-all-reduced loss) in N freshly spawned processes (one per GPU, NCCL; gloo on CPU), on a random-init
+all-reduced loss) in N freshly spawned processes (`hmscale.train.launch.spawn_workers`, the launcher of
+`parallel.engine=local` with several workers: one per GPU, NCCL; gloo on CPU), on a random-init
 Pythia-410m-shaped HedgeMamba student and random tokens, with the same global batch everywhere:
 
     1gpu       world 1, grad_accum N                   (the reference)
@@ -40,7 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -54,19 +54,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------------------- training
 
 
-def _train_rank(rank: int, world: int, port: int, run: dict, out_dir: str) -> None:
-    """One process of one configuration (spawned)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _train_rank(rank: int, run: dict, out_dir: str) -> None:
+    """One process of one configuration (spawned by `hmscale.train.launch.spawn_workers`)."""
+    world = int(os.environ["WORLD_SIZE"])
     gpu = run["gpu"]
     if not gpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -128,8 +121,9 @@ def run_training(name: str, world: int, run: dict, work: Path) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     t0 = time.perf_counter()
-    torch.multiprocessing.start_processes(_train_rank, args=(world, _free_port(), run, str(out_dir)), nprocs=world,
-                                          join=True, start_method="spawn")
+    from hmscale.train.launch import spawn_workers
+
+    spawn_workers(_train_rank, world, run, str(out_dir), use_gpu=run["gpu"])
     wall = time.perf_counter() - t0
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
     steps = [json.loads(line) for line in (out_dir / "stage2" / "metrics.jsonl").read_text().splitlines()]
@@ -225,10 +219,10 @@ def training_part(args, n: int, gpu: bool, work: Path) -> dict:
 # ------------------------------------------------------------------------------------ communication
 
 
-def _comm_rank(rank: int, world: int, port: int, sizes_mb: list, gpu: bool, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _comm_rank(rank: int, sizes_mb: list, gpu: bool, out_dir: str) -> None:
     import torch.distributed as dist
 
+    world = int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
@@ -257,8 +251,9 @@ def _comm_rank(rank: int, world: int, port: int, sizes_mb: list, gpu: bool, out_
 def comm_part(args, n: int, gpu: bool, work: Path) -> list:
     """bf16 all-reduce time and bus bandwidth over the n devices (NCCL on GPUs)."""
     sizes = [1, 8, 32, 256] if not args.smoke else [1]
-    torch.multiprocessing.start_processes(_comm_rank, args=(n, _free_port(), sizes, gpu, str(work)), nprocs=n,
-                                          join=True, start_method="spawn")
+    from hmscale.train.launch import spawn_workers
+
+    spawn_workers(_comm_rank, n, sizes, gpu, str(work), use_gpu=gpu)
     rows = json.loads((work / "comm.json").read_text())
     print(f"\nall-reduce, bf16, {n} {'GPUs (NCCL)' if gpu else 'CPU processes (gloo)'}:")
     for r in rows:

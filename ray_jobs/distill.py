@@ -4,8 +4,10 @@
 
 Driver: prepares the data plan, the teacher (a miniature is pretrained and stored once) and, when
 stage 1 reads the cache or stage 2 uses KD, the teacher cache; then runs `train_func` either
-directly (`parallel.engine=local`: world size 1, gloo/NCCL) or on `parallel.num_workers` Ray Train
-workers (`TorchTrainer`, gloo on CPU, NCCL with `parallel.use_gpu`).
+directly (`parallel.engine=local`, one worker: world size 1, gloo/NCCL), in `parallel.num_workers`
+spawned processes on this machine (`engine=local`, several workers: torchrun-style, one per GPU with
+`parallel.use_gpu`; `hmscale.train.launch`), or on `parallel.num_workers` Ray Train workers
+(`engine=ray`: `TorchTrainer`, gloo on CPU, NCCL with `parallel.use_gpu`).
 
 Fault tolerance: every stage checkpoint is reported to Ray Train (`ray.train.report(metrics,
 checkpoint=...)`; each worker reports its own DeepSpeed files, which Ray merges into one checkpoint);
@@ -200,17 +202,58 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
     config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
               "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
-    if cfg.parallel.engine == "local":
-        if cfg.parallel.num_workers != 1:
-            log(f"[distill] engine=local runs one process; ignoring parallel.num_workers={cfg.parallel.num_workers}")
+    if cfg.parallel.engine == "local" and cfg.parallel.num_workers == 1:
         config["threads"] = 0 if cfg.parallel.use_gpu else os.cpu_count()
         res = train_func(config)
         res = {k: {kk: vv for kk, vv in v.items() if kk != "student_model"} for k, v in res.items()}
+    elif cfg.parallel.engine == "local":
+        res = _run_local_workers(cfg, config, run_dir, log=log)
     else:
         res = _run_ray(cfg, config, run_dir, storage_path=storage_path, log=log)
     res["seconds"] = time.perf_counter() - t0
     res["run_dir"] = str(run_dir)
     return res
+
+
+def _local_worker(rank: int, config: dict) -> None:
+    """One spawned process of engine=local with num_workers > 1: a deterministic failure is written
+    down for the driver (rank 0), as under Ray."""
+    from hmscale.train.engine import TrainingError
+
+    try:
+        train_func(config)
+    except TrainingError as err:
+        if rank == 0:
+            from hmscale.atomic import atomic_write_json
+
+            atomic_write_json(Path(config["run_dir"]) / ERROR_FILE, {"error": str(err), "error_type": type(err).__name__})
+        raise
+
+
+def _run_local_workers(cfg, config: dict, run_dir: Path, *, log=print) -> dict:
+    """engine=local, num_workers > 1: one spawned process per worker on this machine (one per GPU with
+    use_gpu), torchrun-style; no Ray. A rerun into the same run directory resumes."""
+    from hmscale.train import engine as E
+    from hmscale.train.launch import WorkerFailed, spawn_workers
+
+    par = cfg.parallel
+    config = dict(config, threads=0 if par.use_gpu else max(1, (os.cpu_count() or 1) // par.num_workers))
+    log(f"[distill] engine=local: {par.num_workers} worker processes on this machine "
+        f"({'one GPU each, NCCL' if par.use_gpu else 'CPU, gloo'}; tp={par.tp}, ZeRO-{par.zero_stage})")
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    try:
+        spawn_workers(_local_worker, par.num_workers, config, use_gpu=par.use_gpu)
+    except WorkerFailed as failed:
+        if (run_dir / ERROR_FILE).exists():
+            err = json.loads((run_dir / ERROR_FILE).read_text())
+            raise getattr(E, err.get("error_type", ""), E.TrainingError)(err["error"]) from None
+        raise E.TrainingError(str(failed)) from None
+    out = {}
+    for stage in config["stages"]:
+        p = run_dir / stage / "summary.json"
+        if p.exists():
+            out[stage] = json.loads(p.read_text())
+    return out
 
 
 def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) -> dict:

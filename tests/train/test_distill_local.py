@@ -60,3 +60,25 @@ def test_cli_stage2_without_stage1_is_a_one_line_error(tmp_path, capsys, monkeyp
     rc = main(["stage2", *ov, "-s", "stage2.kd_weight=0"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 1 and err.startswith("hmscale: error: no stage-1 student"), err
+
+
+def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch):
+    """engine=local, num_workers=2: two spawned gloo processes (torchrun-style, no Ray) run stage 1 and
+    stage 2 with ZeRO-2; a worker SIGKILLed in stage 2 stops the run with a one-line error, and a rerun
+    into the same directory resumes from the last checkpoint and finishes."""
+    from hmscale.config import build_config
+    from hmscale.train.engine import TrainingError
+    from ray_jobs.distill import FAULT_ENV, run_distill
+
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    cfg = build_config({}, _overrides(tmp_path) + ["parallel.num_workers=2", "parallel.zero_stage=2"])
+    monkeypatch.setenv(FAULT_ENV, "stage2:3:1")  # rank 1 dies at the start of stage-2 step 3 (after the step-2 checkpoint)
+    with pytest.raises(TrainingError, match=r"local worker \d died .*rerun into the same output_dir"):
+        run_distill(cfg, log=lambda *a, **k: None)
+    run = tmp_path / "run"
+    assert json.loads((run / "stage1" / "summary.json").read_text())["done"]
+    assert not (run / "stage2" / "summary.json").exists()
+    res = run_distill(cfg, log=lambda *a, **k: None)  # the fault marker exists: no second kill
+    s2 = res["stage2"]
+    assert s2["done"] and s2["dp"] == 2 and s2["start_step"] == 2 and s2["end_step"] == 4
+    assert (run / "stage2" / "hf" / "config.json").exists()

@@ -1,0 +1,51 @@
+"""Several training processes on this machine without Ray (`parallel.engine=local`, `num_workers > 1`).
+
+`spawn_workers(fn, n, *args)` starts n processes (spawn, one per GPU when training on GPUs) that
+form one torch.distributed group the way torchrun does it: RANK / LOCAL_RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT in the environment, so `engine.init_distributed` joins it (NCCL on GPUs,
+gloo on CPU). Each process calls ``fn(rank, *args)``. A worker that raises or dies stops the others;
+the error comes back as a `WorkerFailed` with the worker's last line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+class WorkerFailed(RuntimeError):
+    """A local worker process raised or died."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(rank, *args)
+
+
+def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
+    """Run ``fn(rank, *args)`` in `nprocs` spawned processes of one process group; returns when all finish."""
+    if nprocs < 1:
+        raise ValueError(f"parallel.num_workers: {nprocs} must be >= 1")
+    if use_gpu:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if nprocs > gpus:
+            raise WorkerFailed(f"parallel.num_workers={nprocs} with use_gpu needs {nprocs} GPUs on this machine, "
+                               f"which has {gpus}; lower num_workers or use parallel.engine=ray on a cluster")
+    try:
+        torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, free_port(), args), nprocs=nprocs,
+                                              join=True, start_method="spawn")
+    except torch.multiprocessing.ProcessRaisedException as err:
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        raise WorkerFailed(f"local worker {err.error_index} failed: {lines[-1] if lines else err}") from None
+    except torch.multiprocessing.ProcessExitedException as err:
+        raise WorkerFailed(f"local worker {err.error_index} died (exit code {err.exit_code}); "
+                           "rerun into the same output_dir to resume from the last checkpoint") from None
