@@ -179,7 +179,9 @@ class Stage2Config(_Section):
 
 
 class ParallelConfig(_Section):
-    engine: Literal["local", "ray"] = "ray"  # ray: Ray actors / Ray Train (embedded cluster when no address)
+    # ray: Ray actors / Ray Train (embedded cluster when no address); local: this process, or num_workers
+    # spawned processes on this machine (one per GPU with use_gpu; hmscale.train.launch)
+    engine: Literal["local", "ray"] = "ray"
     ray_address: str | None = None  # None = embedded single-node cluster
     num_workers: int = Field(1, gt=0)  # student workers (= dp * tp)
     tp: int = Field(1, gt=0)
