@@ -163,6 +163,8 @@ class Stage2Config(_Section):
     # "online" = the live teacher's full-vocabulary logits, computed next to each batch (KL to the teacher)
     kd_source: Literal["cache", "online"] = "cache"
     ce_weight: float = Field(1.0, ge=0)  # weight of next-token cross-entropy (0: KD only)
+    # weight of a hidden-state alignment term with the live teacher (intermediate residual streams, relative MSE)
+    hidden_weight: float = Field(0.0, ge=0)
     # lr multipliers (x stage2.lr) for the parts that are not the teacher's own weights: the recurrent
     # parts HedgeMamba adds at identity (gate z_proj, conv, dt_proj, A, D) and the stage-1 feature maps
     new_params_lr_scale: float = Field(1.0, gt=0)

@@ -7,10 +7,12 @@ Everything but the input embeddings trains, with `stage2.ce_weight` x next-token
   (the teacher distribution renormalised over its top k);
 - `stage2.kd_source=online`: the live teacher's full-vocabulary logits on the same batch (no grad; bf16
   autocast when parallel.bf16 on GPU), `kd = T^2 * KL(softmax(z_teacher/T) || softmax(z_student/T))`.
+Plus `stage2.hidden_weight` x `hidden_alignment`: the relative MSE between the student's and the live
+teacher's residual streams after each inner layer (logged as `hidden`; needs the teacher, as online KD).
 
 Run dir (`<run_dir>/stage2/`):
   checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json (step, samples_seen, loss)
-  metrics.jsonl, tb/           train (loss, ce, kd, lr, grad_norm, tokens_per_s) and eval (val_loss, val_ppl)
+  metrics.jsonl, tb/           train (loss, ce, kd, hidden, lr, grad_norm, tokens_per_s) and eval (val_loss, val_ppl)
   hf/                          the final model, `save_pretrained` (HF format, loads with from_pretrained)
   summary.json                 steps, tokens, seconds, final train / val loss
 """
@@ -101,6 +103,21 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
         extras["kd"] = kd.detach()
         loss = loss + kd_weight * kd
     return loss, extras
+
+
+def hidden_alignment(student_hidden, teacher_hidden) -> torch.Tensor:
+    """Mean over the intermediate layers' residual streams (after layers 1..L-1; the embeddings are shared
+    and the last one differs by the final LayerNorm between implementations) of
+    ||h_s - h_t||^2 / mean ||h_t||^2, token means, fp32."""
+    if student_hidden is None or teacher_hidden is None or len(student_hidden) != len(teacher_hidden):
+        raise TrainingError("stage2.hidden_weight: the student and the teacher must return one hidden state per layer")
+    terms = []
+    for hs, ht in zip(student_hidden[1:-1], teacher_hidden[1:-1]):
+        hs, ht = hs.float(), ht.float()
+        terms.append(((hs - ht) ** 2).sum(-1).mean() / (ht ** 2).sum(-1).mean().clamp_min(1e-6))
+    if not terms:
+        return torch.zeros((), device=student_hidden[0].device)
+    return torch.stack(terms).mean()
 
 
 def freeze_embeddings(model: torch.nn.Module) -> int:
@@ -275,7 +292,8 @@ def run_stage2(
     if _cached_kd(s2) and not source.has_topk:
         raise TrainingError("stage2.kd_weight > 0 but the training rows carry no teacher top-k; set cache.capture.topk > 0 "
                             "or stage2.kd_source=online")
-    kd_teacher = _kd_teacher(cfg, teacher, student, data, layout) if _online_kd(s2) else None
+    hidden_weight = float(getattr(s2, "hidden_weight", 0.0))
+    kd_teacher = _kd_teacher(cfg, teacher, student, data, layout) if _online_kd(s2) or hidden_weight > 0 else None
     if kd_teacher is not None and kd_teacher.config.vocab_size < model.config.vocab_size:
         raise TrainingError(f"stage2.kd_source=online: the teacher has {kd_teacher.config.vocab_size} tokens, "
                             f"the student {model.config.vocab_size}; they must share the vocabulary")
@@ -311,13 +329,20 @@ def run_stage2(
     def micro_step(step: int, micro: int):
         batch = get_batch(source, sampler, bplan, step, micro, layout.device)
         x = batch["input_ids"]
-        t_logits = None
+        t_logits = t_hidden = None
         if kd_teacher is not None:
             with torch.no_grad(), autocast:
-                t_logits = kd_teacher(input_ids=x, use_cache=False).logits
-        logits = engine(input_ids=x).logits
-        return causal_lm_losses(logits, x, batch, s2.kd_weight, s2.kd_temperature,
-                                ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits)
+                t_out = kd_teacher(input_ids=x, use_cache=False, output_hidden_states=hidden_weight > 0)
+            t_logits = t_out.logits if _online_kd(s2) else None
+            t_hidden = t_out.hidden_states if hidden_weight > 0 else None
+        out = engine(input_ids=x, output_hidden_states=hidden_weight > 0) if hidden_weight > 0 else engine(input_ids=x)
+        loss, extras = causal_lm_losses(out.logits, x, batch, s2.kd_weight, s2.kd_temperature,
+                                        ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits)
+        if hidden_weight > 0:
+            h = hidden_alignment(out.hidden_states, t_hidden)
+            extras["hidden"] = h.detach()
+            loss = loss + hidden_weight * h
+        return loss, extras
 
     val_tokens = getattr(data, "val_tokens", None) if data is not None else None
 

@@ -234,3 +234,39 @@ def test_stage2_trains_the_groups_at_their_lr(tmp_path, monkeypatch):
     stage2.run_stage2(cfg, tmp_path, student=to_hedgehog(tiny_teacher()), source=ArraySource(toks()), export=False)
     lrs = {g["name"]: g["lr"] for g in seen["engine"].optimizer.param_groups}
     assert lrs == pytest.approx({"base": 1e-3, "new": 1e-2, "feature_map": 3e-2})
+
+
+# ---------------------------------------------------------------- hidden-state alignment
+
+
+def test_hidden_alignment_is_a_relative_mse_over_the_inner_layers():
+    from hmscale.train.stage2 import hidden_alignment
+
+    torch.manual_seed(0)
+    t = [torch.randn(2, 5, 8) * (i + 1) for i in range(5)]  # embeddings, 3 inner layers, the final (normed) one
+    assert float(hidden_alignment([x.clone() for x in t], t)) == 0.0
+    s = [x.clone() for x in t]
+    s[0] += 10.0
+    s[-1] += 10.0  # the embeddings and the last state are not compared
+    assert float(hidden_alignment(s, t)) == 0.0
+    s[2] = t[2] + 0.1 * torch.randn_like(t[2])
+    want = ((s[2] - t[2]) ** 2).sum(-1).mean() / (t[2] ** 2).sum(-1).mean() / 3
+    torch.testing.assert_close(hidden_alignment(s, t), want)
+    # invariant to the scale of the residual stream
+    torch.testing.assert_close(hidden_alignment([3 * x for x in s], [3 * x for x in t]), want)
+    with pytest.raises(TrainingError, match="hidden_weight"):
+        hidden_alignment(s[:-1], t)
+
+
+def test_stage2_hidden_alignment_term_is_logged_and_falls(tmp_path):
+    from hmscale.train.stage2 import run_stage2
+
+    teacher = tiny_teacher()
+    cfg = build_config({}, ["stage2.steps=8", "stage2.micro_batch_size=4", "stage2.warmup_steps=1", "stage2.lr=3e-3",
+                            "stage2.hidden_weight=2.0", "parallel.zero_stage=1"])
+    res = run_stage2(cfg, tmp_path, model=_perturbed_student(teacher), teacher=teacher, source=ArraySource(toks()),
+                     export=False)
+    rec = [r for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert res["done"] and all("hidden" in r for r in rec)
+    assert all(r["loss"] == pytest.approx(r["ce"] + 2.0 * r["hidden"], rel=1e-4) for r in rec)
+    assert rec[0]["hidden"] > 0.01 and np.mean([r["hidden"] for r in rec[-3:]]) < 0.8 * rec[0]["hidden"]
