@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -53,8 +54,12 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
     Returns the seconds from the start until every worker was ready (process start, imports, teacher load)."""
     devices = [str(d) for d in devices][: max(1, len(pending))]
     n = len(devices)
-    if capture_fn is not None and getattr(capture_fn, "__name__", "") == "<lambda>":
-        raise CacheError("the multi-process cache engine needs a module-level capture function (it is pickled)")
+    if capture_fn is not None:
+        try:
+            pickle.dumps(capture_fn)
+        except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing here
+            raise CacheError(f"capture_fn {capture_fn!r} cannot be sent to the worker processes ({type(err).__name__}); "
+                             "pass a module-level function, or one device") from None
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     # each process gets a CPU copy of the teacher (the caller's stays where it is)

@@ -40,3 +40,12 @@ def test_a_dying_worker_stops_the_run_and_a_rerun_finishes(tmp_path, teacher, da
     assert (tmp_path / "killed.txt").exists()
     path = build_cache(cfg, data, teacher, engine="local", devices=["cpu", "cpu"])  # marker exists: no second fault
     assert verify_cache(path).ok
+
+
+def test_a_capture_function_that_cannot_be_pickled_is_a_clear_error(tmp_path, teacher, data, tools):
+    from hmscale.teacher.capture import capture_layers
+
+    cfg = tools.make_cfg(tmp_path)
+    with pytest.raises(CacheError, match="cannot be sent to the worker processes"):
+        build_cache(cfg, data, teacher, engine="local", devices=["cpu", "cpu"],
+                    capture_fn=lambda t, ids, layers=None: capture_layers(t, ids, layers=layers))
