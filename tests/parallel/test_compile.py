@@ -36,17 +36,19 @@ def _compare_compiled_with_eager():
     assert all(b._compiled_call_impl is not None for b in compile_targets(compiled))
     assert all(b._compiled_call_impl is None for b in compile_targets(eager))
     ids = torch.randint(0, 97, (2, 40))
-    seq_idx = torch.tensor([[0] * 25 + [1] * 15, [0] * 40])
-    losses, grads = [], []
-    for m in (eager, compiled):
-        out = m(input_ids=ids, labels=ids, seq_idx=seq_idx)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
-    for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    # packed documents (the conv's document-aware loop) and plain rows (as in training: fused_ops' functions)
+    for seq_idx in (torch.tensor([[0] * 25 + [1] * 15, [0] * 40]), None):
+        losses, grads = [], []
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+            out = m(input_ids=ids, labels=ids, seq_idx=seq_idx)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_compiled_blocks_match_eager():
