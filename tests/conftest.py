@@ -11,3 +11,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+# DeepSpeed's CPU all-reduce leaves one /dev/shm file per rank of every multi-process group (tens of MB of
+# memory each); the product removes its own (hmscale.train.engine.remove_shm_buffers), tests that set up
+# groups by hand would leak theirs: remove what this session created.
+_SHM = "/dev/shm"
+
+
+def _shm_buffers() -> set:
+    try:
+        return {f for f in os.listdir(_SHM) if f.startswith("deepspeed_allreduce_buffer_")}
+    except OSError:
+        return set()
+
+
+_SHM_AT_START = _shm_buffers()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for name in _shm_buffers() - _SHM_AT_START:
+        try:
+            os.unlink(os.path.join(_SHM, name))
+        except OSError:
+            pass

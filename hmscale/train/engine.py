@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -77,7 +78,25 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(device_for(True))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if backend == "gloo" and os.environ.get("MASTER_PORT"):
+        # DeepSpeed's CPU all-reduce maps one /dev/shm file per rank and never removes them (tens of MB
+        # each, held in memory): remove this group's at exit
+        atexit.register(remove_shm_buffers, os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"])
     return dist.get_rank(), dist.get_world_size()
+
+
+def remove_shm_buffers(addr: str, port: str | int) -> int:
+    """Unlink DeepSpeed's CPU all-reduce buffers of the process group at addr:port
+    (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>); returns how many went.
+    Safe once the group's work is done: a rank still mapping one keeps its memory until it unmaps."""
+    n = 0
+    for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        try:
+            f.unlink()
+            n += 1
+        except OSError:
+            pass
+    return n
 
 
 def barrier():

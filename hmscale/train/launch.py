@@ -40,8 +40,9 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
         if nprocs > gpus:
             raise WorkerFailed(f"parallel.num_workers={nprocs} with use_gpu needs {nprocs} GPUs on this machine, "
                                f"which has {gpus}; lower num_workers or use parallel.engine=ray on a cluster")
+    port = free_port()
     try:
-        torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, free_port(), args), nprocs=nprocs,
+        torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, port, args), nprocs=nprocs,
                                               join=True, start_method="spawn")
     except torch.multiprocessing.ProcessRaisedException as err:
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
@@ -49,3 +50,7 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
     except torch.multiprocessing.ProcessExitedException as err:
         raise WorkerFailed(f"local worker {err.error_index} died (exit code {err.exit_code}); "
                            "rerun into the same output_dir to resume from the last checkpoint") from None
+    finally:  # what killed workers left behind (the others remove theirs at exit)
+        from hmscale.train.engine import remove_shm_buffers
+
+        remove_shm_buffers("127.0.0.1", port)

@@ -70,6 +70,10 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     from hmscale.train.engine import TrainingError
     from ray_jobs.distill import FAULT_ENV, run_distill
 
+    from pathlib import Path
+
+    shm = lambda: set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))  # noqa: E731
+    shm_before = shm()
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     cfg = build_config({}, _overrides(tmp_path) + ["parallel.num_workers=2", "parallel.zero_stage=2"])
     monkeypatch.setenv(FAULT_ENV, "stage2:3:1")  # rank 1 dies at the start of stage-2 step 3 (after the step-2 checkpoint)
@@ -82,3 +86,4 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     s2 = res["stage2"]
     assert s2["done"] and s2["dp"] == 2 and s2["start_step"] == 2 and s2["end_step"] == 4
     assert (run / "stage2" / "hf" / "config.json").exists()
+    assert shm() - shm_before == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
