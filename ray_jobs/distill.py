@@ -53,7 +53,32 @@ def _fault_hook(spec: str | None, stage: str, rank: int, run_dir: Path):
 
 
 STAGES = ("stage1", "stage2")
-ERROR_FILE = "distill_error.json"  # a deterministic worker error, for the driver (Ray engine)
+ERROR_FILE = "distill_error.json"  # a deterministic worker error, for the driver (Ray or local workers)
+
+
+def _record_error(run_dir: Path, err: Exception) -> None:
+    """Write a worker's deterministic failure down for the driver (the run dir is shared)."""
+    from hmscale.atomic import atomic_write_json
+
+    atomic_write_json(run_dir / ERROR_FILE, {"error": str(err), "error_type": type(err).__name__})
+
+
+def _raise_recorded_error(run_dir: Path) -> None:
+    """Raise the failure a worker recorded (as its TrainingError subclass), if there is one."""
+    if (run_dir / ERROR_FILE).exists():
+        from hmscale.train import engine as E
+
+        err = json.loads((run_dir / ERROR_FILE).read_text())
+        raise getattr(E, err.get("error_type", ""), E.TrainingError)(err["error"])
+
+
+def _stage_summaries(run_dir: Path, stages) -> dict:
+    out = {}
+    for stage in stages:
+        p = run_dir / stage / "summary.json"
+        if p.exists():
+            out[stage] = json.loads(p.read_text())
+    return out
 
 
 def pick_resume_point(run_dir: Path, restored_dir: Path | None, restored_meta: dict):
@@ -154,9 +179,7 @@ def train_func(config: dict):
         import ray.train
 
         if rank == 0:  # Ray's Result carries the metrics of checkpointed reports only: use the run dir
-            from hmscale.atomic import atomic_write_json
-
-            atomic_write_json(run_dir / ERROR_FILE, {"error": str(err), "error_type": type(err).__name__})
+            _record_error(run_dir, err)
         ray.train.report({"done": False, "error": str(err)})
         return {"error": str(err)}
     finally:
@@ -224,16 +247,14 @@ def _local_worker(rank: int, config: dict) -> None:
         train_func(config)
     except TrainingError as err:
         if rank == 0:
-            from hmscale.atomic import atomic_write_json
-
-            atomic_write_json(Path(config["run_dir"]) / ERROR_FILE, {"error": str(err), "error_type": type(err).__name__})
+            _record_error(Path(config["run_dir"]), err)
         raise
 
 
 def _run_local_workers(cfg, config: dict, run_dir: Path, *, log=print) -> dict:
     """engine=local, num_workers > 1: one spawned process per worker on this machine (one per GPU with
     use_gpu), torchrun-style; no Ray. A rerun into the same run directory resumes."""
-    from hmscale.train import engine as E
+    from hmscale.train.engine import TrainingError
     from hmscale.train.launch import WorkerFailed, spawn_workers
 
     par = cfg.parallel
@@ -244,16 +265,9 @@ def _run_local_workers(cfg, config: dict, run_dir: Path, *, log=print) -> dict:
     try:
         spawn_workers(_local_worker, par.num_workers, config, use_gpu=par.use_gpu)
     except WorkerFailed as failed:
-        if (run_dir / ERROR_FILE).exists():
-            err = json.loads((run_dir / ERROR_FILE).read_text())
-            raise getattr(E, err.get("error_type", ""), E.TrainingError)(err["error"]) from None
-        raise E.TrainingError(str(failed)) from None
-    out = {}
-    for stage in config["stages"]:
-        p = run_dir / stage / "summary.json"
-        if p.exists():
-            out[stage] = json.loads(p.read_text())
-    return out
+        _raise_recorded_error(run_dir)
+        raise TrainingError(str(failed)) from None
+    return _stage_summaries(run_dir, config["stages"])
 
 
 def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) -> dict:
@@ -283,17 +297,9 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     result = trainer.fit()
     if result.error is not None:
         raise result.error
-    if (run_dir / ERROR_FILE).exists():
-        from hmscale.train import engine as E
-
-        err = json.loads((run_dir / ERROR_FILE).read_text())
-        raise getattr(E, err.get("error_type", ""), E.TrainingError)(err["error"])
-    out = {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None}
-    for stage in config["stages"]:
-        p = run_dir / stage / "summary.json"
-        if p.exists():
-            out[stage] = json.loads(p.read_text())
-    return out
+    _raise_recorded_error(run_dir)
+    return {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None,
+            **_stage_summaries(run_dir, config["stages"])}
 
 
 def summary_line(res: dict) -> str:

@@ -37,7 +37,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel

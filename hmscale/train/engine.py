@@ -47,7 +47,7 @@ class NonFiniteLoss(TrainingError):
 # --------------------------------------------------------------------------- distributed
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -71,7 +71,7 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
     if not dist.is_initialized():
         if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         os.environ.setdefault("LOCAL_RANK", "0")
     elif "LOCAL_RANK" not in os.environ:  # DeepSpeed insists on it; an existing one-node group: rank
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())

@@ -10,19 +10,14 @@ the error comes back as a `WorkerFailed` with the worker's last line.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
+
+from hmscale.train.engine import free_port, remove_shm_buffers
 
 
 class WorkerFailed(RuntimeError):
     """A local worker process raised or died."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
@@ -51,6 +46,4 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
         raise WorkerFailed(f"local worker {err.error_index} died (exit code {err.exit_code}); "
                            "rerun into the same output_dir to resume from the last checkpoint") from None
     finally:  # what killed workers left behind (the others remove theirs at exit)
-        from hmscale.train.engine import remove_shm_buffers
-
         remove_shm_buffers("127.0.0.1", port)

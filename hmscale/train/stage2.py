@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import Layout, export_hf, seed_everything, setup_layout, stage_dir
-from hmscale.train.data import ArraySource, BatchPlan, CacheSource, PlanSource, Sampler, get_batch
+from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch
 from hmscale.train.engine import (
     Checkpointer,
     MetricsLogger,
@@ -295,7 +295,7 @@ def run_stage2(
     hidden_weight = float(getattr(s2, "hidden_weight", 0.0))
     kd_teacher = _kd_teacher(cfg, teacher, student, data, layout) if _online_kd(s2) or hidden_weight > 0 else None
     if kd_teacher is not None and kd_teacher.config.vocab_size < model.config.vocab_size:
-        raise TrainingError(f"stage2.kd_source=online: the teacher has {kd_teacher.config.vocab_size} tokens, "
+        raise TrainingError(f"stage2 (online KD / hidden alignment): the teacher has {kd_teacher.config.vocab_size} tokens, "
                             f"the student {model.config.vocab_size}; they must share the vocabulary")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if par.bf16 and layout.device.type == "cuda"
                 else contextlib.nullcontext())
@@ -335,7 +335,7 @@ def run_stage2(
                 t_out = kd_teacher(input_ids=x, use_cache=False, output_hidden_states=hidden_weight > 0)
             t_logits = t_out.logits if _online_kd(s2) else None
             t_hidden = t_out.hidden_states if hidden_weight > 0 else None
-        out = engine(input_ids=x, output_hidden_states=hidden_weight > 0) if hidden_weight > 0 else engine(input_ids=x)
+        out = engine(input_ids=x, output_hidden_states=hidden_weight > 0)
         loss, extras = causal_lm_losses(out.logits, x, batch, s2.kd_weight, s2.kd_temperature,
                                         ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits)
         if hidden_weight > 0:

@@ -84,17 +84,15 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
             try:
                 kind, i, payload = results.get(timeout=1.0)
             except queue_mod.Empty:
-                for j in list(running):
-                    code = procs[j].exitcode
-                    if code is not None:  # gone without saying goodbye: check the queue once more first
-                        try:
-                            kind, i, payload = results.get(timeout=2.0)
-                            break
-                        except queue_mod.Empty:
-                            raise CacheError(f"cache worker {j} on {devices[j]} died (exit code {code}); the shards "
-                                             "written so far are kept: rerun to finish the others") from None
-                else:
+                gone = [j for j in running if procs[j].exitcode is not None]
+                if not gone:
                     continue
+                try:  # gone without saying goodbye: its last messages may still be on their way
+                    kind, i, payload = results.get(timeout=2.0)
+                except queue_mod.Empty:
+                    j = gone[0]
+                    raise CacheError(f"cache worker {j} on {devices[j]} died (exit code {procs[j].exitcode}); the "
+                                     "shards written so far are kept: rerun to finish the others") from None
             if kind == "ready":
                 waiting.discard(i)
                 if not waiting:
