@@ -335,7 +335,8 @@ def run_stage2(
                 t_out = kd_teacher(input_ids=x, use_cache=False, output_hidden_states=hidden_weight > 0)
             t_logits = t_out.logits if _online_kd(s2) else None
             t_hidden = t_out.hidden_states if hidden_weight > 0 else None
-        out = engine(input_ids=x, output_hidden_states=hidden_weight > 0)
+        # the flag only when asked for: a plain causal LM given as `model=` need not know it
+        out = engine(input_ids=x, output_hidden_states=True) if hidden_weight > 0 else engine(input_ids=x)
         loss, extras = causal_lm_losses(out.logits, x, batch, s2.kd_weight, s2.kd_temperature,
                                         ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits)
         if hidden_weight > 0:
