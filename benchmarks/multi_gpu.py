@@ -75,6 +75,7 @@ def _train_rank(rank: int, run: dict, out_dir: str) -> None:
     cfg = build_config({}, [
         "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}", "parallel.zero_stage=2",
         f"parallel.tp={run['tp']}", f"parallel.num_workers={world}", "parallel.checkpoint_every=1000000",
+        f"parallel.compile={run.get('compile', False)}",
         f"stage2.micro_batch_size={run['micro_batch']}", f"stage2.grad_accum={run['grad_accum']}",
         f"stage2.steps={run['steps']}", "stage2.warmup_steps=2", "stage2.kd_weight=0", "stage2.lr=3e-4",
         f"output_dir={out_dir}", "seed=0",
@@ -151,7 +152,8 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 def training_part(args, n: int, gpu: bool, work: Path) -> dict:
     base = dict(flavor=args.flavor, vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps,
-                skip=args.skip, gpu=gpu, bf16=gpu and not args.fp32_only, profile=args.profile)
+                skip=args.skip, gpu=gpu, bf16=gpu and not args.fp32_only, profile=args.profile,
+                compile=args.compile)
     tp = 2 if n % 2 == 0 else 1
     want = set(args.runs.split(",")) if args.runs else None
     runs = {}
@@ -343,6 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32-seq", type=int, default=1024)
     ap.add_argument("--fp32-micro-batch", type=int, default=2)
     ap.add_argument("--fp32-only", action="store_true", help="only the fp32 loss-equality runs")
+    ap.add_argument("--compile", action="store_true",
+                    help="parallel.compile=true for every training run (blocks under torch.compile)")
     ap.add_argument("--profile", action="store_true", help="print a profile of one step (rank 0) of each run")
     ap.add_argument("--runs", default=None, help="comma list of runs to do (default all): 1gpu,dp,tp2,tp2_ga,"
                     "1gpu_repeat,fp32_1gpu,fp32_dp,fp32_tp2")
