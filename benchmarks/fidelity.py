@@ -1,6 +1,8 @@
 """Fidelity benchmark: how close HedgeMamba gets to its teacher, with the paper's ablations.
 
     python benchmarks/fidelity.py --teacher-seconds 80 --max-documents 2500    # one H200, ~6 minutes
+    ... --teacher-steps 2500          # a teacher of a fixed step count instead of a time limit (same teacher
+                                      # in every run, so recipes compare on it)
     python benchmarks/fidelity.py --smoke                                       # CPU, tiny, checks the plumbing
     python benchmarks/fidelity.py --cpu-proxy --teacher-seconds 300 --max-documents 3000 --fraction 0.1
         # CPU stand-in (2 cores, ~15 minutes, the teacher pretrained once and reused): a pythia-micro
@@ -67,7 +69,9 @@ RECIPES = {
 
 
 def base_overrides(args) -> list[str]:
-    return preset_overrides(args) + RECIPES[getattr(args, "recipe", "tuned")]
+    steps = getattr(args, "teacher_steps", None)
+    fixed = [f"teacher.pretrain_steps={steps}", f"teacher.pretrain_seconds={max(args.teacher_seconds, 10 * steps)}"] if steps else []
+    return preset_overrides(args) + fixed + RECIPES[getattr(args, "recipe", "tuned")]
 
 
 def preset_overrides(args) -> list[str]:
@@ -113,6 +117,9 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/fidelity")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check with a tiny teacher")
     ap.add_argument("--teacher-seconds", type=float, default=150.0)
+    ap.add_argument("--teacher-steps", type=int, default=None,
+                    help="pretrain the teacher for exactly this many steps (reproducible across machines and runs; "
+                         "--teacher-seconds then only caps the time)")
     ap.add_argument("--fraction", type=float, default=0.03, help="distillation tokens / teacher pretraining tokens")
     ap.add_argument("--max-documents", type=int, default=6000)
     ap.add_argument("--cpu-proxy", action="store_true",

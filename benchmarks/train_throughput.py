@@ -71,7 +71,8 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
     def step():
         x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
-        loss, _ = causal_lm_losses(engine(input_ids=x).logits, x, {}, 0.0)
+        # no generation cache in training (HF's DynamicCache would also make compile guard on every layer)
+        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0)
         engine.backward(loss)
         engine.step()
         return loss

@@ -330,7 +330,9 @@ class HedgeMambaMixer(nn.Module):
                 seq_idx: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, l, _ = h.shape
         H, P = self.n_heads, self.head_dim
-        i = self.layer_idx
+        # layer_idx is read only with a cache: torch.compile guards on every int attribute it reads, and one
+        # guard per layer would recompile each block (and fall back to eager past the recompile limit)
+        i = self.layer_idx if cache is not None else None
         conv_state = cache.conv_states[i] if cache is not None else None
         ssm_state = cache.ssm_states[i] if cache is not None else None
         qkv = self.in_proj(h)
