@@ -168,7 +168,9 @@ def training_part(args, n: int, gpu: bool, work: Path) -> dict:
     if not args.fp32_only:
         go("1gpu", 1, dict(base, tp=1, grad_accum=n))
         go("dp", n, dict(base, tp=1, grad_accum=1))
-        if tp == 2:
+        if tp == 2 and args.compile and gpu:
+            print("tp2 runs skipped: parallel.compile is not yet verified with tensor parallelism on GPUs", flush=True)
+        elif tp == 2:
             go("tp2", n, dict(base, tp=2, grad_accum=1, micro_batch=2 * args.micro_batch))
             go("tp2_ga", n, dict(base, tp=2, grad_accum=2))
         if base["bf16"]:
@@ -178,7 +180,7 @@ def training_part(args, n: int, gpu: bool, work: Path) -> dict:
         print(f"fp32 loss equality: seq {args.fp32_seq}, micro batch {args.fp32_micro_batch}", flush=True)
         go("fp32_1gpu", 1, dict(f32, tp=1, grad_accum=n))
         go("fp32_dp", n, dict(f32, tp=1, grad_accum=1))
-        if tp == 2:
+        if tp == 2 and not args.compile:
             go("fp32_tp2", n, dict(f32, tp=2, grad_accum=1, micro_batch=2 * args.fp32_micro_batch))
     summary = {}
 

@@ -40,6 +40,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["data.source=files", "data.paths=[/no/such/file.txt]"], "data.paths"),
         (["budget.split=[0.5,0.6]"], "budget.split"),
         (["parallel.tp=2", "parallel.num_workers=2", "parallel.zero_stage=3"], "parallel.zero_stage"),
+        (["parallel.tp=2", "parallel.num_workers=2", "parallel.use_gpu=true", "parallel.compile=true"], "parallel.compile"),
         (["stage1.epochs=4", "stage1.steps=100"], "stage1.epochs"),
         (["stage1.epochs=0"], "stage1.epochs"),
         (["stage2.ce_weight=0"], "stage2.ce_weight"),

@@ -9,6 +9,9 @@ replace (`neox_attention.split_qkv` + `apply_rotary`, `CausalDepthwiseConv`'s lo
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head).
 - `causal_depthwise_conv(x, prev, weight, bias)`  ``y_t = b + sum_j w[:, j] x_{t-(W-1)+j}`` over
   ``[prev, x]`` (no document boundaries; the module's loop handles ``seq_idx``).
+
+Inside a ``torch.compile``d block both fall back to plain code, which inductor fuses (with a generated
+backward) into the surrounding graph.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
     """(b, l, 3*h*p) with per-head [q|k|v] -> q, k rotated on their first r = cos.shape[-1] dims, and v,
     each (b, l, h, p); cos/sin (b or 1, l, r) in the NeoX layout (the two halves repeat)."""
     r = cos.shape[-1]
-    if r == 0 or r % 2:
+    if r == 0 or r % 2 or torch.compiler.is_compiling():
+        # the plain version: inductor fuses it (and derives its backward) inside a compiled block, where
+        # the autograd function's out= writes into views would break the graph
         from hmscale.models.neox_attention import apply_rotary, split_qkv
 
         q, k, v = split_qkv(qkv, n_heads)
@@ -114,4 +119,16 @@ class _CausalDepthwiseConv(torch.autograd.Function):
 def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """x (b, l, C), prev (b, W-1, C) (the carried inputs), weight (C, W), bias (C) ->
     (y (b, l, C), the last W-1 inputs (b, W-1, C))."""
+    if torch.compiler.is_compiling():  # inside a compiled block inductor fuses the plain version
+        return _causal_depthwise_conv_plain(x, prev, weight, bias)
     return _CausalDepthwiseConv.apply(x, prev, weight, bias)
+
+
+def _causal_depthwise_conv_plain(x, prev, weight, bias):
+    l, W = x.shape[1], weight.shape[1]
+    xp = torch.cat([prev.to(x.dtype), x], dim=1)
+    w = weight.to(x.dtype)
+    y = xp[:, W - 1:] * w[:, W - 1]
+    for j in range(W - 1):
+        y = y + xp[:, j:j + l] * w[:, j]
+    return y + bias.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]

@@ -47,10 +47,15 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
+# Both run outside torch.compile graphs: dynamo would trace the in-place collectives into the graph, and
+# a compiled tp=2 model trained to other losses than one GPU on H200s (eager matched). Kept opaque, the
+# compiled pieces between them are local math, and the collectives keep their eager (verified) autograd.
+@torch.compiler.disable
 def copy_to_tp_region(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
     return x if tp_size == 1 else _CopyToTP.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_tp_region(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
     return x if tp_size == 1 else _ReduceFromTP.apply(x, group)
 

@@ -73,26 +73,37 @@ def _tp2_compiled_worker(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        model = _model()
-        ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
-        ref = model(input_ids=ids, labels=ids).loss.detach()
+        ref, model = _model(), _model()
         apply_tensor_parallel(model, build_mesh(tp=2))
         assert apply_compile(model) == 2
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(3):  # training steps: wrong tp gradients would show in the later losses
+            ids = torch.randint(0, 97, (2, 40), generator=gen)
+            pair = []
+            for m, opt in zip((ref, model), opts):
+                opt.zero_grad()
+                out = m(input_ids=ids, labels=ids)
+                out.loss.backward()
+                opt.step()
+                pair.append(out.loss.detach())
+            losses.append(pair)
         norms = {n: p.grad.norm().item() for n, p in model.named_parameters() if "layernorm" in n and p.grad is not None}
-        torch.save({"loss": out.loss.detach(), "ref": ref, "norms": norms}, f"{out_dir}/rank{rank}.pt")
+        torch.save({"losses": losses, "norms": norms}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_tensor_parallel_blocks_compile(tmp_path):
-    """tp=2 (its all-reduces inside the blocks) under apply_compile: the loss of the unsharded eager model,
-    and the replicated parameters get the same gradient on both ranks (spawned processes)."""
+    """tp=2 (its all-reduces inside the blocks) under apply_compile, three SGD steps: the losses of the
+    unsharded eager model, and the replicated parameters get the same gradient on both ranks (spawned
+    processes)."""
     from hmscale.train.launch import spawn_workers
 
     spawn_workers(_tp2_compiled_worker, 2, str(tmp_path))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in res:
-        torch.testing.assert_close(r["loss"], r["ref"], rtol=1e-5, atol=1e-6)
+        for ref_loss, tp_loss in r["losses"]:
+            torch.testing.assert_close(tp_loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert res[0]["norms"] and res[0]["norms"] == pytest.approx(res[1]["norms"], rel=1e-5)
