@@ -537,6 +537,9 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
         elif isinstance(logits_to_keep, torch.Tensor):
             x = x[:, logits_to_keep]
         logits = self.lm_head(x)
+        if labels is not None and getattr(self, "vocab_shard", None) is not None:
+            raise ValueError("labels=: the LM head is sharded by vocabulary (tensor parallelism), the logits are this "
+                             "rank's slice; use hmscale.train.stage2.causal_lm_losses(..., vocab_shard=model.vocab_shard)")
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         result = HedgeMambaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
         if return_dict is False:

@@ -1,11 +1,12 @@
 """Parallelism applied from outside the (plain PyTorch) model code: dp x tp mesh, parallel linears,
-tensor-parallel sharding of HedgeMamba, and the mpu object DeepSpeed takes."""
+tensor-parallel sharding of HedgeMamba (and of its LM head by vocabulary), and the mpu object DeepSpeed takes."""
 
 from .compile import apply_compile
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import ParallelMesh, build_mesh, trivial_mesh
 from .mpu import MeshMPU
 from .tp import apply_tensor_parallel, check_tp_divides, gather_tensor_parallel_state_dict
+from .vocab import VocabShard, shard_lm_head
 
 __all__ = [
     "apply_compile",
@@ -18,4 +19,6 @@ __all__ = [
     "apply_tensor_parallel",
     "check_tp_divides",
     "gather_tensor_parallel_state_dict",
+    "VocabShard",
+    "shard_lm_head",
 ]

@@ -5,7 +5,9 @@ Whole heads per rank: rank r of a tp group of size t keeps heads ``[r h/t, (r+1)
 the conv channels) are one contiguous block of ``3 P h/t`` rows. Per-head pieces (feature maps, dt
 projection, ``A_log``, ``A_scale``, ``D``, gate projection rows) are sliced the same way; ``out_proj`` is
 row-parallel over the same heads. The MLP is column-parallel in ``dense_h_to_4h`` and row-parallel in
-``dense_4h_to_h``. Embeddings, LayerNorms and the LM head stay replicated.
+``dense_4h_to_h``. Embeddings and LayerNorms stay replicated; the LM head too, unless ``vocab_parallel``
+shards it by vocabulary rows (``vocab.py``: the model then returns each rank's slice of the logits, and
+the losses use the vocabulary-parallel statistics there; stage 2 does this whenever tp divides the vocabulary).
 
 Collectives per block: two all-reduces forward (after ``out_proj`` and ``dense_4h_to_h``) and two
 backward: the mixer's three column-parallel layers (``in_proj``, ``dt_proj``, ``z_proj``) read the same
@@ -23,6 +25,7 @@ from hmscale.models.hedgemamba import HedgeMambaBlock
 
 from .layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, mark_tp_param
 from .mesh import ParallelMesh
+from .vocab import shard_lm_head
 
 __all__ = ["apply_tensor_parallel", "check_tp_divides", "gather_tensor_parallel_state_dict"]
 
@@ -48,11 +51,15 @@ def _mixer_input_hook(mesh: ParallelMesh):
     return hook
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
-    """Shard a ``HedgeMambaForCausalLM`` (or ``HedgeMambaModel``) in place over ``mesh``'s tp group; returns it."""
+def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, vocab_parallel: bool = False) -> nn.Module:
+    """Shard a ``HedgeMambaForCausalLM`` (or ``HedgeMambaModel``) in place over ``mesh``'s tp group; returns it.
+
+    vocab_parallel: also shard the LM head by vocabulary rows (``vocab.shard_lm_head``; a causal LM only)."""
     cfg = model.config
     tp = mesh.tp_size
     check_tp_divides(cfg.num_attention_heads, tp, cfg.intermediate_size)
+    if vocab_parallel and tp > 1 and cfg.vocab_size % tp:
+        raise ValueError(f"parallel.tp: {tp} does not divide the vocabulary ({cfg.vocab_size}); pick a divisor of it")
     model.tp_mesh = mesh
     if tp == 1:
         return model
@@ -90,6 +97,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         mlp = block.mlp
         mlp.dense_h_to_4h = ColumnParallelLinear.from_linear(mlp.dense_h_to_4h, mlp_rows, mesh)
         mlp.dense_4h_to_h = RowParallelLinear.from_linear(mlp.dense_4h_to_h, mlp_rows, mesh)
+    if vocab_parallel:
+        if not hasattr(model, "lm_head"):
+            raise ValueError(f"apply_tensor_parallel: vocab_parallel needs a causal LM with an lm_head, not {type(model).__name__}")
+        shard_lm_head(model, mesh)
     return model
 
 

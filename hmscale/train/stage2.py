@@ -20,6 +20,7 @@ Run dir (`<run_dir>/stage2/`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from pathlib import Path
@@ -60,15 +61,41 @@ def _row_losses(logits_row, target_row, ids_row, tlp_row, temperature: float, te
     return ce, -(p_t * s_lp).sum() * (T * T)
 
 
+def _row_losses_vocab_parallel(shard, logits_row, target_row, ids_row, tlp_row, temperature: float,
+                               teacher_row=None):
+    """`_row_losses` for this rank's vocabulary slice of the logits (`hmscale.parallel.vocab`): the same
+    sums on every rank of the tp group, gradients into the local slice."""
+    from hmscale.parallel.vocab import vocab_gather, vocab_logsumexp, vocab_shard_sum
+
+    z = logits_row.float()
+    lse = vocab_logsumexp(z, shard)
+    ce = (lse - vocab_gather(z, target_row[:, None], shard)[:, 0]).sum()
+    T = float(temperature)
+    if teacher_row is None and ids_row is None:
+        return ce, torch.zeros((), device=z.device)
+    zt = z / T if T != 1.0 else z
+    lse_t = vocab_logsumexp(zt, shard) if T != 1.0 else lse
+    if teacher_row is not None:
+        # KL(p || q) = sum_v p_v log p_v - sum_v p_v zt_v + lse_t   (q = softmax(zt), sum_v p_v = 1)
+        t_lp = torch.log_softmax(teacher_row.float() / T, dim=-1)
+        p = t_lp.exp()
+        cross = vocab_shard_sum((p[:, shard.start:shard.end] * zt).sum(-1), shard)
+        return ce, ((p * t_lp).sum(-1) - cross + lse_t).sum() * (T * T)
+    p_t = torch.softmax(tlp_row.float() / T, dim=-1)
+    s_lp = vocab_gather(zt, ids_row, shard) - lse_t[:, None]
+    return ce, -(p_t * s_lp).sum() * (T * T)
+
+
 def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict, kd_weight: float,
                      temperature: float = 1.0, *, ce_weight: float = 1.0,
-                     teacher_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                     teacher_logits: torch.Tensor | None = None, vocab_shard=None) -> tuple[torch.Tensor, dict]:
     """(ce_weight * ce + kd_weight * kd, {"ce", "kd"}) for next-token prediction, token means, fp32 math.
 
     KD targets: `teacher_logits` (b, l, V) when given (full-vocabulary KL), else the batch's cached
     top-k (`topk_ids`, `topk_logprobs`). Computed one sequence at a time under activation checkpointing:
     only the model's own (bf16) logits stay alive for the backward; the fp32 copy, log-softmax and KD
-    terms of a row are recomputed.
+    terms of a row are recomputed. `vocab_shard`: the logits are this rank's vocabulary slice of a
+    vocabulary-parallel LM head (`hmscale.parallel.vocab.VocabShard`).
     """
     kd_on = kd_weight > 0
     online = kd_on and teacher_logits is not None
@@ -82,7 +109,8 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
     b, l = input_ids.shape
     n = b * (l - 1)
     ce_sum = kd_sum = 0.0
-    vocab = logits.shape[-1]
+    vocab = vocab_shard.vocab_size if vocab_shard is not None else logits.shape[-1]
+    row_fn = _row_losses if vocab_shard is None else functools.partial(_row_losses_vocab_parallel, vocab_shard)
     for i in range(b):
         cached = kd_on and not online
         args = (logits[i, :-1], input_ids[i, 1:],
@@ -90,9 +118,9 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
                 batch["topk_logprobs"][i, :-1] if cached else None, temperature,
                 teacher_logits[i, :-1, :vocab] if online else None)
         if torch.is_grad_enabled() and logits.requires_grad:
-            ce_i, kd_i = checkpoint(_row_losses, *args, use_reentrant=False)
+            ce_i, kd_i = checkpoint(row_fn, *args, use_reentrant=False)
         else:
-            ce_i, kd_i = _row_losses(*args)
+            ce_i, kd_i = row_fn(*args)
         ce_sum = ce_sum + ce_i
         kd_sum = kd_sum + kd_i
     ce = ce_sum / n
@@ -227,7 +255,13 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
     for i in range(0, len(mine), micro_batch_size):
         x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
         logits = engine(input_ids=x).logits[:, :-1].float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        shard = getattr(engine.module, "vocab_shard", None)
+        if shard is None:
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        else:  # this rank's vocabulary slice (vocabulary-parallel LM head)
+            from hmscale.parallel.vocab import vocab_gather, vocab_logsumexp
+
+            nll = (vocab_logsumexp(logits, shard) - vocab_gather(logits, x[:, 1:, None], shard)[..., 0]).sum()
         total += torch.tensor([nll.item(), x[:, 1:].numel()], dtype=torch.float64)
     if was_training:
         engine.module.train()
@@ -279,7 +313,9 @@ def run_stage2(
     if layout.tp_size > 1:
         from hmscale import parallel as hp
 
-        model = hp.apply_tensor_parallel(model, layout.mesh)
+        # the LM head by vocabulary rows too whenever tp divides the vocabulary (Pythia's 50,304 always)
+        model = hp.apply_tensor_parallel(model, layout.mesh,
+                                         vocab_parallel=model.config.vocab_size % layout.tp_size == 0)
     model.to(layout.device)
     model.train()
     if par.compile:
@@ -338,7 +374,8 @@ def run_stage2(
         # the flag only when asked for: a plain causal LM given as `model=` need not know it
         out = engine(input_ids=x, output_hidden_states=True) if hidden_weight > 0 else engine(input_ids=x)
         loss, extras = causal_lm_losses(out.logits, x, batch, s2.kd_weight, s2.kd_temperature,
-                                        ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits)
+                                        ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits,
+                                        vocab_shard=getattr(model, "vocab_shard", None))
         if hidden_weight > 0:
             h = hidden_alignment(out.hidden_states, t_hidden)
             extras["hidden"] = h.detach()

@@ -1,0 +1,79 @@
+"""Vocabulary-parallel LM head and the softmax statistics the losses need from it.
+
+With tensor parallelism the LM head is the largest replicated matmul of a Pythia-shaped student (50,304
+rows), and its fp32 softmax over ``tokens x vocabulary`` is the largest elementwise work. Sharding it by
+vocabulary rows gives each rank ``logits[..., start:end]``; a loss then needs only per-token statistics
+over the full vocabulary, each one all-reduce of a ``(tokens,)`` vector:
+
+- ``logsumexp``: the max (all-reduce MAX, no gradient) and the sum of ``exp(z - max)`` (all-reduce SUM);
+- ``gather``: ``z[id]`` for global ids, from the rank that holds each id (SUM of masked gathers);
+- ``shard_sum``: the sum over the vocabulary of a per-rank partial (SUM).
+
+The SUMs go through ``reduce_from_tp_region`` (backward: identity): every rank computes the same loss from
+the reduced values and backpropagates into its own shard, which is the gradient of that shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layers import ColumnParallelLinear, reduce_from_tp_region
+
+__all__ = ["VocabShard", "shard_lm_head", "vocab_logsumexp", "vocab_gather", "vocab_shard_sum"]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rows ``[start, end)`` of a ``vocab_size``-row LM head on this rank of a tp group of ``tp_size``."""
+
+    start: int
+    end: int
+    vocab_size: int
+    group: Any
+    tp_size: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def shard_lm_head(model: nn.Module, mesh) -> VocabShard:
+    """Replace ``model.lm_head`` by this rank's vocabulary rows (a column-parallel linear whose input gradient
+    is all-reduced); sets and returns ``model.vocab_shard``. The model then returns local logits."""
+    head = model.lm_head
+    vocab = head.out_features
+    tp = mesh.tp_size
+    if vocab % tp:
+        raise ValueError(f"parallel.tp: {tp} does not divide the vocabulary ({vocab} rows of the LM head)")
+    n = vocab // tp
+    start = mesh.tp_rank * n
+    model.lm_head = ColumnParallelLinear.from_linear(head, torch.arange(start, start + n), mesh)
+    model.vocab_shard = VocabShard(start, start + n, vocab, mesh.tp_group, tp)
+    return model.vocab_shard
+
+
+def vocab_logsumexp(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """logsumexp over the full vocabulary of the sharded ``z`` (..., n) -> (...)."""
+    with torch.no_grad():
+        m = z.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
+    s = torch.exp(z - m.unsqueeze(-1)).sum(dim=-1)
+    return m + torch.log(reduce_from_tp_region(s, shard.group, shard.tp_size))
+
+
+def vocab_gather(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """``z[..., ids]`` for global vocabulary ids (..., k) from the sharded ``z`` (..., n) -> (..., k)."""
+    local = ids - shard.start
+    inside = (local >= 0) & (local < shard.size)
+    vals = z.gather(-1, local.clamp(0, shard.size - 1)) * inside.to(z.dtype)
+    return reduce_from_tp_region(vals, shard.group, shard.tp_size)
+
+
+def vocab_shard_sum(partial: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Sum over ranks of per-rank partial sums over their vocabulary rows."""
+    return reduce_from_tp_region(partial, shard.group, shard.tp_size)
