@@ -145,7 +145,8 @@ def main(argv=None) -> int:
                     help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "train_throughput.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/train_throughput.json; none with --smoke)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
 
@@ -188,8 +189,10 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "seconds": time.perf_counter() - t_all, "smoke": args.smoke,
             "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    out = args.out or (None if args.smoke else str(REPO / "benchmarks" / "results" / "train_throughput.json"))
+    if out:  # a smoke run leaves the recorded results alone
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"\n{meta['date']}, {meta['device']}, torch {meta['torch']}, {meta['seconds']:.0f} s: `{meta['command']}`\n")
     print("| model | params | seq x micro batch | step | tokens/s | MFU | activations / token |")
     print("|---|---|---|---|---|---|---|")
