@@ -1,4 +1,4 @@
-"""SSD (Mamba-2 state-space duality) kernels: Triton on CUDA, plain PyTorch elsewhere.
+"""SSD (Mamba-2 state-space duality) kernels, and the Hedgehog feature map: Triton on CUDA, plain PyTorch elsewhere.
 
 Public API (see DESIGN.md, "Contracts"):
 
@@ -7,6 +7,8 @@ Public API (see DESIGN.md, "Contracts"):
 - ``ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None) -> (y_t, new_state)``
 - ``ssd_reference`` (quadratic form), ``ssd_recurrent_reference`` (token loop), ``ssd_chunked_torch``
   (the CPU path), ``ssd_triton`` (the Triton path).
+- ``hedgehog_feature_map(u, weight, bias)``: the Hedgehog feature map fused in Triton (``feature_map.py``),
+  beside ``hedgehog_feature_map_reference``.
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -20,10 +22,11 @@ from __future__ import annotations
 import os
 
 from .chunked_torch import ssd_chunked_torch
-from .reference import ssd_recurrent_reference, ssd_reference
+from .reference import hedgehog_feature_map_reference, ssd_recurrent_reference, ssd_reference
 
 __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
-           "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend"]
+           "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend",
+           "hedgehog_feature_map", "hedgehog_feature_map_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -63,6 +66,9 @@ def __getattr__(name):  # lazy: importing kernels must not require a working Tri
     if name == "ssd_triton":
         from .ssd_autograd import ssd_triton
         return ssd_triton
+    if name == "hedgehog_feature_map":
+        from .feature_map import hedgehog_feature_map
+        return hedgehog_feature_map
     if name in ("ssd_step_torch", "ssd_step_triton"):
         from . import step
         return getattr(step, name)

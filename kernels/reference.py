@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ssd_reference", "ssd_recurrent_reference", "doc_ids_from_seq_idx", "expand_groups"]
+__all__ = ["ssd_reference", "ssd_recurrent_reference", "doc_ids_from_seq_idx", "expand_groups",
+           "hedgehog_feature_map_reference"]
 
 
 def doc_ids_from_seq_idx(seq_idx: torch.Tensor | None, b: int, l: int, device) -> torch.Tensor:
@@ -128,3 +129,12 @@ def ssd_recurrent_reference(x, dt, A, B, C, chunk_size=64, D=None, initial_state
     if return_final_state:
         return out, state.to(torch.float32 if x.dtype != torch.float64 else torch.float64)
     return out
+
+
+def hedgehog_feature_map_reference(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The Hedgehog feature map ``phi(u) = softmax([W u + b, -(W u + b)])`` per head, plain PyTorch:
+    u (..., h, P), weight (h, F, P), bias (h, F) -> phi (..., h, 2F) in u's dtype. The projection runs in u's
+    dtype (a bf16 model gets a bf16 tensor-core matmul with fp32 accumulation); bias and softmax in fp32.
+    The CPU path of ``models.feature_map`` and the reference of ``kernels.feature_map``."""
+    z = torch.einsum("...hp,hfp->...hf", u, weight.to(u.dtype)).float() + bias.float()
+    return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1).to(u.dtype)

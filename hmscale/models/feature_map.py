@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
+
 __all__ = ["HedgehogFeatureMap", "feature_map_init"]
 
 
@@ -53,10 +55,13 @@ class HedgehogFeatureMap(nn.Module):
         """u (..., h, P) -> phi(u) (..., h, 2F), returned in u's dtype.
 
         The projection runs in u's dtype (a bf16 model gets a bf16 tensor-core matmul with fp32
-        accumulation, not an fp32 one); the bias add and the softmax run in fp32.
+        accumulation, not an fp32 one); the bias add and the softmax run in fp32. On CUDA the elementwise
+        part is one Triton kernel each way (``kernels.hedgehog_feature_map``); on CPU and inside compiled
+        graphs (where inductor fuses it) the plain version.
         """
-        z = torch.einsum("...hp,hfp->...hf", u, self.weight.to(u.dtype)).float() + self.bias.float()
-        return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1).to(u.dtype)
+        if u.is_cuda and not torch.compiler.is_compiling():
+            return kernels.hedgehog_feature_map(u, self.weight, self.bias)
+        return kernels.hedgehog_feature_map_reference(u, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"heads={self.n_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"

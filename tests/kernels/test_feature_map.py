@@ -1,0 +1,68 @@
+"""Fused Hedgehog feature map (Triton; under TRITON_INTERPRET=1 on CPU) vs its plain-PyTorch reference:
+output and the gradients of u, W and b on random inputs, fp32 (1e-5 relative) and bf16 (2e-2), with a head
+count, feature size and head dim that are not powers of two."""
+
+import os
+
+import pytest
+import torch
+
+from kernels import hedgehog_feature_map_reference
+from kernels.feature_map import hedgehog_feature_map
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a GPU")
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _inputs(lead, h, P, F, dtype):
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(*lead, h, P, generator=g)
+    w = torch.randn(h, F, P, generator=g) / P ** 0.5
+    b = torch.randn(h, F, generator=g) * 0.5
+    gy = torch.randn(*lead, h, 2 * F, generator=g)
+    return [t.to(DEVICE) for t in (u.to(dtype), w, b, gy.to(dtype))]
+
+
+def _grads(fn, u, w, b, gy):
+    leaves = [t.clone().requires_grad_() for t in (u, w, b)]
+    y = fn(*leaves)
+    grads = torch.autograd.grad((y.float() * gy.float()).sum(), leaves)
+    return y, grads
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("lead,h,P,F", [((2, 7), 3, 16, 24), ((1, 5), 2, 20, 8), ((3,), 4, 8, 8)])
+def test_fused_matches_reference(dtype, tol, lead, h, P, F):
+    u, w, b, gy = _inputs(lead, h, P, F, dtype)
+    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    assert y.dtype == dtype and y.shape == (*lead, h, 2 * F)
+    assert torch.isfinite(y).all()
+    assert rel(y, y_ref) <= tol
+    torch.testing.assert_close(y.float().sum(-1), torch.ones(y.shape[:-1], device=y.device), rtol=0, atol=tol * 2)
+    for name, a, r in zip(("u", "W", "b"), g, g_ref):
+        assert a.dtype == r.dtype, name
+        assert rel(a, r) <= tol, (name, rel(a, r))
+
+
+def test_fp32_gradients_against_float64():
+    """The fused backward against autograd of the float64 formula (not just the fp32 reference)."""
+    u, w, b, gy = _inputs((2, 9), 2, 12, 12, torch.float32)
+    ref64 = lambda u_, w_, b_: hedgehog_feature_map_reference(u_.double(), w_.double(), b_.double())  # noqa: E731
+    _, g64 = _grads(ref64, u, w, b, gy)
+    _, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    for a, r in zip(g, g64):
+        assert rel(a, r) <= 1e-5
+
+
+def test_shape_mismatch_is_a_clear_error():
+    u, w, b, _ = _inputs((2,), 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        hedgehog_feature_map(u[..., :4], w, b)
