@@ -326,8 +326,10 @@ class HedgeMambaMixer(nn.Module):
         A = -torch.exp(self.A_log.float()) * _ReluStraightThrough.apply(self.A_scale.float())
         return dt, A, self.D
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cache: HedgeMambaCache | None = None,
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: HedgeMambaCache | None = None,
                 seq_idx: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h (b, l, d) the LayerNorm-ed input; rope the rotary (cos, sin) tables of the positions (b or 1, l, r),
+        computed once per model forward (``rotary_cos_sin``)."""
         b, l, _ = h.shape
         H, P = self.n_heads, self.head_dim
         # layer_idx is read only with a cache: torch.compile guards on every int attribute it reads, and one
@@ -342,8 +344,7 @@ class HedgeMambaMixer(nn.Module):
             qkv, new_conv = self.conv(qkv, conv_state, seq_idx)
             if cache is not None:
                 cache.conv_states[i] = new_conv
-        r = self.config.rotary_ndims
-        cos, sin = rotary_cos_sin(position_ids, r, self.config.rotary_emb_base, dtype=h.dtype)
+        cos, sin = rope
         q, k, v = split_qkv_rotary(qkv, H, cos, sin)
         Cf, Bf = self.feature_map(q), self.feature_map(k)
         dt, A, D = self.ssm_parameters(h)
@@ -378,8 +379,8 @@ class HedgeMambaBlock(nn.Module):
         self.mixer = HedgeMambaMixer(config, layer_idx)
         self.mlp = HedgeMambaMLP(config)
 
-    def forward(self, x, position_ids, cache=None, seq_idx=None, token_mask=None):
-        a = self.mixer(self.input_layernorm(x), position_ids, cache, seq_idx, token_mask)
+    def forward(self, x, rope, cache=None, seq_idx=None, token_mask=None):
+        a = self.mixer(self.input_layernorm(x), rope, cache, seq_idx, token_mask)
         if self.use_parallel_residual:
             return x + a + self.mlp(self.post_attention_layernorm(x))
         x = x + a
@@ -461,13 +462,15 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
             position_ids = (torch.arange(l, device=x.device) + offset)[None, :]
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32)
+        # the rotary tables once for all layers (they depend on the positions only)
+        rope = rotary_cos_sin(position_ids, self.config.rotary_ndims, self.config.rotary_emb_base, dtype=x.dtype)
         hidden = [x] if output_hidden_states else None
         ckpt = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for layer in self.layers:
             if ckpt:  # always non-reentrant: correct with frozen embeddings, whatever the transformers version
-                x = checkpoint(layer.__call__, x, position_ids, None, seq_idx, token_mask, use_reentrant=False)
+                x = checkpoint(layer.__call__, x, rope, None, seq_idx, token_mask, use_reentrant=False)
             else:
-                x = layer(x, position_ids, cache, seq_idx, token_mask)
+                x = layer(x, rope, cache, seq_idx, token_mask)
             if hidden is not None:
                 hidden.append(x)
         x = self.final_layer_norm(x)
