@@ -52,7 +52,8 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
-          profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False) -> dict:
+          profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
+          ds_config: str | None = None) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -64,7 +65,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
         apply_compile(model)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
-                     zero_stage=2, bf16=bf16, torch_adam=True)
+                     zero_stage=2, bf16=bf16, torch_adam=True, ds_config=ds_config)
     engine = build_engine(model, spec, dp_world=1)
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuda = device.type == "cuda"
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-teacher", action="store_true")
+    ap.add_argument("--ds-config", default=None,
+                    help="a DeepSpeed JSON instead of ds_configs/zero2.json (e.g. to try other ZeRO bucket settings)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
@@ -176,7 +179,7 @@ def main(argv=None) -> int:
             try:
                 r = bench(f"{flavor} {kind}{suffix}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
-                          compile_blocks=args.compile, sync_debug=args.sync_debug)
+                          compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()
