@@ -27,7 +27,7 @@ __all__ = ["hedgehog_feature_map", "hedgehog_feature_map_reference"]
 
 @triton.jit
 def _fm_fwd(Z, BIAS, OUT, R, H, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows x 2F may pass 2^31
     cols = tl.arange(0, BLOCK_F)
     mask = (rows < R)[:, None] & (cols < F)[None, :]
     z = tl.load(Z + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -45,7 +45,7 @@ def _fm_fwd(Z, BIAS, OUT, R, H, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr)
 
 @triton.jit
 def _fm_bwd(PHI, G, DZ, R, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_F)
     mask = (rows < R)[:, None] & (cols < F)[None, :]
     off = rows[:, None] * (2 * F) + cols[None, :]
@@ -71,8 +71,9 @@ class _HedgehogFeatureMap(torch.autograd.Function):
         R = z.numel() // F
         out = torch.empty(*z.shape[:-1], 2 * F, dtype=u.dtype, device=u.device)
         br = _block_rows(F)
-        _fm_fwd[(triton.cdiv(R, br),)](z, bias.contiguous(), out, R, h, F, BLOCK_R=br,
-                                       BLOCK_F=triton.next_power_of_2(F))
+        if R:
+            _fm_fwd[(triton.cdiv(R, br),)](z, bias.contiguous(), out, R, h, F, BLOCK_R=br,
+                                           BLOCK_F=triton.next_power_of_2(F))
         ctx.save_for_backward(u, w, out)
         ctx.dtypes = (weight.dtype, bias.dtype)
         return out
@@ -84,13 +85,16 @@ class _HedgehogFeatureMap(torch.autograd.Function):
         R = phi.numel() // (2 * F)
         dz = torch.empty(*phi.shape[:-1], F, dtype=torch.float32, device=phi.device)
         br = _block_rows(F)
-        _fm_bwd[(triton.cdiv(R, br),)](phi, g.contiguous(), dz, R, F, BLOCK_R=br, BLOCK_F=triton.next_power_of_2(F))
-        db = dz.reshape(-1, h, F).sum(0)
-        dz_u = dz.to(u.dtype)
-        du = torch.einsum("...hf,hfp->...hp", dz_u, w)
-        dw = torch.einsum("...hf,...hp->hfp", dz_u, u)
+        if R:
+            _fm_bwd[(triton.cdiv(R, br),)](phi, g.contiguous(), dz, R, F, BLOCK_R=br,
+                                           BLOCK_F=triton.next_power_of_2(F))
+        need_u, need_w, need_b = ctx.needs_input_grad
         w_dtype, b_dtype = ctx.dtypes
-        return du, dw.to(w_dtype), db.to(b_dtype)
+        dz_u = dz.to(u.dtype)
+        du = torch.einsum("...hf,hfp->...hp", dz_u, w) if need_u else None  # stage 1: q, k carry no grad
+        dw = torch.einsum("...hf,...hp->hfp", dz_u, u).to(w_dtype) if need_w else None
+        db = dz.reshape(-1, h, F).sum(0).to(b_dtype) if need_b else None
+        return du, dw, db
 
 
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -56,10 +56,10 @@ class HedgehogFeatureMap(nn.Module):
 
         The projection runs in u's dtype (a bf16 model gets a bf16 tensor-core matmul with fp32
         accumulation, not an fp32 one); the bias add and the softmax run in fp32. On CUDA the elementwise
-        part is one Triton kernel each way (``kernels.hedgehog_feature_map``); on CPU and inside compiled
-        graphs (where inductor fuses it) the plain version.
+        part is one Triton kernel each way (``kernels.hedgehog_feature_map``); on CPU, inside compiled
+        graphs (where inductor fuses it) and with ``HMSCALE_SSD_BACKEND=torch`` the plain version.
         """
-        if u.is_cuda and not torch.compiler.is_compiling():
+        if kernels.resolve_backend(u) == "triton" and not torch.compiler.is_compiling():
             return kernels.hedgehog_feature_map(u, self.weight, self.bias)
         return kernels.hedgehog_feature_map_reference(u, self.weight, self.bias)
 

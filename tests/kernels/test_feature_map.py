@@ -66,3 +66,36 @@ def test_shape_mismatch_is_a_clear_error():
     u, w, b, _ = _inputs((2,), 2, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="do not match"):
         hedgehog_feature_map(u[..., :4], w, b)
+
+
+def test_only_the_needed_gradients_and_empty_input():
+    u, w, b, gy = _inputs((2, 3), 2, 8, 8, torch.float32)
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    y = hedgehog_feature_map(u, wl, bl)  # u without grad (stage 1: the teacher's q, k)
+    (y * gy).sum().backward()
+    ref_w, ref_b = w.clone().requires_grad_(), b.clone().requires_grad_()
+    (hedgehog_feature_map_reference(u, ref_w, ref_b) * gy).sum().backward()
+    assert rel(wl.grad, ref_w.grad) <= 1e-5 and rel(bl.grad, ref_b.grad) <= 1e-5
+    assert hedgehog_feature_map(u[:0], w, b).shape == (0, 3, 2, 16)
+
+
+def test_module_uses_the_backend_switch(monkeypatch):
+    """HedgehogFeatureMap takes the fused path where the kernels' backend is Triton, the reference otherwise."""
+    from hmscale.models.feature_map import HedgehogFeatureMap
+
+    fm = HedgehogFeatureMap(2, 8, 8).to(DEVICE)
+    with torch.no_grad():
+        fm.bias.normal_()
+    u = torch.randn(3, 2, 8, device=DEVICE)
+    import kernels.feature_map as kfm
+
+    calls = []
+    real = kfm.hedgehog_feature_map
+    monkeypatch.setattr(kfm, "hedgehog_feature_map", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
+    fused = fm(u)
+    assert calls == [1]
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "torch")
+    plain = fm(u)
+    assert calls == [1]
+    assert rel(fused, plain) <= 1e-5
