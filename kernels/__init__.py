@@ -1,4 +1,5 @@
-"""SSD (Mamba-2 state-space duality) kernels, and the Hedgehog feature map: Triton on CUDA, plain PyTorch elsewhere.
+"""SSD (Mamba-2 state-space duality) kernels, the Hedgehog feature map and the causal depthwise conv: Triton on
+CUDA, plain PyTorch elsewhere.
 
 Public API (see DESIGN.md, "Contracts"):
 
@@ -9,6 +10,8 @@ Public API (see DESIGN.md, "Contracts"):
   (the CPU path), ``ssd_triton`` (the Triton path).
 - ``hedgehog_feature_map(u, weight, bias)``: the Hedgehog feature map fused in Triton (``feature_map.py``),
   beside ``hedgehog_feature_map_reference``.
+- ``causal_depthwise_conv_triton(x, prev, weight, bias)``: the mixer's short causal conv (``conv.py``), beside
+  ``causal_depthwise_conv_reference``.
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -22,11 +25,13 @@ from __future__ import annotations
 import os
 
 from .chunked_torch import ssd_chunked_torch
-from .reference import hedgehog_feature_map_reference, ssd_recurrent_reference, ssd_reference
+from .reference import (causal_depthwise_conv_reference, hedgehog_feature_map_reference, ssd_recurrent_reference,
+                        ssd_reference)
 
 __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend",
-           "hedgehog_feature_map", "hedgehog_feature_map_reference"]
+           "hedgehog_feature_map", "hedgehog_feature_map_reference",
+           "causal_depthwise_conv_triton", "causal_depthwise_conv_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -66,6 +71,9 @@ def __getattr__(name):  # lazy: importing kernels must not require a working Tri
     if name == "ssd_triton":
         from .ssd_autograd import ssd_triton
         return ssd_triton
+    if name == "causal_depthwise_conv_triton":
+        from .conv import causal_depthwise_conv_triton
+        return causal_depthwise_conv_triton
     if name == "hedgehog_feature_map":
         from .feature_map import hedgehog_feature_map
         return hedgehog_feature_map

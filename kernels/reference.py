@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["ssd_reference", "ssd_recurrent_reference", "doc_ids_from_seq_idx", "expand_groups",
-           "hedgehog_feature_map_reference"]
+           "hedgehog_feature_map_reference", "causal_depthwise_conv_reference"]
 
 
 def doc_ids_from_seq_idx(seq_idx: torch.Tensor | None, b: int, l: int, device) -> torch.Tensor:
@@ -138,3 +138,16 @@ def hedgehog_feature_map_reference(u: torch.Tensor, weight: torch.Tensor, bias: 
     The CPU path of ``models.feature_map`` and the reference of ``kernels.feature_map``."""
     z = torch.einsum("...hp,hfp->...hf", u, weight.to(u.dtype)).float() + bias.float()
     return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1).to(u.dtype)
+
+
+def causal_depthwise_conv_reference(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """Causal depthwise conv, plain PyTorch: ``y[t] = b + sum_j w[:, j] xp[t + j]``, ``xp = [prev, x]``;
+    x (b, l, C), prev (b, W-1, C), weight (C, W), bias (C) -> (y in x's dtype, the last W-1 rows of xp).
+    The reference of ``kernels.conv`` and the mixer's conv inside compiled graphs."""
+    l, W = x.shape[1], weight.shape[1]
+    xp = torch.cat([prev.to(x.dtype), x], dim=1)
+    w = weight.to(x.dtype)
+    y = xp[:, W - 1:] * w[:, W - 1]
+    for j in range(W - 1):
+        y = y + xp[:, j:j + l] * w[:, j]
+    return y + bias.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]

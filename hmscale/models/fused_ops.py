@@ -11,12 +11,15 @@ replace (`neox_attention.split_qkv` + `apply_rotary`, `CausalDepthwiseConv`'s lo
   ``[prev, x]`` (no document boundaries; the module's loop handles ``seq_idx``).
 
 Inside a ``torch.compile``d block both fall back to plain code, which inductor fuses (with a generated
-backward) into the surrounding graph.
+backward) into the surrounding graph. On CUDA the conv is ``kernels.causal_depthwise_conv_triton`` (one pass
+each way instead of the per-tap passes here).
 """
 
 from __future__ import annotations
 
 import torch
+
+import kernels
 
 __all__ = ["split_qkv_rotary", "causal_depthwise_conv"]
 
@@ -118,17 +121,10 @@ class _CausalDepthwiseConv(torch.autograd.Function):
 
 def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """x (b, l, C), prev (b, W-1, C) (the carried inputs), weight (C, W), bias (C) ->
-    (y (b, l, C), the last W-1 inputs (b, W-1, C))."""
+    (y (b, l, C), the last W-1 inputs (b, W-1, C)). Triton where the kernels' backend is (CUDA), the plain
+    version inside compiled graphs, else the autograd function above (CPU)."""
     if torch.compiler.is_compiling():  # inside a compiled block inductor fuses the plain version
-        return _causal_depthwise_conv_plain(x, prev, weight, bias)
+        return kernels.causal_depthwise_conv_reference(x, prev, weight, bias)
+    if kernels.resolve_backend(x) == "triton":
+        return kernels.causal_depthwise_conv_triton(x, prev, weight, bias)
     return _CausalDepthwiseConv.apply(x, prev, weight, bias)
-
-
-def _causal_depthwise_conv_plain(x, prev, weight, bias):
-    l, W = x.shape[1], weight.shape[1]
-    xp = torch.cat([prev.to(x.dtype), x], dim=1)
-    w = weight.to(x.dtype)
-    y = xp[:, W - 1:] * w[:, W - 1]
-    for j in range(W - 1):
-        y = y + xp[:, j:j + l] * w[:, j]
-    return y + bias.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]

@@ -1,8 +1,16 @@
-"""Shared input builders for the kernels tests (random, never zeros)."""
+"""Shared input builders for the kernels tests (random, never zeros), and where the Triton tests run."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+# The Triton tests: under TRITON_INTERPRET=1 on CPU, or on a GPU
+needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                  reason="needs TRITON_INTERPRET=1 or a GPU")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def make_inputs(b, l, h, g, p, n, *, dtype=torch.float64, normalize=False, D=False, init=False,
@@ -46,6 +54,21 @@ def make_inputs(b, l, h, g, p, n, *, dtype=torch.float64, normalize=False, D=Fal
 
 
 def rel(a, b):
-    a = a.double()
-    b = b.double()
+    a = a.detach().double()
+    b = b.detach().double()
     return ((a - b).norm() / b.norm()).item()
+
+
+def fused_and_plain(monkeypatch, module, name: str, run):
+    """``run()`` with the kernels' backend forced to Triton, then to torch; checks that ``module.name`` (the
+    Triton function) was called by the first run only. Returns both results."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
+    fused = run()
+    assert calls == [1], f"{name} was not called with the Triton backend"
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "torch")
+    plain = run()
+    assert calls == [1], f"{name} was called with the torch backend"
+    return fused, plain

@@ -2,23 +2,16 @@
 output and the gradients of u, W and b on random inputs, fp32 (1e-5 relative) and bf16 (2e-2), with a head
 count, feature size and head dim that are not powers of two."""
 
-import os
-
 import pytest
 import torch
 
 from kernels import hedgehog_feature_map_reference
 from kernels.feature_map import hedgehog_feature_map
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a GPU")
+from ._helpers import TRITON_DEVICE, fused_and_plain, needs_triton, rel
 
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
+pytestmark = needs_triton
+DEVICE = TRITON_DEVICE
 
 
 def _inputs(lead, h, P, F, dtype):
@@ -89,13 +82,5 @@ def test_module_uses_the_backend_switch(monkeypatch):
     u = torch.randn(3, 2, 8, device=DEVICE)
     import kernels.feature_map as kfm
 
-    calls = []
-    real = kfm.hedgehog_feature_map
-    monkeypatch.setattr(kfm, "hedgehog_feature_map", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
-    fused = fm(u)
-    assert calls == [1]
-    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "torch")
-    plain = fm(u)
-    assert calls == [1]
+    fused, plain = fused_and_plain(monkeypatch, kfm, "hedgehog_feature_map", lambda: fm(u))
     assert rel(fused, plain) <= 1e-5

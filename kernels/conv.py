@@ -1,0 +1,145 @@
+"""Causal depthwise conv over channels-last sequences, fused for the GPU (the mixer's short conv on q, k, v).
+
+``y[t] = b + sum_j w[:, j] * xp[t + j]`` with ``xp = [prev, x]`` (``prev``: the W-1 inputs before ``x``),
+x (b, l, C), weight (C, W), bias (C). Returns ``(y, xp[:, -(W-1):])`` (the next call's ``prev``).
+
+The plain version (``reference.causal_depthwise_conv_reference``) is W multiply-adds over the whole
+(b, l, C) tensor each way plus the concatenation and a zero-filled gradient buffer: a dozen passes over
+a tensor as wide as the qkv projection. Here:
+
+- forward: one kernel; each (rows x channels) tile reads its W shifted input rows and writes y once;
+- backward: one kernel gathers ``dxp[i] = sum_j w[:, j] * dy[i - j]`` straight into dx and dprev, one kernel
+  writes per-tile partial sums of ``xp * dy`` (dw) and ``dy`` (db), summed over tiles by torch
+  (deterministic, no atomics). All sums in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["causal_depthwise_conv_triton"]
+
+_BL, _BC = 32, 128  # rows x channels per tile
+
+
+@triton.jit
+def _xp_tile(X, PREV, bi, i, cols, L, C, W1, cmask):
+    """Rows i (index into xp = [prev, x]) of batch bi, fp32; zero outside [0, W1 + L)."""
+    in_prev = (i >= 0) & (i < W1)
+    in_x = (i >= W1) & (i < W1 + L)
+    pv = tl.load(PREV + (bi * W1 + i)[:, None] * C + cols[None, :], mask=in_prev[:, None] & cmask[None, :], other=0.0)
+    xv = tl.load(X + (bi * L + i - W1)[:, None] * C + cols[None, :], mask=in_x[:, None] & cmask[None, :], other=0.0)
+    return pv.to(tl.float32) + xv.to(tl.float32)
+
+
+@triton.jit
+def _conv_fwd(X, PREV, WT, BIAS, Y, L, C, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+    bi = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BL + tl.arange(0, BL)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    acc = tl.zeros((BL, BC), dtype=tl.float32) + tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(W):
+        wj = tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += _xp_tile(X, PREV, bi, t + j, cols, L, C, W - 1, cmask) * wj[None, :]
+    mask = (t < L)[:, None] & cmask[None, :]
+    tl.store(Y + (bi * L + t)[:, None] * C + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_bwd_dx(DY, WT, DX, DPREV, L, C, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+    """dxp[i] = sum_j w[:, j] dy[i - j] for xp rows i in [0, W-1+L): rows < W-1 go to dprev, the rest to dx."""
+    bi = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BL + tl.arange(0, BL)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    acc = tl.zeros((BL, BC), dtype=tl.float32)
+    for j in tl.static_range(W):
+        t = i - j
+        ok = (t >= 0) & (t < L)
+        dy = tl.load(DY + (bi * L + t)[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+        wj = tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += dy.to(tl.float32) * wj[None, :]
+    W1 = W - 1
+    to_prev = (i < W1)[:, None] & cmask[None, :]
+    to_x = ((i >= W1) & (i < W1 + L))[:, None] & cmask[None, :]
+    tl.store(DPREV + (bi * W1 + i)[:, None] * C + cols[None, :], acc.to(DPREV.dtype.element_ty), mask=to_prev)
+    tl.store(DX + (bi * L + i - W1)[:, None] * C + cols[None, :], acc.to(DX.dtype.element_ty), mask=to_x)
+
+
+@triton.jit
+def _conv_bwd_dw(X, PREV, DY, PART, L, C, NT, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+    """PART[bi * NT + tile, j, c] = sum over the tile's rows t of xp[t + j, c] dy[t, c]; PART[..., W, c] = sum dy."""
+    bi = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BL + tl.arange(0, BL)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    ok = t < L
+    dy = tl.load(DY + (bi * L + t)[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+    dy = dy.to(tl.float32)
+    base = PART + ((bi * NT + tile) * (W + 1)) * C
+    for j in tl.static_range(W):
+        xj = _xp_tile(X, PREV, bi, t + j, cols, L, C, W - 1, cmask)
+        tl.store(base + j * C + cols, tl.sum(xj * dy, axis=0), mask=cmask)
+    tl.store(base + W * C + cols, tl.sum(dy, axis=0), mask=cmask)
+
+
+def _grid(b: int, rows: int, C: int):
+    return (b, triton.cdiv(rows, _BL), triton.cdiv(C, _BC))
+
+
+class _CausalConvTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, prev, weight, bias):
+        b, l, c = x.shape
+        W = weight.shape[1]
+        x = x.contiguous()
+        prev = prev.to(x.dtype).contiguous()
+        y = torch.empty_like(x)
+        if b and l:
+            _conv_fwd[_grid(b, l, c)](x, prev, weight.contiguous(), bias.contiguous(), y, l, c, W=W, BL=_BL, BC=_BC)
+        state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
+        ctx.set_materialize_grads(False)  # an unused state (training) gives None, not a zero tensor
+        ctx.save_for_backward(x, prev, weight)
+        ctx.meta = (bias.dtype, ctx.needs_input_grad[1])
+        return y, state
+
+    @staticmethod
+    def backward(ctx, dy, dstate):
+        x, prev, weight = ctx.saved_tensors
+        b_dtype, need_prev = ctx.meta
+        b, l, c = x.shape
+        W = weight.shape[1]
+        dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
+        dx = torch.empty_like(x)
+        dprev = torch.empty_like(prev)
+        nt = triton.cdiv(l, _BL)
+        part = torch.empty(b * nt, W + 1, c, dtype=torch.float32, device=x.device)
+        if b and l:
+            _conv_bwd_dx[_grid(b, W - 1 + l, c)](dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)
+            _conv_bwd_dw[_grid(b, l, c)](x, prev, dy, part, l, c, nt, W=W, BL=_BL, BC=_BC)
+        else:
+            dx.zero_()
+            dprev.zero_()
+            part.zero_()
+        if dstate is not None:  # the returned state is xp's last W-1 rows
+            dxp = torch.cat([dprev, dx], dim=1)
+            dxp[:, dxp.shape[1] - (W - 1):] += dstate.to(dxp.dtype)
+            dprev, dx = dxp[:, :W - 1].contiguous(), dxp[:, W - 1:].contiguous()
+        sums = part.sum(0)  # (W + 1, C)
+        dw = sums[:W].t().to(weight.dtype)
+        db = sums[W].to(b_dtype)
+        return dx, (dprev if need_prev else None), dw, db
+
+
+def causal_depthwise_conv_triton(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """x (b, l, C), prev (b, W-1, C), weight (C, W), bias (C) -> (y (b, l, C), the last W-1 inputs (b, W-1, C)).
+    Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. W >= 2."""
+    W = weight.shape[1]
+    if W < 2 or prev.shape[1] != W - 1 or weight.shape[0] != x.shape[-1] or bias.shape != (x.shape[-1],):
+        raise ValueError(f"causal_depthwise_conv: x {tuple(x.shape)}, prev {tuple(prev.shape)}, weight "
+                         f"{tuple(weight.shape)}, bias {tuple(bias.shape)} do not match (W >= 2)")
+    return _CausalConvTriton.apply(x, prev, weight, bias)

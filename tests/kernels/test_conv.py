@@ -1,0 +1,72 @@
+"""Triton causal depthwise conv (under TRITON_INTERPRET=1 on CPU) vs its plain-PyTorch reference: y, the
+carried state, and the gradients of x, prev, weight and bias (also through the state), on random inputs;
+fp32 (1e-5 relative) and bf16 (2e-2); channel counts that are not multiples of the tile, short sequences."""
+
+import pytest
+import torch
+
+from kernels import causal_depthwise_conv_reference
+from kernels.conv import causal_depthwise_conv_triton
+
+from ._helpers import TRITON_DEVICE, fused_and_plain, needs_triton, rel
+
+pytestmark = needs_triton
+DEVICE = TRITON_DEVICE
+
+
+def _inputs(b, l, c, W, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, l, c, generator=g).to(dtype)
+    prev = torch.randn(b, W - 1, c, generator=g).to(dtype)
+    w = torch.randn(c, W, generator=g)
+    bias = torch.randn(c, generator=g)
+    gy = torch.randn(b, l, c, generator=g).to(dtype)
+    gs = torch.randn(b, W - 1, c, generator=g).to(dtype)
+    return [t.to(DEVICE) for t in (x, prev, w, bias, gy, gs)]
+
+
+def _run(fn, x, prev, w, bias, gy, gs, with_state_grad):
+    leaves = [t.clone().requires_grad_() for t in (x, prev, w, bias)]
+    y, state = fn(*leaves)
+    loss = (y.float() * gy.float()).sum()
+    if with_state_grad:
+        loss = loss + (state.float() * gs.float()).sum()
+    return y, state, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b,l,c,W", [(2, 45, 200, 4), (1, 70, 64, 3), (2, 2, 130, 4), (1, 33, 16, 2)])
+@pytest.mark.parametrize("with_state_grad", [False, True])
+def test_triton_conv_matches_reference(dtype, tol, b, l, c, W, with_state_grad):
+    ins = _inputs(b, l, c, W, dtype)
+    y_ref, s_ref, g_ref = _run(causal_depthwise_conv_reference, *ins, with_state_grad)
+    y, s, g = _run(causal_depthwise_conv_triton, *ins, with_state_grad)
+    assert y.dtype == dtype and y.shape == (b, l, c) and s.shape == (b, W - 1, c)
+    assert torch.isfinite(y).all()
+    assert rel(y, y_ref) <= tol
+    assert torch.equal(s, s_ref)  # the state is a copy of inputs
+    for name, a, r in zip(("x", "prev", "weight", "bias"), g, g_ref):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert rel(a, r) <= tol, (name, rel(a, r))
+
+
+def test_bad_shapes_are_a_clear_error():
+    x, prev, w, bias, _, _ = _inputs(1, 8, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        causal_depthwise_conv_triton(x, prev[:, :2], w, bias)
+
+
+def test_module_uses_the_backend_switch(monkeypatch):
+    """The mixer's conv module takes the Triton kernel where the kernels' backend is Triton, else the CPU
+    autograd function; both give the same output."""
+    import kernels.conv as kconv
+    from hmscale.models.hedgemamba import CausalDepthwiseConv
+
+    conv = CausalDepthwiseConv(24, 4).to(DEVICE)
+    with torch.no_grad():
+        conv.weight.normal_()
+        conv.bias.normal_()
+    x = torch.randn(2, 9, 24, device=DEVICE)
+    (y_fused, s_fused), (y_plain, s_plain) = fused_and_plain(monkeypatch, kconv, "causal_depthwise_conv_triton",
+                                                             lambda: conv(x))
+    assert rel(y_fused, y_plain) <= 1e-5 and torch.equal(s_fused, s_plain)
