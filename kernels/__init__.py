@@ -1,5 +1,5 @@
-"""SSD (Mamba-2 state-space duality) kernels, the Hedgehog feature map and the causal depthwise conv: Triton on
-CUDA, plain PyTorch elsewhere.
+"""SSD (Mamba-2 state-space duality) kernels and the mixer's glue around them (Hedgehog feature map, causal
+depthwise conv, qkv split with rotary): Triton on CUDA, plain PyTorch elsewhere.
 
 Public API (see DESIGN.md, "Contracts"):
 
@@ -11,7 +11,8 @@ Public API (see DESIGN.md, "Contracts"):
 - ``hedgehog_feature_map(u, weight, bias)``: the Hedgehog feature map fused in Triton (``feature_map.py``),
   beside ``hedgehog_feature_map_reference``.
 - ``causal_depthwise_conv_triton(x, prev, weight, bias)``: the mixer's short causal conv (``conv.py``), beside
-  ``causal_depthwise_conv_reference``.
+  ``causal_depthwise_conv_reference``; ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)``: the qkv split with
+  NeoX partial rotary (``rotary.py``; its reference is the model's plain NeoX split + rotary).
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -31,7 +32,7 @@ from .reference import (causal_depthwise_conv_reference, hedgehog_feature_map_re
 __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
-           "causal_depthwise_conv_triton", "causal_depthwise_conv_reference"]
+           "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -71,6 +72,9 @@ def __getattr__(name):  # lazy: importing kernels must not require a working Tri
     if name == "ssd_triton":
         from .ssd_autograd import ssd_triton
         return ssd_triton
+    if name == "split_qkv_rotary_triton":
+        from .rotary import split_qkv_rotary_triton
+        return split_qkv_rotary_triton
     if name == "causal_depthwise_conv_triton":
         from .conv import causal_depthwise_conv_triton
         return causal_depthwise_conv_triton

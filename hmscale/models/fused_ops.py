@@ -11,8 +11,8 @@ replace (`neox_attention.split_qkv` + `apply_rotary`, `CausalDepthwiseConv`'s lo
   ``[prev, x]`` (no document boundaries; the module's loop handles ``seq_idx``).
 
 Inside a ``torch.compile``d block both fall back to plain code, which inductor fuses (with a generated
-backward) into the surrounding graph. On CUDA the conv is ``kernels.causal_depthwise_conv_triton`` (one pass
-each way instead of the per-tap passes here).
+backward) into the surrounding graph. On CUDA both are Triton kernels (``kernels.split_qkv_rotary_triton``,
+``kernels.causal_depthwise_conv_triton``): one pass each way instead of the several here.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
     """(b, l, 3*h*p) with per-head [q|k|v] -> q, k rotated on their first r = cos.shape[-1] dims, and v,
     each (b, l, h, p); cos/sin (b or 1, l, r) in the NeoX layout (the two halves repeat)."""
     r = cos.shape[-1]
+    if 0 < r and not r % 2 and not torch.compiler.is_compiling() and kernels.resolve_backend(qkv) == "triton":
+        return kernels.split_qkv_rotary_triton(qkv, n_heads, cos, sin)  # CUDA: one kernel each way
     if r == 0 or r % 2 or torch.compiler.is_compiling():
         # the plain version: inductor fuses it (and derives its backward) inside a compiled block, where
         # the autograd function's out= writes into views would break the graph
