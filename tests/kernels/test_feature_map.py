@@ -84,3 +84,4 @@ def test_module_uses_the_backend_switch(monkeypatch):
 
     fused, plain = fused_and_plain(monkeypatch, kfm, "hedgehog_feature_map", lambda: fm(u))
     assert rel(fused, plain) <= 1e-5
+
