@@ -1,5 +1,5 @@
 """SSD (Mamba-2 state-space duality) kernels and the mixer's glue around them (Hedgehog feature map, causal
-depthwise conv, qkv split with rotary): Triton on CUDA, plain PyTorch elsewhere.
+depthwise conv, qkv split with rotary, output gate): Triton on CUDA, plain PyTorch elsewhere.
 
 Public API (see DESIGN.md, "Contracts"):
 
@@ -12,7 +12,8 @@ Public API (see DESIGN.md, "Contracts"):
   beside ``hedgehog_feature_map_reference``.
 - ``causal_depthwise_conv_triton(x, prev, weight, bias)``: the mixer's short causal conv (``conv.py``), beside
   ``causal_depthwise_conv_reference``; ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)``: the qkv split with
-  NeoX partial rotary (``rotary.py``; its reference is the model's plain NeoX split + rotary).
+  NeoX partial rotary (``rotary.py``; its reference is the model's plain NeoX split + rotary);
+  ``sigmoid_gate_triton(y, z)``: the output gate ``y * 2 sigmoid(z)`` (``gate.py``), beside ``sigmoid_gate_reference``.
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -26,13 +27,14 @@ from __future__ import annotations
 import os
 
 from .chunked_torch import ssd_chunked_torch
-from .reference import (causal_depthwise_conv_reference, hedgehog_feature_map_reference, ssd_recurrent_reference,
-                        ssd_reference)
+from .reference import (causal_depthwise_conv_reference, hedgehog_feature_map_reference, sigmoid_gate_reference,
+                        ssd_recurrent_reference, ssd_reference)
 
 __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
-           "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton"]
+           "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
+           "sigmoid_gate_triton", "sigmoid_gate_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -72,6 +74,9 @@ def __getattr__(name):  # lazy: importing kernels must not require a working Tri
     if name == "ssd_triton":
         from .ssd_autograd import ssd_triton
         return ssd_triton
+    if name == "sigmoid_gate_triton":
+        from .gate import sigmoid_gate_triton
+        return sigmoid_gate_triton
     if name == "split_qkv_rotary_triton":
         from .rotary import split_qkv_rotary_triton
         return split_qkv_rotary_triton

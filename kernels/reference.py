@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["ssd_reference", "ssd_recurrent_reference", "doc_ids_from_seq_idx", "expand_groups",
-           "hedgehog_feature_map_reference", "causal_depthwise_conv_reference"]
+           "hedgehog_feature_map_reference", "causal_depthwise_conv_reference", "sigmoid_gate_reference"]
 
 
 def doc_ids_from_seq_idx(seq_idx: torch.Tensor | None, b: int, l: int, device) -> torch.Tensor:
@@ -151,3 +151,9 @@ def causal_depthwise_conv_reference(x: torch.Tensor, prev: torch.Tensor, weight:
     for j in range(W - 1):
         y = y + xp[:, j:j + l] * w[:, j]
     return y + bias.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]
+
+
+def sigmoid_gate_reference(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The mixer's output gate ``y * 2 sigmoid(z)``, plain PyTorch: z (same number of elements) read in y's
+    layout; the result in y's shape and dtype. The reference of ``kernels.gate``."""
+    return y * (2.0 * torch.sigmoid(z)).view(y.shape).to(y.dtype)

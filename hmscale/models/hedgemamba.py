@@ -366,7 +366,11 @@ class HedgeMambaMixer(nn.Module):
         if token_mask is not None:
             y = torch.where(token_mask[:, :, None, None], y, torch.zeros_like(y))
         if self.z_proj is not None:
-            y = y * (2.0 * torch.sigmoid(self.z_proj(h))).view(b, l, H, P).to(y.dtype)
+            z = self.z_proj(h)
+            if kernels.resolve_backend(y) == "triton" and not torch.compiler.is_compiling():
+                y = kernels.sigmoid_gate_triton(y, z)  # one kernel each way
+            else:
+                y = kernels.sigmoid_gate_reference(y, z)
         return self.out_proj(y.reshape(b, l, H * P))
 
 
