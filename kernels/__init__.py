@@ -8,16 +8,15 @@ Public API (see DESIGN.md, "Contracts"):
 - ``ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None) -> (y_t, new_state)``
 - ``ssd_reference`` (quadratic form), ``ssd_recurrent_reference`` (token loop), ``ssd_chunked_torch``
   (the CPU path), ``ssd_triton`` (the Triton path).
-- ``hedgehog_feature_map(u, weight, bias)``: the Hedgehog feature map fused in Triton (``feature_map.py``),
-  beside ``hedgehog_feature_map_reference``.
-- ``causal_depthwise_conv_triton(x, prev, weight, bias)``: the mixer's short causal conv (``conv.py``), beside
-  ``causal_depthwise_conv_reference``; ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)``: the qkv split with
-  NeoX partial rotary (``rotary.py``; its reference is the model's plain NeoX split + rotary);
-  ``sigmoid_gate_triton(y, z)``: the output gate ``y * 2 sigmoid(z)`` (``gate.py``), beside ``sigmoid_gate_reference``.
+- The mixer's glue, one Triton kernel each way, each beside its plain reference:
+  ``hedgehog_feature_map(u, weight, bias)`` (``feature_map.py``; ``hedgehog_feature_map_reference``),
+  ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
+  ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
+  ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
-PyTorch path otherwise. Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this).
+PyTorch path otherwise. The model's glue follows the same choice (``resolve_backend``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this).
 
 The normaliser (``normalize=True``) is divided without an epsilon.
 """
@@ -70,23 +69,22 @@ def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=Non
     return ssd_step_torch(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)
 
 
-def __getattr__(name):  # lazy: importing kernels must not require a working Triton
-    if name == "ssd_triton":
-        from .ssd_autograd import ssd_triton
-        return ssd_triton
-    if name == "sigmoid_gate_triton":
-        from .gate import sigmoid_gate_triton
-        return sigmoid_gate_triton
-    if name == "split_qkv_rotary_triton":
-        from .rotary import split_qkv_rotary_triton
-        return split_qkv_rotary_triton
-    if name == "causal_depthwise_conv_triton":
-        from .conv import causal_depthwise_conv_triton
-        return causal_depthwise_conv_triton
-    if name == "hedgehog_feature_map":
-        from .feature_map import hedgehog_feature_map
-        return hedgehog_feature_map
-    if name in ("ssd_step_torch", "ssd_step_triton"):
-        from . import step
-        return getattr(step, name)
-    raise AttributeError(name)
+# name -> submodule; imported on first use: importing kernels must not require a working Triton (and the
+# attribute is looked up in the submodule on every access, so tests can patch it there)
+_LAZY = {
+    "ssd_triton": "ssd_autograd",
+    "ssd_step_torch": "step",
+    "ssd_step_triton": "step",
+    "hedgehog_feature_map": "feature_map",
+    "causal_depthwise_conv_triton": "conv",
+    "split_qkv_rotary_triton": "rotary",
+    "sigmoid_gate_triton": "gate",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
