@@ -53,7 +53,7 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
-          ds_config: str | None = None) -> dict:
+          ds_config: str | None = None, cuda_graphs: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -67,6 +67,10 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
                      zero_stage=2, bf16=bf16, torch_adam=True, ds_config=ds_config)
     engine = build_engine(model, spec, dp_world=1)
+    if cuda_graphs:  # the student's blocks only (hmscale.parallel.apply_cuda_graphs)
+        from hmscale.parallel import apply_cuda_graphs
+
+        apply_cuda_graphs(engine.module, micro_batch, seq)
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuda = device.type == "cuda"
 
@@ -142,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-teacher", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="capture the student's blocks as CUDA graphs (hmscale.parallel.apply_cuda_graphs; GPU)")
     ap.add_argument("--ds-config", default=None,
                     help="a DeepSpeed JSON instead of ds_configs/zero2.json (e.g. to try other ZeRO bucket settings)")
     ap.add_argument("--compile", action="store_true",
@@ -177,9 +183,11 @@ def main(argv=None) -> int:
         for kind, make in pairs:
             torch.manual_seed(0)
             try:
-                r = bench(f"{flavor} {kind}{suffix}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
+                graphs = args.cuda_graphs and kind == "hedgemamba"
+                r = bench(f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
-                          compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config)
+                          compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
+                          cuda_graphs=graphs)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -192,6 +192,7 @@ class ParallelConfig(_Section):
     use_gpu: bool = False
     bf16: bool = False
     compile: bool = False  # torch.compile each student block in stage 2 (GPU; the first steps pay the compile)
+    cuda_graphs: bool = False  # capture each student block's forward + backward as CUDA graphs in stage 2 (GPU)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)  # newest complete checkpoints kept per stage
     max_failures: int = Field(2, ge=0)  # Ray Train restarts after a worker dies
@@ -212,6 +213,10 @@ class ParallelConfig(_Section):
             # which has yet to be verified on GPUs
             raise ValueError("parallel.compile: not yet verified with tensor parallelism on GPUs (a compiled tp=2 run "
                              "diverged from one GPU); set parallel.compile=false or parallel.tp=1")
+        if self.cuda_graphs and (not self.use_gpu or self.compile or self.tp > 1 or self.zero_stage == 3):
+            raise ValueError("parallel.cuda_graphs: needs parallel.use_gpu=true, and none of parallel.compile, "
+                             "parallel.tp > 1 (collectives in graphs are not verified) or ZeRO-3 (its module hooks "
+                             "gather parameters); set cuda_graphs=false otherwise")
         if self.ds_config and not Path(self.ds_config).exists():
             raise ValueError(f"parallel.ds_config: {self.ds_config!r} does not exist; point it at a ds_configs/*.json")
         return self

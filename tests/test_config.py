@@ -41,6 +41,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["budget.split=[0.5,0.6]"], "budget.split"),
         (["parallel.tp=2", "parallel.num_workers=2", "parallel.zero_stage=3"], "parallel.zero_stage"),
         (["parallel.tp=2", "parallel.num_workers=2", "parallel.use_gpu=true", "parallel.compile=true"], "parallel.compile"),
+        (["parallel.cuda_graphs=true"], "parallel.cuda_graphs"),
+        (["parallel.cuda_graphs=true", "parallel.use_gpu=true", "parallel.compile=true"], "parallel.cuda_graphs"),
         (["stage1.epochs=4", "stage1.steps=100"], "stage1.epochs"),
         (["stage1.epochs=0"], "stage1.epochs"),
         (["stage2.ce_weight=0"], "stage2.ce_weight"),

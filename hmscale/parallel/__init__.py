@@ -2,6 +2,7 @@
 tensor-parallel sharding of HedgeMamba (and of its LM head by vocabulary), and the mpu object DeepSpeed takes."""
 
 from .compile import apply_compile
+from .cuda_graphs import apply_cuda_graphs
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import ParallelMesh, build_mesh, trivial_mesh
 from .mpu import MeshMPU
@@ -10,6 +11,7 @@ from .vocab import VocabShard, shard_lm_head
 
 __all__ = [
     "apply_compile",
+    "apply_cuda_graphs",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ParallelMesh",

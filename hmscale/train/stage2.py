@@ -345,6 +345,11 @@ def run_stage2(
     )
     groups = param_groups(model, s2.lr, getattr(s2, "new_params_lr_scale", 1.0), getattr(s2, "feature_map_lr_scale", 1.0))
     engine = build_engine(model, spec, dp_world=layout.dp_size, mpu=layout.mpu, params=groups)
+    if getattr(par, "cuda_graphs", False):  # after deepspeed.initialize: the graphs read the final parameters
+        from hmscale.parallel import apply_cuda_graphs
+
+        emb_grad = any(p.requires_grad for p in model.get_input_embeddings().parameters())
+        apply_cuda_graphs(engine.module, s2.micro_batch_size, seq_len, inputs_require_grad=emb_grad)
 
     ckpt = Checkpointer(out / "checkpoints", keep=getattr(par, "keep_checkpoints", 2), rank=layout.rank)
     start_step = 0
