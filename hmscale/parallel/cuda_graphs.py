@@ -70,6 +70,8 @@ def apply_cuda_graphs(model: nn.Module, batch_size: int, seq_len: int, *, inputs
     if device.type != "cuda":
         raise ValueError("parallel.cuda_graphs: CUDA graphs need the model on a GPU; set parallel.use_gpu=true "
                          "or parallel.cuda_graphs=false")
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        raise ValueError("apply_cuda_graphs: activation checkpointing re-runs the blocks in the backward; turn it off")
     if any(getattr(b, "_hmscale_graphed", False) for b in blocks):
         raise ValueError("apply_cuda_graphs: the blocks are already captured")
     if getattr(getattr(model, "config", None), "use_parallel_residual", None) is None:
