@@ -76,6 +76,7 @@ def _train_rank(rank: int, run: dict, out_dir: str) -> None:
         "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}", "parallel.zero_stage=2",
         f"parallel.tp={run['tp']}", f"parallel.num_workers={world}", "parallel.checkpoint_every=1000000",
         f"parallel.compile={run.get('compile', False) and not run.get('verify_tp_compile')}",
+        f"parallel.cuda_graphs={bool(run.get('cuda_graphs')) and gpu and run['tp'] == 1}",
         f"stage2.micro_batch_size={run['micro_batch']}", f"stage2.grad_accum={run['grad_accum']}",
         f"stage2.steps={run['steps']}", "stage2.warmup_steps=2", "stage2.kd_weight=0", "stage2.lr=3e-4",
         f"output_dir={out_dir}", "seed=0",
@@ -155,7 +156,7 @@ def max_diff(a: list[float], b: list[float]) -> float:
 def training_part(args, n: int, gpu: bool, work: Path) -> dict:
     base = dict(flavor=args.flavor, vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps,
                 skip=args.skip, gpu=gpu, bf16=gpu and not args.fp32_only, profile=args.profile,
-                compile=args.compile)
+                compile=args.compile, cuda_graphs=args.cuda_graphs)
     tp = 2 if n % 2 == 0 else 1
     want = set(args.runs.split(",")) if args.runs else None
     runs = {}
@@ -354,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32-only", action="store_true", help="only the fp32 loss-equality runs")
     ap.add_argument("--compile", action="store_true",
                     help="parallel.compile=true for every training run (blocks under torch.compile)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="parallel.cuda_graphs=true for the runs without tensor parallelism (GPU)")
     ap.add_argument("--verify-tp-compile", action="store_true",
                     help="with --compile: run the tp runs compiled too (refused by the config on GPUs until verified), "
                          "for their fp32 losses against one GPU")
