@@ -1,0 +1,35 @@
+"""The CPU smoke modes of the throughput benchmarks run end to end and report what they claim to
+(benchmarks/multi_gpu.py and benchmarks/fidelity.py have their own tests under tests/parallel, tests/eval)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args, cwd):
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_cache_throughput_smoke(tmp_path):
+    out = _run([str(REPO / "benchmarks" / "cache_throughput.py"), "--smoke", "--json", str(tmp_path / "c.json")],
+               tmp_path)
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert res["verify_ok"] is True and res["written_gb"] > 0
+    # what was written is what the plan said, give or take the tar headers
+    assert abs(res["bytes_per_token"] - res["planned_bytes_per_token"]) <= 0.02 * res["planned_bytes_per_token"]
+    assert all(res[k] > 0 for k in ("forward_tok_s", "capture_tok_s", "cache_tok_s"))
+    assert "verify" in out
+
+
+def test_train_throughput_smoke(tmp_path):
+    out = _run([str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--out", str(tmp_path / "t.json")],
+               tmp_path)
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [r["model"] for r in rows] == ["pythia-nano hedgemamba", "pythia-nano teacher-sdpa"]
+    assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows)
+    assert "| pythia-nano hedgemamba |" in out
