@@ -192,7 +192,7 @@ def main(argv=None):
         del model
 
     print()
-    print(f"| model | ppl | / teacher | paper ppl | paper / teacher |")
+    print("| model | ppl | / teacher | paper ppl | paper / teacher |")
     print("|---|---|---|---|---|")
     labels = {"teacher": f"teacher ({cfg.teacher.flavor})", "hedgemamba": "HedgeMamba, split 10/90",
               "hedgehog": "Hedgehog only (no gate/conv/SSM), 10/90", "split_0_100": "HedgeMamba, split 0/100",
