@@ -16,7 +16,7 @@ Public API (see DESIGN.md, "Contracts"):
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
-PyTorch path otherwise. The model's glue follows the same choice (``resolve_backend``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this).
+PyTorch path otherwise. The model's glue follows the same choice outside compiled graphs (``glue_on_triton``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this).
 
 The normaliser (``normalize=True``) is divided without an epsilon.
 """
@@ -30,12 +30,20 @@ from .reference import (causal_depthwise_conv_reference, hedgehog_feature_map_re
                         ssd_recurrent_reference, ssd_reference)
 
 __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
-           "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend",
+           "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend", "glue_on_triton",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
            "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
            "sigmoid_gate_triton", "sigmoid_gate_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def glue_on_triton(tensor) -> bool:
+    """Whether the mixer's glue ops run their Triton kernels for this tensor: where the backend is Triton, and not
+    inside a ``torch.compile`` graph (there inductor fuses the plain references instead)."""
+    import torch
+
+    return resolve_backend(tensor) == "triton" and not torch.compiler.is_compiling()
 
 
 def resolve_backend(tensor, backend=None) -> str:

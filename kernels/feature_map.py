@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import hedgehog_feature_map_reference
 
-__all__ = ["hedgehog_feature_map", "hedgehog_feature_map_reference"]
+__all__ = ["hedgehog_feature_map"]
 
 
 @triton.jit

@@ -59,7 +59,7 @@ class HedgehogFeatureMap(nn.Module):
         part is one Triton kernel each way (``kernels.hedgehog_feature_map``); on CPU, inside compiled
         graphs (where inductor fuses it) and with ``HMSCALE_SSD_BACKEND=torch`` the plain version.
         """
-        if kernels.resolve_backend(u) == "triton" and not torch.compiler.is_compiling():
+        if kernels.glue_on_triton(u):
             return kernels.hedgehog_feature_map(u, self.weight, self.bias)
         return kernels.hedgehog_feature_map_reference(u, self.weight, self.bias)
 

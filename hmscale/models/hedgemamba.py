@@ -48,7 +48,7 @@ import kernels
 
 from .feature_map import HedgehogFeatureMap, feature_map_init
 from .hedgehog import causal_lm_loss
-from .fused_ops import causal_depthwise_conv, split_qkv_rotary
+from .fused_ops import causal_depthwise_conv, sigmoid_gate, split_qkv_rotary
 from .neox_attention import rotary_cos_sin
 
 __all__ = [
@@ -223,7 +223,7 @@ class CausalDepthwiseConv(nn.Module):
             prev = x.new_zeros(b, W - 1, c)
         else:
             prev = state.transpose(1, 2).to(x.dtype)
-        if seq_idx is None and W > 1:  # no document boundaries: one-write backward (fused_ops)
+        if seq_idx is None and W > 1:  # no document boundaries: the Triton kernel on CUDA (fused_ops)
             y, new_state = causal_depthwise_conv(x, prev, self.weight, self.bias)
             return y, new_state.transpose(1, 2).contiguous()
         xp = torch.cat([prev, x], dim=1)  # (b, W-1+l, C)
@@ -366,11 +366,7 @@ class HedgeMambaMixer(nn.Module):
         if token_mask is not None:
             y = torch.where(token_mask[:, :, None, None], y, torch.zeros_like(y))
         if self.z_proj is not None:
-            z = self.z_proj(h)
-            if kernels.resolve_backend(y) == "triton" and not torch.compiler.is_compiling():
-                y = kernels.sigmoid_gate_triton(y, z)  # one kernel each way
-            else:
-                y = kernels.sigmoid_gate_reference(y, z)
+            y = sigmoid_gate(y, self.z_proj(h))
         return self.out_proj(y.reshape(b, l, H * P))
 
 
