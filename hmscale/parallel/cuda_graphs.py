@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["apply_cuda_graphs", "graphed_blocks"]
+__all__ = ["apply_cuda_graphs"]
 
 
 class _BlockCall(nn.Module):
@@ -47,11 +47,6 @@ def _dispatch(block: nn.Module, call: nn.Module, eager_forward, shape, dtype, x_
     return forward
 
 
-def graphed_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks :func:`apply_cuda_graphs` replaced the forward of."""
-    return [m for m in model.modules() if getattr(m, "_hmscale_graphed", False)]
-
-
 def apply_cuda_graphs(model: nn.Module, batch_size: int, seq_len: int, *, inputs_require_grad: bool = False,
                       num_warmup_iters: int = 3) -> int:
     """Capture every HedgeMamba block of ``model`` (on its CUDA device, in training mode) for inputs of
@@ -65,8 +60,7 @@ def apply_cuda_graphs(model: nn.Module, batch_size: int, seq_len: int, *, inputs
     blocks = [m for m in model.modules() if isinstance(m, HedgeMambaBlock)]
     if not blocks:
         raise ValueError(f"apply_cuda_graphs: {type(model).__name__} has no HedgeMamba blocks")
-    params = list(model.parameters())
-    device = params[0].device
+    device = next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError("parallel.cuda_graphs: CUDA graphs need the model on a GPU; set parallel.use_gpu=true "
                          "or parallel.cuda_graphs=false")
@@ -74,9 +68,7 @@ def apply_cuda_graphs(model: nn.Module, batch_size: int, seq_len: int, *, inputs
         raise ValueError("apply_cuda_graphs: activation checkpointing re-runs the blocks in the backward; turn it off")
     if any(getattr(b, "_hmscale_graphed", False) for b in blocks):
         raise ValueError("apply_cuda_graphs: the blocks are already captured")
-    if getattr(getattr(model, "config", None), "use_parallel_residual", None) is None:
-        raise ValueError("apply_cuda_graphs: expected a HedgeMamba model (with a config)")
-    cfg = model.config
+    cfg = blocks[0].mixer.config
     dtype = blocks[0].input_layernorm.weight.dtype
     shape = (batch_size, seq_len, cfg.hidden_size)
     positions = torch.arange(seq_len, device=device)[None, :]
@@ -95,5 +87,4 @@ def apply_cuda_graphs(model: nn.Module, batch_size: int, seq_len: int, *, inputs
         # an instance attribute: the module tree (and so the state dict) stays as it was
         block.forward = _dispatch(block, call, eager, shape, dtype, inputs_require_grad or i > 0)
         block._hmscale_graphed = True
-        block._hmscale_graph_call = [call]  # a list: not registered as a submodule
     return len(blocks)
