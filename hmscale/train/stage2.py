@@ -252,15 +252,15 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
     was_training = engine.module.training
     engine.module.eval()
     total = torch.zeros(2, dtype=torch.float64)
+    shard = getattr(engine.module, "vocab_shard", None)
+    if shard is not None:
+        from hmscale.parallel.vocab import vocab_gather, vocab_logsumexp
     for i in range(0, len(mine), micro_batch_size):
         x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
         logits = engine(input_ids=x).logits[:, :-1].float()
-        shard = getattr(engine.module, "vocab_shard", None)
         if shard is None:
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
         else:  # this rank's vocabulary slice (vocabulary-parallel LM head)
-            from hmscale.parallel.vocab import vocab_gather, vocab_logsumexp
-
             nll = (vocab_logsumexp(logits, shard) - vocab_gather(logits, x[:, 1:, None], shard)[..., 0]).sum()
         total += torch.tensor([nll.item(), x[:, 1:].numel()], dtype=torch.float64)
     if was_training:
