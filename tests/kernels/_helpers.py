@@ -54,9 +54,16 @@ def make_inputs(b, l, h, g, p, n, *, dtype=torch.float64, normalize=False, D=Fal
 
 
 def rel(a, b):
-    a = a.detach().double()
-    b = b.detach().double()
+    a = a.detach().double().cpu()
+    b = b.detach().double().cpu()
     return ((a - b).norm() / b.norm()).item()
+
+
+def on_triton_device(ins: dict, seq_idx=None):
+    """The inputs of :func:`make_inputs` moved to where the Triton kernels run (the GPU, or the CPU under the
+    interpreter)."""
+    moved = {k: v.to(TRITON_DEVICE) for k, v in ins.items()}
+    return moved, None if seq_idx is None else seq_idx.to(TRITON_DEVICE)
 
 
 def fused_and_plain(monkeypatch, module, name: str, run):

@@ -1,14 +1,12 @@
 """Decode step: stepping token by token reproduces the chunked output and final state."""
 
-import os
-
 import pytest
 import torch
 
 from kernels import ssd_reference, ssd_step
 from kernels.step import ssd_step_torch
 
-from ._helpers import make_inputs, rel
+from ._helpers import make_inputs, needs_triton, on_triton_device, rel
 
 
 def _roll(step_fn, ins, normalize):
@@ -34,15 +32,16 @@ def test_torch_step_matches_reference(normalize):
     assert rel(s, sr) < 1e-12
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@needs_triton
 @pytest.mark.parametrize("normalize,g,p", [(False, 2, 20), (True, 1, 40), (True, 4, 8)])
 def test_triton_step_matches_torch_step(normalize, g, p):
     ins, _ = make_inputs(2, 3, 4, g, p, 24, dtype=torch.float32, normalize=normalize, D=True, init=True)
-    st = ins["initial_state"]
+    dev, _ = on_triton_device(ins)
+    st = dev["initial_state"]
     for t in range(3):
-        args = (st, ins["x"][:, t], ins["dt"][:, t], ins["A"], ins["B"][:, t], ins["C"][:, t])
-        y1, s1 = ssd_step(*args, D=ins["D"], normalize=normalize, backend="triton")
-        y2, s2 = ssd_step_torch(*args, D=ins["D"], normalize=normalize)
+        args = (st, dev["x"][:, t], dev["dt"][:, t], dev["A"], dev["B"][:, t], dev["C"][:, t])
+        y1, s1 = ssd_step(*args, D=dev["D"], normalize=normalize, backend="triton")
+        y2, s2 = ssd_step_torch(*(a.cpu() for a in args), D=ins["D"], normalize=normalize)
         assert rel(y1, y2) < 1e-6 and rel(s1, s2) < 1e-6
         st = s1
 

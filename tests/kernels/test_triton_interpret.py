@@ -1,4 +1,4 @@
-"""Triton kernels (under TRITON_INTERPRET=1 on CPU) vs the float64 reference: outputs, final state and
+"""Triton kernels (under TRITON_INTERPRET=1 on CPU, or on a GPU) vs the float64 reference: outputs, final state and
 all gradients, over every option. Inputs fp32; tolerance 1e-5 relative (||diff|| / ||ref||)."""
 
 import os
@@ -8,7 +8,7 @@ import torch
 
 from kernels import ssd, ssd_reference
 
-from ._helpers import make_inputs, rel
+from ._helpers import TRITON_DEVICE, make_inputs, on_triton_device, rel
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a GPU")
@@ -27,7 +27,9 @@ CASES = [  # (shape, chunk, options)
 ]
 
 
-def _run(fn, ins, seq, opts, chunk, gy=None, gs=None):
+def _run(fn, ins, seq, opts, chunk, gy=None, gs=None, device="cpu"):
+    """fn on ins (moved to `device`) with gradients from gy, gs (random when not given; returned on the CPU)."""
+    ins, seq = ({k: v.to(device) for k, v in ins.items()}, None if seq is None else seq.to(device))
     leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
     y, s = fn(**leaves, chunk_size=chunk, seq_idx=seq, normalize=opts.get("normalize", False),
               return_final_state=True)
@@ -35,8 +37,13 @@ def _run(fn, ins, seq, opts, chunk, gy=None, gs=None):
         gen = torch.Generator().manual_seed(1)
         gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
         gs = torch.randn(s.shape, generator=gen, dtype=torch.float64)
-    grads = torch.autograd.grad((y.double() * gy).sum() + (s.double() * gs).sum(), list(leaves.values()))
-    return y, s, dict(zip(leaves, grads)), gy, gs
+    grads = torch.autograd.grad((y.double() * gy.to(device)).sum() + (s.double() * gs.to(device)).sum(),
+                                list(leaves.values()))
+    return y, s, dict(zip(leaves, grads)), gy.cpu(), gs.cpu()
+
+
+def _triton(**k):
+    return ssd(**k, backend="triton")
 
 
 @pytest.mark.parametrize("bwd", ["v1", "v2"])
@@ -44,7 +51,7 @@ def _run(fn, ins, seq, opts, chunk, gy=None, gs=None):
 def test_triton_matches_reference(shape, chunk, opts, bwd, monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
     ins, seq = make_inputs(**shape, **opts, dtype=torch.float32)
-    y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, opts, chunk)
+    y, s, g, gy, gs = _run(_triton, ins, seq, opts, chunk, device=TRITON_DEVICE)
     ins64 = {k: v.double() for k, v in ins.items()}
     yr, sr, gr, _, _ = _run(ssd_reference, ins64, seq, opts, chunk, gy, gs)
     assert y.dtype == torch.float32 and s.dtype == torch.float32
@@ -58,7 +65,7 @@ def test_triton_matches_reference(shape, chunk, opts, bwd, monkeypatch):
 def test_env_backend_and_no_final_state(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
     ins, seq = make_inputs(1, 24, 2, 1, 16, 16, dtype=torch.float32)
-    y = ssd(**ins, chunk_size=16)
+    y = ssd(**on_triton_device(ins)[0], chunk_size=16)
     assert isinstance(y, torch.Tensor)
     yr = ssd_reference(**{k: v.double() for k, v in ins.items()})
     assert rel(y, yr) < TOL
@@ -68,7 +75,8 @@ def test_half_precision_inputs():
     # fp16 here: the CPU interpreter (Triton 3.9) computes tl.dot on bf16 operands wrongly (it reads
     # the bits as integers); bf16 is covered on the GPU by benchmarks/ssd_gpu_check.py.
     ins, seq = make_inputs(1, 40, 2, 2, 16, 16, dtype=torch.float16, D=True, seq=True)
-    y = ssd(**ins, chunk_size=16, seq_idx=seq, backend="triton")
+    dev_ins, dev_seq = on_triton_device(ins, seq)
+    y = ssd(**dev_ins, chunk_size=16, seq_idx=dev_seq, backend="triton")
     yr = ssd_reference(**{k: v.double() for k, v in ins.items()}, seq_idx=seq)
     assert y.dtype == torch.float16
     assert rel(y, yr) < 1e-2
@@ -78,7 +86,7 @@ def test_half_precision_normalize_gradients():
     """fp16 inputs with normalize: the normaliser's gradient takes the fp32 (tf32) dot path."""
     ins, seq = make_inputs(1, 40, 2, 1, 16, 32, dtype=torch.float16, D=True, seq=True, init=True, normalize=True)
     opts = dict(normalize=True)
-    y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, opts, 16)
+    y, s, g, gy, gs = _run(_triton, ins, seq, opts, 16, device=TRITON_DEVICE)
     yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 16, gy, gs)
     assert rel(y, yr) < 1e-2 and rel(s, sr) < 1e-2
     for k in g:
@@ -89,7 +97,7 @@ def test_dbc_tuning_override(monkeypatch):
     """The tuning knob of the dB/dC kernel changes tiles only, not results (P=40 with BP=32: masked tail)."""
     monkeypatch.setenv("HMSCALE_SSD_DBC_CFG", "32,32,2,4")
     ins, seq = make_inputs(1, 37, 2, 1, 40, 48, dtype=torch.float32, seq=True, init=True)
-    y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, {}, 16)
+    y, s, g, gy, gs = _run(_triton, ins, seq, {}, 16, device=TRITON_DEVICE)
     yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, {}, 16, gy, gs)
     for k in g:
         assert rel(g[k], gr[k]) < TOL, k
@@ -106,7 +114,7 @@ def test_normalize_many_tiles(norm, monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_CFG", SMALL_TILES)
     opts = dict(normalize=True, D=True, init=True, seq=True)
     ins, seq = make_inputs(1, 40, 2, 1, 36, 24, dtype=torch.float32, **opts)
-    y, s, g, gy, gs = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, opts, 16)
+    y, s, g, gy, gs = _run(_triton, ins, seq, opts, 16, device=TRITON_DEVICE)
     yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 16, gy, gs)
     assert s.shape == (1, 2, 37, 24)
     assert rel(y, yr) < TOL and rel(s, sr) < TOL
@@ -127,7 +135,7 @@ def test_bf16_state_precision(split, opts, monkeypatch):
     # bf16-representable output gradients: the reference then sees the same dy as the kernels
     gy = torch.randn(1, 70, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double()
     gs = torch.randn(1, 2, ps, 32, generator=gen, dtype=torch.float64)
-    y, s, g, _, _ = _run(lambda **k: ssd(**k, backend="triton"), ins, seq, opts, 32, gy, gs)
+    y, s, g, _, _ = _run(_triton, ins, seq, opts, 32, gy, gs, device=TRITON_DEVICE)
     yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 32, gy, gs)
     assert y.dtype == torch.bfloat16
     assert rel(y, yr) < 1e-2
