@@ -72,11 +72,13 @@ def _train_rank(rank: int, run: dict, out_dir: str) -> None:
     from hmscale.train.stage2 import run_stage2
 
     E.Checkpointer.save = lambda self, *a, **k: None  # no checkpoint writes: they would time the disk
+    graphs = bool(run.get("cuda_graphs")) and gpu and run["tp"] == 1
     cfg = build_config({}, [
-        "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}", "parallel.zero_stage=2",
+        "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}",
+        f"parallel.zero_stage={0 if graphs else 2}",  # CUDA graphs need ZeRO-0 (see parallel.cuda_graphs)
         f"parallel.tp={run['tp']}", f"parallel.num_workers={world}", "parallel.checkpoint_every=1000000",
         f"parallel.compile={run.get('compile', False) and not run.get('verify_tp_compile')}",
-        f"parallel.cuda_graphs={bool(run.get('cuda_graphs')) and gpu and run['tp'] == 1}",
+        f"parallel.cuda_graphs={graphs}",
         f"stage2.micro_batch_size={run['micro_batch']}", f"stage2.grad_accum={run['grad_accum']}",
         f"stage2.steps={run['steps']}", "stage2.warmup_steps=2", "stage2.kd_weight=0", "stage2.lr=3e-4",
         f"output_dir={out_dir}", "seed=0",
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="parallel.compile=true for every training run (blocks under torch.compile)")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="parallel.cuda_graphs=true for the runs without tensor parallelism (GPU)")
+                    help="parallel.cuda_graphs=true (and ZeRO-0) for the runs without tensor parallelism (GPU)")
     ap.add_argument("--verify-tp-compile", action="store_true",
                     help="with --compile: run the tp runs compiled too (refused by the config on GPUs until verified), "
                          "for their fp32 losses against one GPU")

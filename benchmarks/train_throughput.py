@@ -53,7 +53,7 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
-          ds_config: str | None = None, cuda_graphs: bool = False) -> dict:
+          ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -65,7 +65,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
         apply_compile(model)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
-                     zero_stage=2, bf16=bf16, torch_adam=True, ds_config=ds_config)
+                     zero_stage=zero_stage, bf16=bf16, torch_adam=True, ds_config=ds_config)
     engine = build_engine(model, spec, dp_world=1)
     if cuda_graphs:  # the student's blocks only (hmscale.parallel.apply_cuda_graphs)
         from hmscale.parallel import apply_cuda_graphs
@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-teacher", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="capture the student's blocks as CUDA graphs (hmscale.parallel.apply_cuda_graphs; GPU)")
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2,
+                    help="DeepSpeed ZeRO stage of both models (default 2; --cuda-graphs needs 0)")
     ap.add_argument("--ds-config", default=None,
                     help="a DeepSpeed JSON instead of ds_configs/zero2.json (e.g. to try other ZeRO bucket settings)")
     ap.add_argument("--compile", action="store_true",
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
                     help="JSON path (default benchmarks/results/train_throughput.json; none with --smoke)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
+    if args.cuda_graphs and args.zero_stage != 0:
+        ap.error("--cuda-graphs needs --zero-stage 0 (the capture fails under DeepSpeed's ZeRO-1/2 optimizer)")
 
     from hmscale.train.engine import init_distributed
 
@@ -187,7 +191,7 @@ def main(argv=None) -> int:
                 r = bench(f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
-                          cuda_graphs=graphs)
+                          cuda_graphs=graphs, zero_stage=args.zero_stage)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()

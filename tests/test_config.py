@@ -42,7 +42,9 @@ def test_resolved_config_round_trips(tmp_path):
         (["parallel.tp=2", "parallel.num_workers=2", "parallel.zero_stage=3"], "parallel.zero_stage"),
         (["parallel.tp=2", "parallel.num_workers=2", "parallel.use_gpu=true", "parallel.compile=true"], "parallel.compile"),
         (["parallel.cuda_graphs=true"], "parallel.cuda_graphs"),
-        (["parallel.cuda_graphs=true", "parallel.use_gpu=true", "parallel.compile=true"], "parallel.cuda_graphs"),
+        (["parallel.cuda_graphs=true", "parallel.use_gpu=true", "parallel.compile=true", "parallel.zero_stage=0"],
+         "parallel.cuda_graphs"),
+        (["parallel.cuda_graphs=true", "parallel.use_gpu=true"], "parallel.cuda_graphs"),  # ZeRO-2, the default
         (["stage1.epochs=4", "stage1.steps=100"], "stage1.epochs"),
         (["stage1.epochs=0"], "stage1.epochs"),
         (["stage2.ce_weight=0"], "stage2.ce_weight"),
@@ -54,6 +56,11 @@ def test_bad_configs_name_the_field(overrides, field):
         build_config(overrides=overrides)
     msg = str(err.value)
     assert msg.startswith(field) and "\n" not in msg
+
+
+def test_cuda_graphs_with_zero0_on_gpu_is_accepted():
+    cfg = build_config(overrides=["parallel.cuda_graphs=true", "parallel.use_gpu=true", "parallel.zero_stage=0"])
+    assert cfg.parallel.cuda_graphs and cfg.parallel.zero_stage == 0
 
 
 def test_cli_bad_config_is_one_line_exit_2():
