@@ -77,14 +77,12 @@ def _train_rank(rank: int, run: dict, out_dir: str) -> None:
         "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}",
         f"parallel.zero_stage={0 if graphs else 2}",  # CUDA graphs need ZeRO-0 (see parallel.cuda_graphs)
         f"parallel.tp={run['tp']}", f"parallel.num_workers={world}", "parallel.checkpoint_every=1000000",
-        f"parallel.compile={run.get('compile', False) and not run.get('verify_tp_compile')}",
+        f"parallel.compile={run.get('compile', False)}",
         f"parallel.cuda_graphs={graphs}",
         f"stage2.micro_batch_size={run['micro_batch']}", f"stage2.grad_accum={run['grad_accum']}",
         f"stage2.steps={run['steps']}", "stage2.warmup_steps=2", "stage2.kd_weight=0", "stage2.lr=3e-4",
         f"output_dir={out_dir}", "seed=0",
     ])
-    if run.get("verify_tp_compile"):  # past the config's refusal, to check compiled tp against one GPU
-        object.__setattr__(cfg.parallel, "compile", True)
     cfg._progress = False
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     if gpu:
@@ -173,12 +171,8 @@ def training_part(args, n: int, gpu: bool, work: Path) -> dict:
     if not args.fp32_only:
         go("1gpu", 1, dict(base, tp=1, grad_accum=n))
         go("dp", n, dict(base, tp=1, grad_accum=1))
-        if tp == 2 and args.compile and gpu and not args.verify_tp_compile:
-            print("tp2 runs skipped: parallel.compile is not yet verified with tensor parallelism on GPUs "
-                  "(--verify-tp-compile runs them anyway, to check their losses)", flush=True)
-        elif tp == 2:
-            go("tp2", n, dict(base, tp=2, grad_accum=1, micro_batch=2 * args.micro_batch,
-                              verify_tp_compile=args.compile and args.verify_tp_compile))
+        if tp == 2:
+            go("tp2", n, dict(base, tp=2, grad_accum=1, micro_batch=2 * args.micro_batch))
             go("tp2_ga", n, dict(base, tp=2, grad_accum=2))
         if base["bf16"]:
             go("1gpu_repeat", 1, dict(base, tp=1, grad_accum=n))
@@ -187,9 +181,8 @@ def training_part(args, n: int, gpu: bool, work: Path) -> dict:
         print(f"fp32 loss equality: seq {args.fp32_seq}, micro batch {args.fp32_micro_batch}", flush=True)
         go("fp32_1gpu", 1, dict(f32, tp=1, grad_accum=n))
         go("fp32_dp", n, dict(f32, tp=1, grad_accum=1))
-        if tp == 2 and (not args.compile or args.verify_tp_compile):
-            go("fp32_tp2", n, dict(f32, tp=2, grad_accum=1, micro_batch=2 * args.fp32_micro_batch,
-                                  verify_tp_compile=args.compile and args.verify_tp_compile))
+        if tp == 2:
+            go("fp32_tp2", n, dict(f32, tp=2, grad_accum=1, micro_batch=2 * args.fp32_micro_batch))
     summary = {}
 
     def diff(key, a, b):
@@ -359,9 +352,6 @@ def main(argv=None) -> int:
                     help="parallel.compile=true for every training run (blocks under torch.compile)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="parallel.cuda_graphs=true (and ZeRO-0) for the runs without tensor parallelism (GPU)")
-    ap.add_argument("--verify-tp-compile", action="store_true",
-                    help="with --compile: run the tp runs compiled too (refused by the config on GPUs until verified), "
-                         "for their fp32 losses against one GPU")
     ap.add_argument("--profile", action="store_true", help="print a profile of one step (rank 0) of each run")
     ap.add_argument("--runs", default=None, help="comma list of runs to do (default all): 1gpu,dp,tp2,tp2_ga,"
                     "1gpu_repeat,fp32_1gpu,fp32_dp,fp32_tp2")

@@ -207,12 +207,6 @@ class ParallelConfig(_Section):
             raise ValueError(f"parallel.tp: {self.tp} must divide parallel.num_workers={self.num_workers}")
         if self.tp > 1 and self.zero_stage == 3:
             raise ValueError("parallel.zero_stage: tensor parallelism supports ZeRO 0, 1 or 2; set zero_stage<=2 or tp=1")
-        if self.compile and self.tp > 1 and self.use_gpu:
-            # measured 2026-11-29 on 2 x H200 (BENCHMARKS.md): compiled tp=2 blocks trained to other losses
-            # than one GPU in fp32 (eager tp=2 matches); the collectives are now kept out of the graphs,
-            # which has yet to be verified on GPUs
-            raise ValueError("parallel.compile: not yet verified with tensor parallelism on GPUs (a compiled tp=2 run "
-                             "diverged from one GPU); set parallel.compile=false or parallel.tp=1")
         if self.cuda_graphs and (not self.use_gpu or self.compile or self.tp > 1 or self.zero_stage != 0):
             # ZeRO 1/2: measured 2026-11-29 on an H200, the backward capture is invalidated once DeepSpeed's
             # ZeRO optimizer is built (ZeRO-0 and no DeepSpeed capture fine); ZeRO-3 gathers parameters in hooks
