@@ -13,6 +13,7 @@ make it strictly positive).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -20,41 +21,138 @@ from .reference import doc_ids_from_seq_idx
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
 from .ssd_triton_fwd import norm_bwd_prologue, ssd_fwd
 
-__all__ = ["ssd_triton", "SSDCoreFunction", "norm_mode"]
+__all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_mode"]
+
+
+def _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum):
+    """(y, final, states, gdec, ynum, den) of the Triton forward; ynum and den are None when not kept."""
+    y, ynum, den, final, states, gdec = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                norm, Dhp, save_ynum=save_ynum)
+    return y, final, states, gdec, ynum, den
+
+
+def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm):
+    """(dx, ddt, dA, dB, dC, dinit, dD) of the Triton backward (dinit, dD None when absent)."""
+    if dy is None:
+        dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
+    dden = None
+    dyn = dy
+    if norm:
+        dyn, dden = norm_bwd_prologue(dy, ynum, den)
+    return ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy)
+
+
+def _d_hp(D, h, p):
+    """The D skip as the (h, p) fp32 tensor the kernels fuse (autograd takes dD back to D's shape)."""
+    return (D[:, None] if D.dim() == 1 else D).float().expand(h, p).contiguous()
 
 
 class SSDCoreFunction(torch.autograd.Function):
+    """The Triton core for eager autograd (the cheapest dispatch; compiled graphs use :func:`core_op`)."""
+
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm=False, D=None):
-        need = any(ctx.needs_input_grad)
-        Dhp = None
-        if D is not None:  # fused D skip, as (h, p) fp32
-            h, p = x.shape[2], x.shape[3]
-            Dhp = (D[:, None] if D.dim() == 1 else D).float().expand(h, p).contiguous()
-        y, ynum, den, final, states, gdec = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
-                                                    norm, Dhp, save_ynum=need)
+    def forward(ctx, x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm=False, Dhp=None):
+        y, final, states, gdec, ynum, den = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                          norm, Dhp, any(ctx.needs_input_grad))
         ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp)
         ctx.chunk_size = chunk_size
         ctx.has_init = initial_state is not None
         ctx.norm = norm
-        ctx.D_meta = (D.shape, D.dtype) if D is not None else None
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
-        dden = None
-        dyn = dy
-        if ctx.norm:
-            dyn, dden = norm_bwd_prologue(dy, ynum, den)
-        dx, ddt, dA, dB, dC, dinit, dD = ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec,
-                                                 ctx.chunk_size, ctx.has_init, D=Dhp, dyo=dy)
-        if ctx.D_meta is not None:
-            shape, dtype = ctx.D_meta
-            dD = (dD.sum(-1) if len(shape) == 1 else dD).to(dtype)
+        dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
+                                                        ctx.chunk_size, ctx.has_init, ctx.norm)
         return dx, ddt, dA, dB, dC, dinit, None, None, None, None, dD
+
+
+# The same core as two torch.library custom ops, for torch.compile: dynamo keeps an opaque op in the graph (the
+# fake functions give its output shapes) instead of breaking the graph around the scan, and AOTAutograd puts
+# the backward op in the backward graph. Absent optional outputs are empty tensors (an op returns tensors).
+_Opt = Optional[torch.Tensor]
+_OUT6 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_OUT7 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _or_empty(t, like):
+    return t if t is not None else like.new_empty(0, dtype=torch.float32)
+
+
+def _none_if_empty(t):
+    return None if t is None or t.numel() == 0 else t
+
+
+@torch.library.custom_op("hmscale::ssd_core_fwd", mutates_args=())
+def core_fwd_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                initial_state: _Opt, doc: _Opt, chunk_size: int, out_dtype: torch.dtype, norm: bool, Dhp: _Opt,
+                save_ynum: bool) -> _OUT6:
+    y, final, states, gdec, ynum, den = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                      norm, Dhp, save_ynum)
+    return y, final, states, gdec, _or_empty(ynum, x), _or_empty(den, x)
+
+
+@core_fwd_op.register_fake
+def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum):
+    b, l, h, p = x.shape
+    n = B.shape[3]
+    nc = -(-l // chunk_size)
+    ps = p + int(norm)
+    f32 = torch.float32
+    return (x.new_empty(b, l, h, p, dtype=out_dtype), x.new_empty(b, h, ps, n, dtype=f32),
+            x.new_empty(b, h, nc, ps, n, dtype=f32), x.new_empty(b * h, nc, dtype=f32),
+            x.new_empty((b, l, h, p) if norm and save_ynum else (0,), dtype=f32),
+            x.new_empty((b, l, h) if norm else (0,), dtype=f32))
+
+
+@torch.library.custom_op("hmscale::ssd_core_bwd", mutates_args=())
+def core_bwd_op(dy: torch.Tensor, dfinal: _Opt, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, doc: _Opt, states: torch.Tensor, gdec: torch.Tensor, ynum: torch.Tensor,
+                den: torch.Tensor, Dhp: _Opt, chunk_size: int, has_init: bool, norm: bool) -> _OUT7:
+    dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec,
+                                                    _none_if_empty(ynum), _none_if_empty(den), Dhp, chunk_size,
+                                                    has_init, norm)
+    return dx, ddt, dA, dB, dC, _or_empty(dinit, x), _or_empty(dD, x)
+
+
+@core_bwd_op.register_fake
+def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm):
+    b, l, h, p = x.shape
+    f32 = torch.float32
+    return (torch.empty_like(x), x.new_empty(b, l, h, dtype=f32), x.new_empty(h, dtype=f32), torch.empty_like(B),
+            torch.empty_like(C), x.new_empty((b, h, states.shape[3], B.shape[3]) if has_init else (0,), dtype=f32),
+            x.new_empty((h, p) if Dhp is not None else (0,), dtype=f32))
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum = inputs
+    _, _, states, gdec, ynum, den = output
+    ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp)
+    ctx.chunk_size, ctx.has_init, ctx.norm = chunk_size, initial_state is not None, norm
+
+
+def _op_backward(ctx, dy, dfinal, *_unused):
+    x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, ddt, dA, dB, dC, dinit, dD = core_bwd_op(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
+                                                 ctx.chunk_size, ctx.has_init, ctx.norm)
+    return (dx, ddt, dA, dB, dC, dinit if ctx.has_init else None, None, None, None, None,
+            dD if Dhp is not None else None, None)
+
+
+core_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def _core(xc, dtc, Ac, Bc, Cc, init, doc, chunk_size, out_dtype, norm=False, Dhp=None):
+    """(y, final) of the core: the custom op inside a torch.compile graph, the autograd Function otherwise."""
+    if torch.compiler.is_compiling():
+        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (xc, dtc, Ac, Bc, Cc, init, Dhp))
+        y, final, *_ = core_fwd_op(xc, dtc, Ac, Bc, Cc, init, doc, chunk_size, out_dtype, norm, Dhp, save)
+        return y, final
+    return SSDCoreFunction.apply(xc, dtc, Ac, Bc, Cc, init, doc, chunk_size, out_dtype, norm, Dhp)
 
 
 def norm_mode() -> str:
@@ -99,13 +197,13 @@ def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_id
     init = initial_state.contiguous().float() if initial_state is not None else None
     doc = doc_ids_from_seq_idx(seq_idx, b, l, x.device).contiguous() if seq_idx is not None else None
     if fused:
-        y, final = SSDCoreFunction.apply(xc, dtc, Ac, Bc, Cc, init, doc, int(chunk_size), x.dtype,
-                                         bool(normalize), D)
+        Dhp = _d_hp(D, h, p) if D is not None else None
+        y, final = _core(xc, dtc, Ac, Bc, Cc, init, doc, int(chunk_size), x.dtype, bool(normalize), Dhp)
         if return_final_state:
             return y, final
         return y
     out_dtype = torch.float32 if normalize else x.dtype
-    y, final = SSDCoreFunction.apply(xc, dtc, Ac, Bc, Cc, init, doc, int(chunk_size), out_dtype)
+    y, final = _core(xc, dtc, Ac, Bc, Cc, init, doc, int(chunk_size), out_dtype)
     if normalize:
         y = y[..., :p] / y[..., p:]
     if D is not None:

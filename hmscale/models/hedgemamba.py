@@ -246,10 +246,17 @@ class CausalDepthwiseConv(nn.Module):
         return y, new_state.transpose(1, 2).contiguous()
 
 
+def _ssd_scan(x, *args, **kwargs):
+    """``kernels.ssd``. In a ``torch.compile`` graph the Triton scan is one opaque custom op inside the graph
+    (``kernels.ssd_autograd.core_fwd_op``: no graph break); the plain-PyTorch backends run outside the graph
+    (their chunked math would compile into a large graph for nothing)."""
+    if torch.compiler.is_compiling() and kernels.resolve_backend(x) != "triton":
+        return _ssd_scan_outside_graph(x, *args, **kwargs)
+    return kernels.ssd(x, *args, **kwargs)
+
+
 @torch.compiler.disable
-def _ssd_scan(*args, **kwargs):
-    """``kernels.ssd`` kept out of ``torch.compile`` graphs (its Triton launches and autograd are our own);
-    a compiled block runs the code before and after it as compiled graphs."""
+def _ssd_scan_outside_graph(*args, **kwargs):
     return kernels.ssd(*args, **kwargs)
 
 

@@ -2,9 +2,10 @@
 
 Each transformer / HedgeMamba block (the classes a model lists in ``_no_split_modules``) is compiled in
 place with ``nn.Module.compile``; everything else (embeddings, LM head, loss) stays eager. In a
-HedgeMamba block the SSD scan is excluded from the graph (``torch.compiler.disable``), so the compiled
-graphs are the elementwise work around it: the causal conv, rotary, the Hedgehog feature maps, dt/A, the
-gate; inductor fuses them into a few kernels, forward and backward.
+HedgeMamba block the Triton SSD scan is one opaque custom op inside the graph (no graph break), so each block
+is one graph forward and one backward: inductor fuses the elementwise work around the scan (the causal conv,
+rotary, the Hedgehog feature maps, dt/A, the gate) into a few kernels. With the plain-PyTorch SSD backend
+(CPU) the scan runs outside the graphs.
 
 The first steps pay the compilation (tens of seconds per distinct block shape on a GPU). Shapes are
 compiled static (``dynamic=False``): a training run feeds one micro-batch shape.

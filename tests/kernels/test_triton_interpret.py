@@ -145,3 +145,20 @@ def test_bf16_state_precision(split, opts, monkeypatch):
         assert rel(g[k], gr[k]) < 1e-2, (k, rel(g[k], gr[k]))
     if not opts:
         assert rel(g["dt"], gr["dt"]) < 1e-4 and rel(g["A"], gr["A"]) < 1e-4
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
+def test_custom_ops_pass_opcheck(opts):
+    """The core as torch.library custom ops (what a torch.compile graph holds): schema, fake shapes and dtypes,
+    autograd registration and AOT dispatch agree with the real kernels (torch.library.opcheck)."""
+    from kernels.reference import doc_ids_from_seq_idx
+    from kernels.ssd_autograd import _d_hp, core_fwd_op
+
+    ins, seq = on_triton_device(*make_inputs(1, 40, 2, 1, 16, 16, dtype=torch.float32, **opts))
+    norm = opts.get("normalize", False)
+    doc = doc_ids_from_seq_idx(seq, 1, 40, seq.device).contiguous() if seq is not None else None
+    Dhp = _d_hp(ins["D"], 2, 16) if "D" in ins else None
+    leaves = [ins[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C")]
+    init = ins["initial_state"].clone().requires_grad_() if "initial_state" in ins else None
+    args = (*leaves, init, doc, 16, torch.float32, norm, Dhp, True)
+    torch.library.opcheck(core_fwd_op, args)
