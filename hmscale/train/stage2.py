@@ -158,6 +158,22 @@ def freeze_embeddings(model: torch.nn.Module) -> int:
     return n
 
 
+def freeze_all_but_mixers(model: torch.nn.Module) -> int:
+    """requires_grad=False on every parameter outside the blocks' sequence mixers (``*.mixer.*``: what replaced
+    attention); returns the number of parameters newly frozen."""
+    n = 0
+    mixers = 0
+    for name, p in model.named_parameters():
+        if ".mixer." in name:
+            mixers += 1
+        elif p.requires_grad:
+            p.requires_grad_(False)
+            n += p.numel()
+    if not mixers:
+        raise TrainingError(f"stage2.trainable=mixers: {type(model).__name__} has no '.mixer.' parameters")
+    return n
+
+
 # parameter names (last two components) of the parts HedgeMamba adds to the teacher's weights
 NEW_PARAM_NAMES = ("conv.weight", "conv.bias", "dt_proj.weight", "dt_proj.bias", "mixer.A_log", "mixer.A_scale",
                    "mixer.D", "z_proj.weight", "z_proj.bias")
@@ -310,6 +326,8 @@ def run_stage2(
     if model is None:
         model = build_stage2_model(cfg, run_dir, teacher=teacher, student=student)
     frozen = freeze_embeddings(model)
+    if getattr(s2, "trainable", "all") == "mixers":
+        frozen += freeze_all_but_mixers(model)
     if layout.tp_size > 1:
         from hmscale import parallel as hp
 

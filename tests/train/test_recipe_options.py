@@ -236,6 +236,30 @@ def test_stage2_trains_the_groups_at_their_lr(tmp_path, monkeypatch):
     assert lrs == pytest.approx({"base": 1e-3, "new": 1e-2, "feature_map": 3e-2})
 
 
+def test_stage2_trainable_mixers_moves_only_the_mixers(tmp_path):
+    """stage2.trainable=mixers: the loss falls, the mixers' weights move, every other weight stays the
+    teacher's (bitwise); a model without mixers is a clear error."""
+    import copy
+
+    from hmscale.train.stage2 import freeze_all_but_mixers, run_stage2
+
+    teacher = tiny_teacher(sharpen=10.0)
+    cfg = build_config({}, ["stage2.steps=8", "stage2.micro_batch_size=4", "stage2.warmup_steps=1", "stage2.lr=3e-3",
+                            "stage2.trainable=mixers", "stage2.kd_source=online", "stage2.kd_weight=1.0",
+                            "stage2.ce_weight=0", "parallel.zero_stage=2"])
+    model = _perturbed_student(teacher)
+    start = {n: p.detach().clone() for n, p in copy.deepcopy(model).named_parameters()}
+    res = run_stage2(cfg, tmp_path, model=model, teacher=teacher, source=ArraySource(toks()), export=False)
+    rec = [r for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl") if r.get("kind") == "train"]
+    # the MLPs carry noise the frozen weights keep: the mixers can only make up part of it
+    assert res["done"] and np.mean([r["kd"] for r in rec[-3:]]) < 0.97 * rec[0]["kd"]
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), start[n])}
+    assert moved and all(".mixer." in n for n in moved)
+    assert any("in_proj" in n for n in moved) and any("feature_map" in n for n in moved)
+    with pytest.raises(TrainingError, match="no '.mixer.' parameters"):
+        freeze_all_but_mixers(torch.nn.Linear(2, 2))
+
+
 # ---------------------------------------------------------------- hidden-state alignment
 
 
