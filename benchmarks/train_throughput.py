@@ -126,7 +126,8 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     dt = time.perf_counter() - t0
     tokens = steps * micro_batch * seq
     tps = tokens / dt
-    act = (torch.cuda.max_memory_allocated() - base) / (micro_batch * seq) if cuda else None
+    # a graphed run's activations live in the graphs' private pool, allocated at capture: not seen here
+    act = (torch.cuda.max_memory_allocated() - base) / (micro_batch * seq) if cuda and not cuda_graphs else None
     out = {"model": name, "params": n_params, "seq": seq, "micro_batch": micro_batch, "steps": steps,
            "step_ms": 1e3 * dt / steps, "tokens_per_s": tps, "mfu": 6 * n_params * tps / PEAK_FLOPS,
            "act_bytes_per_token": act, "final_loss": float(loss)}
@@ -215,7 +216,8 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"| {r['model']} | {r['error']} | | | | | |")
             continue
-        act = f"{r['act_bytes_per_token'] / 1024:.1f} KiB" if r["act_bytes_per_token"] is not None else "n/a (CPU)"
+        act = (f"{r['act_bytes_per_token'] / 1024:.1f} KiB" if r["act_bytes_per_token"] is not None
+               else "n/a (graph pool)" if "cuda-graphs" in r["model"] else "n/a (CPU)")
         print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['seq']} x {r['micro_batch']} | {r['step_ms']:.1f} ms "
               f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {act} |")
     return 0
