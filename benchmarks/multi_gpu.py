@@ -57,6 +57,23 @@ sys.path.insert(0, str(REPO))
 # ----------------------------------------------------------------------------------------- training
 
 
+def training_overrides(run: dict, world: int, out_dir: str) -> list[str]:
+    """The config overrides of one training configuration."""
+    gpu = run["gpu"]
+    graphs = bool(run.get("cuda_graphs")) and gpu and run["tp"] == 1
+    return [
+        "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}",
+        f"parallel.zero_stage={0 if graphs else 2}",  # CUDA graphs need ZeRO-0 (see parallel.cuda_graphs)
+        f"parallel.tp={run['tp']}", f"parallel.num_workers={world}", "parallel.checkpoint_every=1000000",
+        f"parallel.compile={run.get('compile', False)}",
+        f"parallel.cuda_graphs={graphs}",
+        *([f"parallel.ds_config={run['ds_config']}"] if run.get("ds_config") else []),
+        f"stage2.micro_batch_size={run['micro_batch']}", f"stage2.grad_accum={run['grad_accum']}",
+        f"stage2.steps={run['steps']}", "stage2.warmup_steps=2", "stage2.kd_weight=0", "stage2.lr=3e-4",
+        f"output_dir={out_dir}", "seed=0",
+    ]
+
+
 def _train_rank(rank: int, run: dict, out_dir: str) -> None:
     """One process of one configuration (spawned by `hmscale.train.launch.spawn_workers`)."""
     world = int(os.environ["WORLD_SIZE"])
@@ -72,17 +89,7 @@ def _train_rank(rank: int, run: dict, out_dir: str) -> None:
     from hmscale.train.stage2 import run_stage2
 
     E.Checkpointer.save = lambda self, *a, **k: None  # no checkpoint writes: they would time the disk
-    graphs = bool(run.get("cuda_graphs")) and gpu and run["tp"] == 1
-    cfg = build_config({}, [
-        "parallel.engine=local", f"parallel.use_gpu={gpu}", f"parallel.bf16={run['bf16']}",
-        f"parallel.zero_stage={0 if graphs else 2}",  # CUDA graphs need ZeRO-0 (see parallel.cuda_graphs)
-        f"parallel.tp={run['tp']}", f"parallel.num_workers={world}", "parallel.checkpoint_every=1000000",
-        f"parallel.compile={run.get('compile', False)}",
-        f"parallel.cuda_graphs={graphs}",
-        f"stage2.micro_batch_size={run['micro_batch']}", f"stage2.grad_accum={run['grad_accum']}",
-        f"stage2.steps={run['steps']}", "stage2.warmup_steps=2", "stage2.kd_weight=0", "stage2.lr=3e-4",
-        f"output_dir={out_dir}", "seed=0",
-    ])
+    cfg = build_config({}, training_overrides(run, world, out_dir))
     cfg._progress = False
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     if gpu:
@@ -156,7 +163,7 @@ def max_diff(a: list[float], b: list[float]) -> float:
 def training_part(args, n: int, gpu: bool, work: Path) -> dict:
     base = dict(flavor=args.flavor, vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps,
                 skip=args.skip, gpu=gpu, bf16=gpu and not args.fp32_only, profile=args.profile,
-                compile=args.compile, cuda_graphs=args.cuda_graphs)
+                compile=args.compile, cuda_graphs=args.cuda_graphs, ds_config=args.ds_config)
     tp = 2 if n % 2 == 0 else 1
     want = set(args.runs.split(",")) if args.runs else None
     runs = {}
@@ -352,6 +359,9 @@ def main(argv=None) -> int:
                     help="parallel.compile=true for every training run (blocks under torch.compile)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="parallel.cuda_graphs=true (and ZeRO-0) for the runs without tensor parallelism (GPU)")
+    ap.add_argument("--ds-config", default=None,
+                    help="a DeepSpeed JSON for every training run instead of ds_configs/zero2.json (e.g. overlap_comm; "
+                         "its ZeRO stage wins; not with --cuda-graphs)")
     ap.add_argument("--profile", action="store_true", help="print a profile of one step (rank 0) of each run")
     ap.add_argument("--runs", default=None, help="comma list of runs to do (default all): 1gpu,dp,tp2,tp2_ga,"
                     "1gpu_repeat,fp32_1gpu,fp32_dp,fp32_tp2")
@@ -364,6 +374,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "multi_gpu.json"))
     args = ap.parse_args(argv)
+    if args.ds_config and args.cuda_graphs:
+        ap.error("--ds-config and --cuda-graphs: the graphs need ZeRO-0, the file sets its own stage; use one")
 
     gpu = torch.cuda.is_available() and not args.smoke
     if args.smoke:

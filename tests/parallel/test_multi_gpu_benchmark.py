@@ -27,3 +27,22 @@ def test_multi_gpu_benchmark_smoke(tmp_path):
     assert all(len(r["losses"]) == 4 for r in runs.values())
     assert res["cache"]["full"]["2"]["verified"] and res["cache"]["full"]["2"]["devices"] == ["cpu", "cpu"]
     assert res["comm"][0]["bus_gb_s"] > 0
+
+
+def test_training_overrides_build_valid_configs(tmp_path):
+    """Each configuration's overrides make a config the product accepts: a DeepSpeed file when given, ZeRO-0
+    for CUDA-graph runs (the config refuses graphs with ZeRO 1-3)."""
+    import runpy
+
+    from hmscale.config import build_config
+
+    overrides = runpy.run_path(str(REPO / "benchmarks" / "multi_gpu.py"))["training_overrides"]
+    run = dict(gpu=True, bf16=True, tp=1, micro_batch=8, grad_accum=1, steps=20)
+    ds = tmp_path / "z2.json"
+    ds.write_text("{}")
+    cfg = build_config({}, overrides(dict(run, ds_config=str(ds)), 2, str(tmp_path)))
+    assert cfg.parallel.ds_config == str(ds) and cfg.parallel.zero_stage == 2 and not cfg.parallel.cuda_graphs
+    cfg = build_config({}, overrides(dict(run, cuda_graphs=True), 2, str(tmp_path)))
+    assert cfg.parallel.cuda_graphs and cfg.parallel.zero_stage == 0 and cfg.parallel.ds_config is None
+    cfg = build_config({}, overrides(dict(run, tp=2, cuda_graphs=True, compile=True), 2, str(tmp_path)))
+    assert cfg.parallel.compile and cfg.parallel.tp == 2 and not cfg.parallel.cuda_graphs
