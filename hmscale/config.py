@@ -165,11 +165,11 @@ class Stage2Config(_Section):
     ce_weight: float = Field(1.0, ge=0)  # weight of next-token cross-entropy (0: KD only)
     # weight of a hidden-state alignment term with the live teacher (intermediate residual streams, relative MSE)
     hidden_weight: float = Field(0.0, ge=0)
-    # lr multipliers (x stage2.lr) for the parts that are not the teacher's own weights: the recurrent
-    # parts HedgeMamba adds at identity (gate z_proj, conv, dt_proj, A, D) and the stage-1 feature maps
     # which weights stage 2 trains (the input embeddings never): "all", or "mixers" = only the sequence
     # mixers (what replaced attention); the MLPs, LayerNorms and LM head stay the teacher's
     trainable: Literal["all", "mixers"] = "all"
+    # lr multipliers (x stage2.lr) for the parts that are not the teacher's own weights: the recurrent
+    # parts HedgeMamba adds at identity (gate z_proj, conv, dt_proj, A, D) and the stage-1 feature maps
     new_params_lr_scale: float = Field(1.0, gt=0)
     feature_map_lr_scale: float = Field(1.0, gt=0)
     eval_every: int = Field(50, gt=0)

@@ -48,7 +48,7 @@ def _d_hp(D, h, p):
 
 
 class SSDCoreFunction(torch.autograd.Function):
-    """The Triton core for eager autograd (the cheapest dispatch; compiled graphs use :func:`core_op`)."""
+    """The Triton core for eager autograd (the cheapest dispatch; compiled graphs use :func:`core_fwd_op`)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm=False, Dhp=None):
