@@ -107,7 +107,7 @@ def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save
 
 
 @torch.library.custom_op("hmscale::ssd_core_bwd", mutates_args=())
-def core_bwd_op(dy: torch.Tensor, dfinal: _Opt, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+def core_bwd_op(dy: _Opt, dfinal: _Opt, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, doc: _Opt, states: torch.Tensor, gdec: torch.Tensor, ynum: torch.Tensor,
                 den: torch.Tensor, Dhp: _Opt, chunk_size: int, has_init: bool, norm: bool) -> _OUT7:
     dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec,
@@ -134,8 +134,6 @@ def _op_setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, dy, dfinal, *_unused):
     x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(x)
     dx, ddt, dA, dB, dC, dinit, dD = core_bwd_op(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
                                                  ctx.chunk_size, ctx.has_init, ctx.norm)
     return (dx, ddt, dA, dB, dC, dinit if ctx.has_init else None, None, None, None, None,
