@@ -53,7 +53,7 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
-          ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2) -> dict:
+          ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -84,6 +84,23 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
     for _ in range(warmup):
         step()
+    phase_ms = None
+    if phases:  # one extra step with the device drained between its phases: where the step's wall time goes
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
+        sync()
+        t = [time.perf_counter()]
+        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0)
+        sync()
+        t.append(time.perf_counter())
+        engine.backward(loss)
+        sync()
+        t.append(time.perf_counter())
+        engine.step()
+        sync()
+        t.append(time.perf_counter())
+        phase_ms = {k: 1e3 * (b - a) for k, a, b in zip(("forward", "backward", "step"), t, t[1:])}
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in phase_ms.items()), flush=True)
     if sync_debug and cuda:  # one step with every host<->device synchronisation reported (with its stack)
         import traceback
         import warnings
@@ -131,6 +148,8 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     out = {"model": name, "params": n_params, "seq": seq, "micro_batch": micro_batch, "steps": steps,
            "step_ms": 1e3 * dt / steps, "tokens_per_s": tps, "mfu": 6 * n_params * tps / PEAK_FLOPS,
            "act_bytes_per_token": act, "final_loss": float(loss)}
+    if phase_ms is not None:
+        out["phase_ms"] = phase_ms
     del engine, model
     gc.collect()
     if cuda:
@@ -157,6 +176,8 @@ def main(argv=None) -> int:
                     help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
+    ap.add_argument("--phases", action="store_true",
+                    help="time forward, backward and optimizer step of one extra step, the device drained between them")
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/train_throughput.json; none with --smoke)")
     args = ap.parse_args(argv)
@@ -192,7 +213,7 @@ def main(argv=None) -> int:
                 r = bench(f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
-                          cuda_graphs=graphs, zero_stage=args.zero_stage)
+                          cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()
