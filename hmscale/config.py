@@ -174,12 +174,18 @@ class Stage2Config(_Section):
     feature_map_lr_scale: float = Field(1.0, gt=0)
     eval_every: int = Field(50, gt=0)
     steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage2_tokens
+    # passes over the stage's token share (budget.stage2_tokens): the rows a one-pass run reads, revisited
+    # (more compute, no new tokens: for a fixed token budget such as the fidelity benchmark's 3 %)
+    epochs: int = Field(1, ge=1)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
 
     @model_validator(mode="after")
     def _check_loss(self):
         if self.ce_weight == 0 and self.kd_weight == 0:
             raise ValueError("stage2.ce_weight: 0 with stage2.kd_weight=0 leaves no loss; set ce_weight > 0 or kd_weight > 0")
+        if self.epochs > 1 and self.steps:
+            raise ValueError(f"stage2.epochs: {self.epochs} passes and stage2.steps={self.steps} both set the "
+                             "step count; set one of them (epochs=1, or steps=null)")
         return self
 
 

@@ -46,6 +46,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["parallel.cuda_graphs=true", "parallel.use_gpu=true"], "parallel.cuda_graphs"),  # ZeRO-2, the default
         (["stage1.epochs=4", "stage1.steps=100"], "stage1.epochs"),
         (["stage1.epochs=0"], "stage1.epochs"),
+        (["stage2.epochs=2", "stage2.steps=100"], "stage2.epochs"),
+        (["stage2.epochs=0"], "stage2.epochs"),
         (["stage2.ce_weight=0"], "stage2.ce_weight"),
         (["stage2.kd_source=teacher"], "stage2.kd_source"),
     ],

@@ -9,6 +9,8 @@ Everything but the input embeddings trains, with `stage2.ce_weight` x next-token
   autocast when parallel.bf16 on GPU), `kd = T^2 * KL(softmax(z_teacher/T) || softmax(z_student/T))`.
 Plus `stage2.hidden_weight` x `hidden_alignment`: the relative MSE between the student's and the live
 teacher's residual streams after each inner layer (logged as `hidden`; needs the teacher, as online KD).
+`stage2.epochs=E`: E passes over the stage's token share (`budget.stage2_tokens`), the rows a one-pass run
+reads first, reshuffled each pass (more compute, no new tokens).
 
 Run dir (`<run_dir>/stage2/`):
   checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json (step, samples_seen, loss)
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import Layout, export_hf, seed_everything, setup_layout, stage_dir
-from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch
+from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
 from hmscale.train.engine import (
     Checkpointer,
     MetricsLogger,
@@ -200,10 +202,12 @@ def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feat
 
 
 def stage2_steps(cfg, tokens_per_step: int) -> int:
+    """Optimizer steps: stage2.steps, else stage2.epochs passes over budget.stage2_tokens."""
     steps = getattr(cfg.stage2, "steps", None)
     if steps:
         return int(steps)
-    return max(1, cfg.budget.stage2_tokens // max(tokens_per_step, 1))
+    epochs = int(getattr(cfg.stage2, "epochs", 1))
+    return max(1, epochs * cfg.budget.stage2_tokens // max(tokens_per_step, 1))
 
 
 def _cached_kd(s2) -> bool:
@@ -353,6 +357,9 @@ def run_stage2(
                             f"the student {model.config.vocab_size}; they must share the vocabulary")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if par.bf16 and layout.device.type == "cuda"
                 else contextlib.nullcontext())
+    if getattr(s2, "epochs", 1) > 1 and not s2.steps:
+        # several passes over the stage's token share: the rows a one-pass run would read, revisited
+        source = token_share(source, cfg.budget.stage2_tokens, seed=cfg.seed + 2) or source
     seq_len = source.seq_len
     tokens_per_step = s2.micro_batch_size * s2.grad_accum * layout.dp_size * seq_len
     total_steps = stage2_steps(cfg, tokens_per_step)

@@ -80,6 +80,25 @@ def test_stage1_epochs_revisit_the_share_only(tmp_path):
     assert np.mean(three["losses"][-5:]) < np.mean(one["losses"][-5:])
 
 
+def test_stage2_epochs_revisit_the_share_only(tmp_path):
+    from hmscale.models.convert import to_hedgehog
+    from hmscale.train.stage2 import run_stage2
+
+    common = ["stage2.micro_batch_size=4", "stage2.warmup_steps=1", "budget.total_tokens=1280",
+              "budget.split=[0.5,0.5]", "parallel.zero_stage=1", "stage2.eval_every=1000"]  # share: 20 rows
+    one_src, two_src = RecordingSource(toks()), RecordingSource(toks())
+    one = run_stage2(build_config({}, common), tmp_path / "one", student=to_hedgehog(tiny_teacher()),
+                     source=one_src, export=False)
+    two = run_stage2(build_config({}, common + ["stage2.epochs=2"]), tmp_path / "two",
+                     student=to_hedgehog(tiny_teacher()), source=two_src, export=False)
+    assert one["total_steps"] == 5 and two["total_steps"] == 10
+    share = set(one_src.seen)
+    assert len(share) == 20 and set(two_src.seen) == share  # the same 20 rows, no new tokens
+    counts = np.bincount(two_src.seen)
+    assert sorted(set(counts[list(share)])) == [2]  # each row once per pass
+    assert two_src.seen[:20] != two_src.seen[20:]  # reshuffled for the second pass
+
+
 def test_stage1_min_lr_ratio_sets_the_floor(tmp_path):
     from hmscale.train.stage1 import run_stage1
 
