@@ -65,15 +65,17 @@ def test_compiled_blocks_match_eager():
     assert proc.returncode == 0 and "compare-ok" in proc.stdout, proc.stderr[-3000:]
 
 
-def _compare_fullgraph_triton_with_eager():
-    """Under TRITON_INTERPRET=1 with the Triton backend: every block compiles as ONE graph (fullgraph=True
-    fails on any graph break: the SSD scan is a custom op inside it), with the eager model's loss and
-    gradients (eager: the Triton SSD and glue kernels; compiled: the SSD op, inductor's fusion of the glue)."""
-    eager = _model()
+def _compare_fullgraph_triton_with_eager(device: str = "cpu"):
+    """With the Triton backend (on CPU under TRITON_INTERPRET=1; on a GPU the compiled kernels): every block
+    compiles as ONE graph (fullgraph=True fails on any graph break: the SSD scan is a custom op inside it),
+    with the eager model's loss and gradients (eager: the Triton SSD and glue kernels; compiled: the SSD op,
+    inductor's fusion of the glue)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager = _model().to(device)
     compiled = copy.deepcopy(eager)
     for block in compile_targets(compiled):
         block.compile(fullgraph=True, dynamic=False)
-    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     losses, grads = [], []
     for m in (eager, compiled):
         out = m(input_ids=ids, labels=ids)
@@ -87,13 +89,15 @@ def _compare_fullgraph_triton_with_eager():
 
 
 def test_triton_scan_compiles_inside_the_block_graph():
-    """Fresh interpreter with TRITON_INTERPRET=1 and the Triton backend (see test_compiled_blocks_match_eager)."""
+    """Fresh interpreter with the Triton backend (see test_compiled_blocks_match_eager): on a GPU the real
+    kernels, else TRITON_INTERPRET=1 on CPU tensors."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="1", HMSCALE_SSD_BACKEND="triton")
-    code = (f"import runpy; runpy.run_path({__file__!r})['_compare_fullgraph_triton_with_eager'](); "
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = dict(os.environ, TRITON_INTERPRET="0" if device == "cuda" else "1", HMSCALE_SSD_BACKEND="triton")
+    code = (f"import runpy; runpy.run_path({__file__!r})['_compare_fullgraph_triton_with_eager']({device!r}); "
             "print('compare-ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and "compare-ok" in proc.stdout, proc.stderr[-3000:]
