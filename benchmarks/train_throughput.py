@@ -96,9 +96,22 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         engine.backward(loss)
         sync()
         t.append(time.perf_counter())
-        engine.step()
-        sync()
+        if profile and cuda:  # what the optimizer step spends its time on, host and device
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as step_prof:
+                engine.step()
+                sync()
+        else:
+            engine.step()
+            sync()
         t.append(time.perf_counter())
+        if profile and cuda:
+            print(f"\noptimizer step of {name}, by host time:")
+            print(step_prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+            print(f"\noptimizer step of {name}, by device time:")
+            print(step_prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
         phase_ms = {k: 1e3 * (b - a) for k, a, b in zip(("forward", "backward", "step"), t, t[1:])}
         print(f"{name}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in phase_ms.items()), flush=True)
     if sync_debug and cuda:  # one step with every host<->device synchronisation reported (with its stack)
@@ -177,7 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--phases", action="store_true",
-                    help="time forward, backward and optimizer step of one extra step, the device drained between them")
+                    help="time forward, backward and optimizer step of one extra step, the device drained between them "
+                         "(with --profile also a host and device profile of that optimizer step)")
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/train_throughput.json; none with --smoke)")
     args = ap.parse_args(argv)
