@@ -23,3 +23,36 @@ def test_fidelity_smoke(tmp_path):
                                   "Hedgehog-only is worse than HedgeMamba"}
     assert "stage 1 shared with hedgemamba" in proc.stdout  # no_gate and hedgehog reuse the 10/90 stage 1
     assert "| HedgeMamba, split 10/90 |" in proc.stdout
+
+
+def test_variants_parse_list_values():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import argparse
+
+    import fidelity
+
+    got = fidelity.ablations(argparse.Namespace(variants=["z:budget.split=[0.0,1.0],stage2.epochs=2", "e1:stage2.epochs=1"]))
+    assert got["z"] == ["budget.split=[0.0,1.0]", "stage2.epochs=2"] and got["e1"] == ["stage2.epochs=1"]
+    assert set(fidelity.ABLATIONS) < set(got)
+    for bad in (["hedgemamba:stage2.epochs=1"], ["noequals"], [":stage2.epochs=1"]):
+        try:
+            fidelity.ablations(argparse.Namespace(variants=bad))
+        except SystemExit as e:
+            assert "--variant" in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_fidelity_jobs_run_ablations_in_their_own_processes(tmp_path):
+    """--jobs: each ablation (here the 10/90 run and one variant) in a child process, results gathered."""
+    out = tmp_path / "fid"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out),
+                           "--jobs", "2", "--only", "hedgemamba", "e1", "--variant", "e1:stage2.epochs=1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads((out / "fidelity.json").read_text())["results"]
+    assert {"teacher", "hedgemamba", "e1", "stage1_only"} == set(res)
+    assert res["hedgemamba"]["ppl"] != res["e1"]["ppl"]  # the tuned recipe's two stage-2 passes vs one
+    for name in ("hedgemamba", "e1"):
+        assert (out / name / "fidelity_result.json").exists() and (out / name / "fidelity.log").exists()
+    assert "| HedgeMamba 10/90, variant e1: stage2.epochs=1 |" in proc.stdout
