@@ -23,7 +23,8 @@
      hedgehog     10/90 with gate, conv and SSM (decay/dt) off: the Hedgehog linear-attention model fine-tuned
 3. Print validation perplexities next to the paper's (Pythia-1B, 10B tokens of OpenWebText).
 
-Ablations with the same stage-1 config (hedgemamba, no_gate, hedgehog) share one stage-1 run.
+Ablations with the same stage-1 config (hedgemamba, no_gate, hedgehog) share one stage-1 run (with --jobs,
+each process runs its own).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def run_concurrently(jobs: dict, args, argv, budget: int, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))  # the cores, shared out
-    base_argv = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+    base_argv = list(sys.argv[1:] if argv is None else argv)
     pending, running, results = list(jobs), {}, {}
     while pending or running:
         while pending and len(running) < args.jobs:
@@ -230,7 +231,7 @@ def main(argv=None):
     ap.add_argument("-s", "--set", dest="overrides", action="append", default=[], metavar="K=V",
                     help="extra config override for every ablation (after the benchmark's own)")
     ap.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:K=V[,K=V]",
-                    help="an extra run: HedgeMamba 10/90 with these overrides (e.g. e2:stage2.epochs=2)")
+                    help="an extra run: HedgeMamba 10/90 with these overrides (e.g. e1:stage2.epochs=1)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="run up to this many ablations at once, each in its own process (GPU: small models "
                          "leave the device mostly idle); 1 = one after another, sharing stage 1")

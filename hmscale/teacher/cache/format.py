@@ -248,9 +248,45 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+# the header numpy writes: a dict literal with these keys in this order, then space padding and a newline
+_NPY_HEADER_RE = re.compile(r"\{'descr': '([<>|=]?[biuf][1-8])', 'fortran_order': (True|False), "
+                         r"'shape': \((|\d+,|\d+(?:, \d+)+)\), \}[ ]*\n?")
+
+
 def load_npy(data: bytes) -> np.ndarray:
-    """Parse .npy bytes; never unpickles (an object array raises)."""
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    """Parse .npy bytes of a plain numeric array (a fresh, writable copy); anything else, an object array
+    included, raises ValueError. The header is matched by a strict pattern rather than evaluated (numpy's
+    own reader runs `ast.literal_eval` on it, which is not thread-safe in CPython 3.11: concurrent verify
+    threads failed with "AST constructor recursion depth mismatch"); nothing in a shard is ever unpickled
+    or parsed as Python."""
+    mv = memoryview(data)
+    if len(mv) < 10 or bytes(mv[:6]) != _NPY_MAGIC:
+        raise ValueError("not a .npy array (no magic, or truncated)")
+    major = mv[6]
+    if major == 1:
+        hlen, start = int.from_bytes(mv[8:10], "little"), 10
+    elif major in (2, 3):
+        if len(mv) < 12:
+            raise ValueError("truncated .npy header")
+        hlen, start = int.from_bytes(mv[8:12], "little"), 12
+    else:
+        raise ValueError(f"unknown .npy format version {major}")
+    try:
+        header = bytes(mv[start: start + hlen]).decode("latin1" if major < 3 else "utf8")
+    except UnicodeDecodeError:
+        raise ValueError("undecodable .npy header") from None
+    m = _NPY_HEADER_RE.fullmatch(header)
+    if m is None:
+        raise ValueError(f"not a plain numeric .npy array (header {header.strip()[:80]!r})")
+    dtype = np.dtype(m.group(1))
+    shape = tuple(int(d) for d in m.group(3).replace(" ", "").split(",") if d)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    body = mv[start + hlen:]
+    if len(body) != count * dtype.itemsize:
+        raise ValueError(f".npy body has {len(body)} bytes, the header says {count * dtype.itemsize}")
+    arr = np.frombuffer(body, dtype=dtype, count=count).copy()
+    return arr.reshape(shape, order="F" if m.group(2) == "True" else "C")
 
 
 @dataclass

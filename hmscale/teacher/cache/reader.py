@@ -8,7 +8,7 @@
   so all ranks get the same number of batches. Inside a torch DataLoader worker the batches are
   further dealt round-robin to the loader workers.
 - Resumable: `loader.state_dict()` / `load_state_dict()` (epoch and batches consumed), or `start=`.
-- Never unpickles: `np.load(allow_pickle=False)` on every member.
+- Never unpickles: every member goes through `format.load_npy` (plain numeric arrays only).
 """
 
 from __future__ import annotations

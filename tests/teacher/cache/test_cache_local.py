@@ -340,3 +340,39 @@ def test_float32_storage_exact_and_bf16_topk(tmp_path, teacher, data, tools):
     s = reader.sample(0, 1, layers=[0, 1])
     assert set(s["layers"][0]) == {"attn_output"}
     assert torch.equal(s["layers"][1]["attn_output"], live[s["key"]][1][1])  # fp32 storage: exact
+
+
+@pytest.mark.parametrize("arr", [
+    np.ones((), np.float32), np.arange(32, dtype=np.int32), np.zeros((0, 4), np.int16),
+    np.random.default_rng(0).standard_normal((3, 4)).astype(np.float16),
+    np.random.default_rng(1).integers(0, 255, (2, 3, 5), dtype=np.uint8),
+    np.asfortranarray(np.random.default_rng(2).standard_normal((3, 5))), np.arange(6, dtype=">i4").reshape(2, 3),
+])
+def test_load_npy_reads_what_numpy_writes(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    got = load_npy(buf.getvalue())
+    assert got.dtype == arr.dtype and got.shape == arr.shape and np.array_equal(got, arr) and got.flags.writeable
+
+
+def test_load_npy_rejects_truncated_padded_and_foreign_bytes():
+    buf = io.BytesIO()
+    np.save(buf, np.arange(10, dtype=np.int32))
+    blob = buf.getvalue()
+    for bad in (blob[:-1], blob + b"\0", b"junk" + blob, blob[:9], blob.replace(b"'<i4'", b"'<V4'")):
+        with pytest.raises(ValueError):
+            load_npy(bad)
+
+
+def test_load_npy_in_many_threads_at_once():
+    """verify_cache checks shards in a thread pool; numpy's own header parser (ast) raced there on CPython 3.11."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blobs = []
+    for i in range(64):
+        buf = io.BytesIO()
+        np.save(buf, np.full((i + 1, 3), i, dtype=np.int32))
+        blobs.append(buf.getvalue())
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(load_npy, blobs * 20))
+    assert all(int(a[0, 0]) == i % 64 and a.shape == (i % 64 + 1, 3) for i, a in enumerate(got))
