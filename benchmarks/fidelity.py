@@ -124,8 +124,12 @@ def preset_overrides(args) -> list[str]:
 
 
 def stage1_key(cfg) -> str:
-    """Everything stage 1's result depends on (stage 2's settings are not part of it)."""
-    return cfg.hash("teacher", "tokenizer", "data", "cache", "budget", "stage1", "parallel", "seed")
+    """Everything stage 1's result depends on (stage 2's settings are not part of it, except the components
+    of the mixers that stage1.transfer=mixer trains)."""
+    key = cfg.hash("teacher", "tokenizer", "data", "cache", "budget", "stage1", "parallel", "seed")
+    if cfg.stage1.transfer == "mixer":
+        key += "-" + json.dumps(cfg.stage2.components.model_dump(), sort_keys=True)
+    return key
 
 
 def ablations(args) -> dict[str, list[str]]:

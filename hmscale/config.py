@@ -130,6 +130,11 @@ class Stage1Config(_Section):
     # one pass leaves phi far from converged at small budgets; the same rows are revisited, no new tokens
     epochs: int = Field(1, ge=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decay floor, a fraction of lr
+    # what stage 1 aligns with each layer's softmax attention output: "attention" = the Hedgehog linear
+    # attention (the paper's; only the feature maps train); "mixer" = the whole HedgeMamba mixer of stage 2
+    # (feature maps plus the conv, dt/A/D and gate of stage2.components), layer-local all the same
+    transfer: Literal["attention", "mixer"] = "attention"
+    new_params_lr_scale: float = Field(0.2, gt=0)  # transfer=mixer: lr multiplier of the conv, dt/A/D and gate
 
     @model_validator(mode="after")
     def _check_epochs(self):
@@ -261,6 +266,12 @@ class RunConfig(_Section):
             heads = _heads_of(self.teacher.name_or_path)
         if heads is not None and heads % self.parallel.tp:
             raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's {heads} heads; pick a divisor of {heads}")
+        if self.stage1.transfer == "mixer" and self.parallel.zero_stage == 3:
+            raise ValueError("stage1.transfer: the mixer transfer runs with ZeRO 0-2 (its mixers hold frozen copies "
+                             "of the teacher's projections); set parallel.zero_stage<=2 or stage1.transfer=attention")
+        if self.stage1.transfer == "mixer" and self.stage1.layer_parallel:
+            raise ValueError("stage1.transfer: the mixer transfer trains every layer on every worker (ZeRO data "
+                             "parallel); set stage1.layer_parallel=false or stage1.transfer=attention")
         if self.teacher.name_or_path and self.tokenizer.name_or_path is None:
             # a pretrained teacher needs its own tokenizer
             self.tokenizer.name_or_path = self.teacher.name_or_path

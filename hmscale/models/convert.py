@@ -14,10 +14,11 @@ import torch
 from hmscale.config import ComponentsConfig
 
 from .hedgehog import HedgehogForCausalLM
-from .hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM
+from .hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM, param_kind
 from .neox_attention import rope_theta, rotary_fraction
 
-__all__ = ["to_hedgehog", "to_hedgemamba", "hedgemamba_config_from_teacher", "compare_logits"]
+__all__ = ["to_hedgehog", "to_hedgemamba", "to_mixer_student", "recurrent_state", "load_recurrent_state",
+           "hedgemamba_config_from_teacher", "compare_logits"]
 
 
 def to_hedgehog(teacher, feature_dim: int | None = None) -> HedgehogForCausalLM:
@@ -103,6 +104,40 @@ def to_hedgemamba(student: HedgehogForCausalLM, components=None) -> HedgeMambaFo
     _copy(bb.final_layer_norm.bias, neox.final_layer_norm.bias, "final_layer_norm.bias")
     _copy(model.lm_head.weight, teacher.get_output_embeddings().weight, "embed_out.weight")
     return model.to(dtype=ref.dtype)
+
+
+def to_mixer_student(teacher, components=None, feature_dim: int | None = None) -> HedgeMambaForCausalLM:
+    """The stage-1 student of ``stage1.transfer=mixer``: HedgeMamba at its exact init from ``teacher`` (so it
+    computes the Hedgehog student), with only the mixers' recurrent parts trainable (feature maps, conv,
+    dt/A/D, gate); everything copied from the teacher stays frozen."""
+    model = to_hedgemamba(to_hedgehog(teacher, feature_dim=feature_dim), components)
+    for name, p in model.named_parameters():
+        p.requires_grad_(param_kind(name) != "teacher")
+    return model
+
+
+def recurrent_state(model: HedgeMambaForCausalLM, layers=None) -> dict:
+    """``{"<layer>.<name>": tensor}`` of the mixers' recurrent parts (fp32 CPU copies), for ``layers`` (all)."""
+    out = {}
+    for l, block in enumerate(model.backbone.layers):
+        if layers is not None and l not in layers:
+            continue
+        for name, p in block.mixer.named_parameters():
+            if param_kind(f"mixer.{name}") != "teacher":
+                out[f"{l}.{name}"] = p.detach().float().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_recurrent_state(model: HedgeMambaForCausalLM, state: dict) -> None:
+    """Inverse of :func:`recurrent_state` (every recurrent parameter of every layer must be present)."""
+    want = set(recurrent_state(model))
+    if set(state) != want:
+        missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+        raise ValueError(f"recurrent state: missing {missing[:4]}, unexpected {extra[:4]} (components differ?)")
+    for key, t in state.items():
+        l, name = key.split(".", 1)
+        _copy(model.backbone.layers[int(l)].mixer.get_parameter(name), t, key)
 
 
 @torch.no_grad()

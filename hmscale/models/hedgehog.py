@@ -27,6 +27,7 @@ __all__ = [
     "HedgehogForCausalLM",
     "hedgehog_layer_output",
     "hedgehog_loss",
+    "teacher_attention_output",
     "linear_attention",
     "document_softmax_attention",
     "causal_lm_loss",
@@ -79,6 +80,14 @@ def hedgehog_layer_output(attn_module, feature_map: HedgehogFeatureMap, attn_inp
         with torch.no_grad():
             o_teacher = document_softmax_attention(q, k, v, seq_idx)
     return o_lin, o_teacher
+
+
+@torch.no_grad()
+def teacher_attention_output(attn_module, attn_input: torch.Tensor, config, position_ids: torch.Tensor | None = None,
+                             seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The teacher layer's per-head softmax attention output (b, l, h, p), before ``dense``, from its cached input."""
+    q, k, v = qkv_with_rotary(attn_module, attn_input, config, position_ids)
+    return document_softmax_attention(q, k, v, seq_idx)
 
 
 def hedgehog_loss(o_lin: torch.Tensor, o_teacher: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

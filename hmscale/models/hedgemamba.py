@@ -52,6 +52,9 @@ from .fused_ops import causal_depthwise_conv, sigmoid_gate, split_qkv_rotary
 from .neox_attention import rotary_cos_sin
 
 __all__ = [
+    "ADDED_PARAM_NAMES",
+    "FEATURE_MAP_PARAM_NAMES",
+    "param_kind",
     "HedgeMambaConfig",
     "HedgeMambaForCausalLM",
     "HedgeMambaModel",
@@ -281,6 +284,19 @@ class HedgeMambaMLP(nn.Module):
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
+# parameter names (last two components) of the parts HedgeMamba adds to the teacher's weights, and of its feature
+# maps: together the mixer's recurrent parts (what stage 1's mixer transfer trains; stage 2's lr groups)
+ADDED_PARAM_NAMES = ("conv.weight", "conv.bias", "dt_proj.weight", "dt_proj.bias", "mixer.A_log", "mixer.A_scale",
+                     "mixer.D", "z_proj.weight", "z_proj.bias")
+FEATURE_MAP_PARAM_NAMES = ("feature_map.weight", "feature_map.bias")
+
+
+def param_kind(name: str) -> str:
+    """'added', 'feature_map' or 'teacher' (weights copied from the teacher) for a HedgeMamba parameter name."""
+    tail = ".".join(name.split(".")[-2:])
+    return "added" if tail in ADDED_PARAM_NAMES else "feature_map" if tail in FEATURE_MAP_PARAM_NAMES else "teacher"
+
+
 class HedgeMambaMixer(nn.Module):
     """The SSD mixer replacing one attention layer (see the module docstring)."""
 
@@ -338,6 +354,14 @@ class HedgeMambaMixer(nn.Module):
         """h (b, l, d) the LayerNorm-ed input; rope the rotary (cos, sin) tables of the positions (b or 1, l, r),
         computed once per model forward (``rotary_cos_sin``)."""
         b, l, _ = h.shape
+        y = self.head_outputs(h, rope, cache, seq_idx, token_mask)
+        return self.out_proj(y.reshape(b, l, self.n_heads * self.head_dim))
+
+    def head_outputs(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: HedgeMambaCache | None = None,
+                     seq_idx: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-head outputs (b, l, h, P), gated, before ``out_proj``: the counterpart of the teacher's per-head
+        attention output (what stage 1's mixer transfer aligns with it). Arguments as in ``forward``."""
+        b, l, _ = h.shape
         H, P = self.n_heads, self.head_dim
         # layer_idx is read only with a cache: torch.compile guards on every int attribute it reads, and one
         # guard per layer would recompile each block (and fall back to eager past the recompile limit)
@@ -374,7 +398,7 @@ class HedgeMambaMixer(nn.Module):
             y = torch.where(token_mask[:, :, None, None], y, torch.zeros_like(y))
         if self.z_proj is not None:
             y = sigmoid_gate(y, self.z_proj(h))
-        return self.out_proj(y.reshape(b, l, H * P))
+        return y
 
 
 class HedgeMambaBlock(nn.Module):

@@ -9,6 +9,12 @@ teacher attention input only, so:
   layers from the cache); otherwise every worker trains all layers on its share of the data (ZeRO dp).
 - `stage1.epochs=E`: E passes over the stage's token share (`budget.stage1_tokens`): the rows a one-pass
   run reads first, reshuffled each pass (no new tokens; phi is tiny and converges slowly in one pass).
+- `stage1.transfer=mixer`: instead of the Hedgehog linear attention, each layer's whole HedgeMamba mixer
+  (`convert.to_mixer_student`: feature maps plus the conv, dt/A/D and gate of `stage2.components`, from their
+  exact identity init; the teacher's qkv/dense frozen inside it) is aligned with the teacher's attention
+  output, through its gated per-head output; the added parts at `stage1.new_params_lr_scale` x lr. Stage 2
+  then starts from that model itself (same components required). Layer-local all the same; not with
+  layer_parallel or ZeRO-3.
 
 The logged `loss` is the mean over layers; `layer_loss/<l>` per layer.
 
@@ -16,7 +22,9 @@ Run dir (`<run_dir>/stage1/`):
   checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json
   metrics.jsonl, tb/           loss, layer_loss/<l>, lr, grad_norm
   student/feature_maps.safetensors   the phi weights (`{layer}.weight` (h, F, P), `{layer}.bias` (h, F))
-  student/student.json         teacher reference (name_or_path or saved copy), feature_dim, shapes, losses
+  student/mixers.safetensors   instead, with transfer=mixer: every mixer's recurrent parts (`{layer}.{name}`)
+  student/student.json         teacher reference (name_or_path or saved copy), feature_dim, shapes, losses,
+                               transfer (and, for transfer=mixer, the components)
   student/teacher/             a saved copy of the teacher when it has no name_or_path (miniatures)
   summary.json
 """
@@ -77,13 +85,21 @@ class LayerParallelMPU:
 
 
 class Stage1Trainable(nn.Module):
-    """What DeepSpeed sees: only the feature maps of `layers`. The teacher's attention modules are
-    held outside the module tree (frozen, never partitioned)."""
+    """What DeepSpeed sees: what stage 1 trains in `layers`. transfer=attention: only the feature maps (the
+    teacher's attention modules are held outside the module tree: frozen, never partitioned). transfer=mixer:
+    the HedgeMamba mixers of `mixer_model` (only their recurrent parts require grad; their in_proj/out_proj are
+    frozen copies of the teacher's), each aligned with the teacher's attention output through its
+    gated per-head output."""
 
-    def __init__(self, student, layers: list[int], owners: dict[int, int], world: int):
+    def __init__(self, student, layers: list[int], owners: dict[int, int], world: int, mixer_model=None):
         super().__init__()
         self.layers = list(layers)
-        self.maps = nn.ModuleDict({str(l): student.feature_maps[l] for l in self.layers})
+        if mixer_model is None:
+            self.maps = nn.ModuleDict({str(l): student.feature_maps[l] for l in self.layers})
+            self.mixers = None
+        else:
+            self.mixers = nn.ModuleDict({str(l): mixer_model.backbone.layers[l].mixer for l in self.layers})
+            self._rope = (mixer_model.config.rotary_ndims, mixer_model.config.rotary_emb_base)
         self._attn = {l: student.layers[l].attention for l in self.layers}
         self._config = student.config
         self._chunk = getattr(student, "chunk_size", 64)
@@ -104,8 +120,11 @@ class Stage1Trainable(nn.Module):
             attn = self._attn[l]
             x = attn_inputs[l].to(next(attn.parameters()).dtype)
             tgt = targets.get(l)
-            o_lin, o_t = hedgehog_layer_output(attn, self.maps[str(l)], x, self._config, with_teacher=tgt is None,
-                                               chunk_size=self._chunk)
+            if self.mixers is None:
+                o_lin, o_t = hedgehog_layer_output(attn, self.maps[str(l)], x, self._config, with_teacher=tgt is None,
+                                                   chunk_size=self._chunk)
+            else:
+                o_lin, o_t = self._mixer_output(l, attn, x, with_teacher=tgt is None)
             if tgt is not None:
                 if positions is not None and tgt.shape[1] != o_lin.shape[1]:
                     o_lin = torch.gather(o_lin, 1, positions[:, :, None, None].expand(-1, -1, *o_lin.shape[2:]))
@@ -114,6 +133,16 @@ class Stage1Trainable(nn.Module):
             per_layer[l] = loss_l.detach().float().cpu() * self._log_scale[l]
             total = total + loss_l / self._n_layers
         return total, per_layer
+
+    def _mixer_output(self, l: int, attn, x: torch.Tensor, with_teacher: bool):
+        from hmscale.models.hedgehog import teacher_attention_output
+        from hmscale.models.neox_attention import rotary_cos_sin
+
+        mixer = self.mixers[str(l)]
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        rope = rotary_cos_sin(positions, *self._rope, dtype=x.dtype)
+        o_t = teacher_attention_output(attn, x, self._config) if with_teacher else None
+        return mixer.head_outputs(x.to(mixer.in_proj.weight.dtype), rope), o_t
 
 
 def stage1_steps(cfg, tokens_per_step: int) -> int:
@@ -129,16 +158,27 @@ def _teacher_ref(cfg, teacher) -> str | None:
     return str(ref) if ref else None
 
 
-def export_student(student, out_dir: Path, cfg, teacher, extra: dict | None = None) -> Path:
-    """feature_maps.safetensors + student.json (+ a saved teacher when it has no reference); rank 0 only."""
+def export_student(student, out_dir: Path, cfg, teacher, extra: dict | None = None, mixer_model=None) -> Path:
+    """feature_maps.safetensors (transfer=attention) or mixers.safetensors (transfer=mixer: every mixer's
+    recurrent parts, `<layer>.<name>`) + student.json (+ a saved teacher when it has no reference); rank 0 only."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in student.feature_maps.state_dict().items()}
-    tmp = out_dir / "feature_maps.safetensors.tmp"
+    if mixer_model is None:
+        fname = "feature_maps.safetensors"
+        state = {k: v.detach().float().cpu().contiguous() for k, v in student.feature_maps.state_dict().items()}
+        extra = {"transfer": "attention", **(extra or {})}
+    else:
+        from hmscale.models.convert import recurrent_state
+
+        fname = "mixers.safetensors"
+        state = {k: v.contiguous() for k, v in recurrent_state(mixer_model).items()}
+        components = {k: getattr(mixer_model.config, k) for k in ("gate", "conv", "ssm", "normalize", "conv_width")}
+        extra = {"transfer": "mixer", "components": components, **(extra or {})}
+    tmp = out_dir / f"{fname}.tmp"
     save_file(state, str(tmp))
-    os.replace(tmp, out_dir / "feature_maps.safetensors")
+    os.replace(tmp, out_dir / fname)
     ref = _teacher_ref(cfg, teacher)
     if ref is None or not (ref and (Path(ref).exists() or "/" in ref)):
         teacher.save_pretrained(str(out_dir / "teacher"))
@@ -166,7 +206,8 @@ def export_student(student, out_dir: Path, cfg, teacher, extra: dict | None = No
 
 
 def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
-    """The Hedgehog student exported by stage 1 (`<run_dir>/stage1/student` or that directory itself)."""
+    """The student exported by stage 1 (`<run_dir>/stage1/student` or that directory itself): the Hedgehog
+    student (transfer=attention), or the HedgeMamba model with the trained mixers (transfer=mixer)."""
     from safetensors.torch import load_file
 
     from hmscale.models.convert import to_hedgehog
@@ -183,6 +224,12 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
         ref = meta["teacher"]
         path = d / ref if not Path(ref).is_absolute() and (d / ref).exists() else ref
         teacher = load_teacher(path, dtype=meta.get("teacher_dtype", "float32"))
+    if meta.get("transfer") == "mixer":
+        from hmscale.models.convert import load_recurrent_state, to_mixer_student
+
+        model = to_mixer_student(teacher, meta["components"], meta["feature_dim"])
+        load_recurrent_state(model, load_file(str(d / "mixers.safetensors")))
+        return model
     student = to_hedgehog(teacher, feature_dim=meta["feature_dim"])
     state = load_file(str(d / "feature_maps.safetensors"))
     student.load_feature_map_state_dict({k: v.to(next(student.feature_maps.parameters()).dtype) for k, v in state.items()})
@@ -234,6 +281,11 @@ def run_stage1(
     from hmscale.models.convert import to_hedgehog
 
     student = to_hedgehog(teacher, feature_dim=s1.feature_dim)
+    mixer_model = None
+    if s1.transfer == "mixer":
+        from hmscale.models.convert import to_mixer_student
+
+        mixer_model = to_mixer_student(teacher, cfg.stage2.components, s1.feature_dim)
     n_layers = teacher.config.num_hidden_layers
 
     # which layers this worker trains
@@ -245,7 +297,7 @@ def run_stage1(
         mpu = LayerParallelMPU()
         dp_rank, dp_size = 0, 1
         for l in mine:
-            for p in student.feature_maps[l].parameters():
+            for p in _trained_parameters(student, mixer_model, l):
                 p.model_parallel = True
                 p.tensor_model_parallel = True
     else:
@@ -271,13 +323,25 @@ def run_stage1(
         source = token_share(source, cfg.budget.stage1_tokens, seed=cfg.seed + 1) or source
     cached = isinstance(getattr(source, "source", source), CacheSource)
 
-    module = Stage1Trainable(student, mine, owners, layout.world).to(layout.device)
+    module = Stage1Trainable(student, mine, owners, layout.world, mixer_model).to(layout.device)
+    params = None
+    if mixer_model is not None:  # the feature maps at stage1.lr, the conv, dt/A/D and gate at its multiple
+        from hmscale.models.hedgemamba import param_kind
+
+        groups = {"feature_map": [], "added": []}
+        for mixer in module.mixers.values():
+            for name, p in mixer.named_parameters():
+                if p.requires_grad:
+                    groups[param_kind(f"mixer.{name}")].append(p)
+        params = [{"params": groups["feature_map"], "lr": s1.lr, "name": "feature_map"}]
+        if groups["added"]:
+            params.append({"params": groups["added"], "lr": s1.lr * s1.new_params_lr_scale, "name": "new"})
     tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len * (layout.world if mpu is not None else 1)
     total_steps = stage1_steps(cfg, tokens_per_step)
     spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,
                      total_steps=total_steps, min_lr_ratio=s1.min_lr_ratio, weight_decay=0.0, grad_clip=1.0,
                      zero_stage=par.zero_stage, bf16=False, ds_config=par.ds_config)
-    engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu)
+    engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu, params=params)
 
     ckpt = Checkpointer(out / "checkpoints", keep=par.keep_checkpoints, rank=layout.rank)
     start_step = 0
@@ -290,7 +354,9 @@ def run_stage1(
     logger = MetricsLogger(out, "stage1", total_steps, start_step, rank=layout.rank, progress=True)
     if layout.rank == 0 and start_step == 0:
         logger.log(0, {"event": "start", "mode": "cache" if cached else "online", "layer_parallel": mpu is not None,
-                       "trainable_params": sum(p.numel() for p in module.parameters()), "total_steps": total_steps,
+                       "transfer": s1.transfer,
+                       "trainable_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
+                       "total_steps": total_steps,
                        "tokens_per_step": tokens_per_step}, kind="event")
 
     def micro_step(step: int, micro: int):
@@ -331,17 +397,41 @@ def run_stage1(
                "final_loss": res.losses[-1] if res.losses else None, "losses": res.losses,
                "checkpoint": res.last_checkpoint}
     if done and export:
-        _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
+        meta = {"steps": total_steps, "final_loss": summary["final_loss"]}
+        if mixer_model is None:
+            _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
+        else:
+            # a fresh model (no engine hooks on its parameters) with every layer's trained recurrent parts
+            from hmscale.models.convert import load_recurrent_state, recurrent_state
+
+            local = {l: recurrent_state(mixer_model, layers=[l]) for l in mine}
+            states = _gather_layer_states(local, mine, layout, n_layers)
+            mixer_model = to_mixer_student(teacher, cfg.stage2.components, s1.feature_dim)
+            load_recurrent_state(mixer_model, {k: v for st in states.values() for k, v in st.items()})
         if layout.rank == 0:
-            export_student(student, out / "student", cfg, teacher,
-                           {"steps": total_steps, "final_loss": summary["final_loss"]})
+            export_student(student, out / "student", cfg, teacher, meta, mixer_model=mixer_model)
         barrier()
         summary["student"] = str(out / "student")
     if layout.rank == 0:
         atomic_write_json(out / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
     barrier()
-    summary["student_model"] = student if done else None
+    summary["student_model"] = (student if mixer_model is None else mixer_model) if done else None
     return summary
+
+
+def _trained_parameters(student, mixer_model, layer: int) -> list:
+    if mixer_model is None:
+        return list(student.feature_maps[layer].parameters())
+    return [p for p in mixer_model.backbone.layers[layer].mixer.parameters() if p.requires_grad]
+
+
+def _gather_layer_states(local: dict, mine, layout, n_layers: int) -> dict:
+    """{layer: state} of this rank's layers -> every layer's (layer-parallel: all-gathered from the ranks)."""
+    if layout.world > 1 and len(mine) < n_layers:
+        gathered = [None] * layout.world
+        dist.all_gather_object(gathered, local)
+        return {l: st for part in gathered for l, st in part.items()}
+    return local
 
 
 def _gather_feature_maps(engine, student, mine, layout, zero_stage):
@@ -352,12 +442,7 @@ def _gather_feature_maps(engine, student, mine, layout, zero_stage):
     ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage >= 3 else _null()
     with ctx:
         local = {l: {k: v.detach().cpu().clone() for k, v in student.feature_maps[l].state_dict().items()} for l in mine}
-    if layout.world > 1 and len(mine) < student.config.num_hidden_layers:
-        gathered = [None] * layout.world
-        dist.all_gather_object(gathered, local)
-        states = {l: st for part in gathered for l, st in part.items()}
-    else:
-        states = local
+    states = _gather_layer_states(local, mine, layout, student.config.num_hidden_layers)
     if zero_stage >= 3:
         # the engine's modules hold partitioned (empty) parameters: give the student fresh, full ones
         from hmscale.models.feature_map import HedgehogFeatureMap

@@ -176,25 +176,19 @@ def freeze_all_but_mixers(model: torch.nn.Module) -> int:
     return n
 
 
-# parameter names (last two components) of the parts HedgeMamba adds to the teacher's weights
-NEW_PARAM_NAMES = ("conv.weight", "conv.bias", "dt_proj.weight", "dt_proj.bias", "mixer.A_log", "mixer.A_scale",
-                   "mixer.D", "z_proj.weight", "z_proj.bias")
-FEATURE_MAP_NAMES = ("feature_map.weight", "feature_map.bias")
-
-
 def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feature_map_scale: float = 1.0):
     """The trainable parameters as optimizer groups: the teacher's weights at `lr`, HedgeMamba's added
-    recurrent parts (NEW_PARAM_NAMES) at `lr * new_scale`, the feature maps at `lr * feature_map_scale`.
+    recurrent parts (`ADDED_PARAM_NAMES`) at `lr * new_scale`, the feature maps at `lr * feature_map_scale`.
     Plain parameter list when both scales are 1 (one group, as before). Components switched off have no
     parameters, so their group is absent (the same config serves every ablation)."""
+    from hmscale.models.hedgemamba import param_kind
+
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if new_scale == 1.0 and feature_map_scale == 1.0:
         return [p for _, p in params]
     buckets = {"base": [], "new": [], "feature_map": []}
     for name, p in params:
-        tail = ".".join(name.split(".")[-2:])
-        kind = "new" if tail in NEW_PARAM_NAMES else "feature_map" if tail in FEATURE_MAP_NAMES else "base"
-        buckets[kind].append(p)
+        buckets[{"added": "new", "feature_map": "feature_map", "teacher": "base"}[param_kind(name)]].append(p)
     scales = {"base": 1.0, "new": new_scale, "feature_map": feature_map_scale}
     # a group with no parameters (e.g. the Hedgehog-only ablation: no gate, conv or SSM) is left out;
     # the base group comes first: the logged lr is group 0's
@@ -251,14 +245,27 @@ def _kd_teacher(cfg, teacher, student, data, layout):
 
 
 def build_stage2_model(cfg, run_dir, *, teacher=None, student=None):
-    """HedgeMamba from the stage-1 student (given, or loaded from run_dir/stage1)."""
+    """HedgeMamba from the stage-1 student (given, or loaded from run_dir/stage1): converted from the Hedgehog
+    student (stage1.transfer=attention), or the stage-1 HedgeMamba itself (transfer=mixer), every weight
+    trainable again."""
     from hmscale.models.convert import to_hedgemamba
+    from hmscale.models.hedgemamba import HedgeMambaForCausalLM
 
     if student is None:
         from hmscale.train.stage1 import load_stage1_student
 
         student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
-    return to_hedgemamba(student, cfg.stage2.components)
+    if not isinstance(student, HedgeMambaForCausalLM):
+        return to_hedgemamba(student, cfg.stage2.components)
+    want = cfg.stage2.components.model_dump()
+    got = {k: getattr(student.config, k) for k in want}
+    if got != want:
+        diff = ", ".join(f"{k}={got[k]} (stage 2: {want[k]})" for k in want if got[k] != want[k])
+        raise TrainingError(f"stage2.components: the stage-1 mixers were trained with {diff}; "
+                            "rerun stage 1 with the same stage2.components, or use stage1.transfer=attention")
+    for p in student.parameters():
+        p.requires_grad_(True)
+    return student
 
 
 @torch.no_grad()
