@@ -174,7 +174,7 @@ def export_student(student, out_dir: Path, cfg, teacher, extra: dict | None = No
 
         fname = "mixers.safetensors"
         state = {k: v.contiguous() for k, v in recurrent_state(mixer_model).items()}
-        components = {k: getattr(mixer_model.config, k) for k in ("gate", "conv", "ssm", "normalize", "conv_width")}
+        components = {k: getattr(mixer_model.config, k) for k in cfg.stage2.components.model_dump()}
         extra = {"transfer": "mixer", "components": components, **(extra or {})}
     tmp = out_dir / f"{fname}.tmp"
     save_file(state, str(tmp))
@@ -297,7 +297,7 @@ def run_stage1(
         mpu = LayerParallelMPU()
         dp_rank, dp_size = 0, 1
         for l in mine:
-            for p in _trained_parameters(student, mixer_model, l):
+            for p in student.feature_maps[l].parameters():
                 p.model_parallel = True
                 p.tensor_model_parallel = True
     else:
@@ -401,13 +401,13 @@ def run_stage1(
         if mixer_model is None:
             _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
         else:
-            # a fresh model (no engine hooks on its parameters) with every layer's trained recurrent parts
+            # a fresh model (no engine hooks on its parameters) with the trained recurrent parts (ZeRO 0-2, no
+            # layer parallelism: every rank holds all of them)
             from hmscale.models.convert import load_recurrent_state, recurrent_state
 
-            local = {l: recurrent_state(mixer_model, layers=[l]) for l in mine}
-            states = _gather_layer_states(local, mine, layout, n_layers)
+            state = recurrent_state(mixer_model)
             mixer_model = to_mixer_student(teacher, cfg.stage2.components, s1.feature_dim)
-            load_recurrent_state(mixer_model, {k: v for st in states.values() for k, v in st.items()})
+            load_recurrent_state(mixer_model, state)
         if layout.rank == 0:
             export_student(student, out / "student", cfg, teacher, meta, mixer_model=mixer_model)
         barrier()
@@ -419,21 +419,6 @@ def run_stage1(
     return summary
 
 
-def _trained_parameters(student, mixer_model, layer: int) -> list:
-    if mixer_model is None:
-        return list(student.feature_maps[layer].parameters())
-    return [p for p in mixer_model.backbone.layers[layer].mixer.parameters() if p.requires_grad]
-
-
-def _gather_layer_states(local: dict, mine, layout, n_layers: int) -> dict:
-    """{layer: state} of this rank's layers -> every layer's (layer-parallel: all-gathered from the ranks)."""
-    if layout.world > 1 and len(mine) < n_layers:
-        gathered = [None] * layout.world
-        dist.all_gather_object(gathered, local)
-        return {l: st for part in gathered for l, st in part.items()}
-    return local
-
-
 def _gather_feature_maps(engine, student, mine, layout, zero_stage):
     """Bring every layer's trained phi into `student` on rank 0 (ZeRO-3 gather, layer-parallel gather)."""
     import deepspeed
@@ -442,7 +427,12 @@ def _gather_feature_maps(engine, student, mine, layout, zero_stage):
     ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage >= 3 else _null()
     with ctx:
         local = {l: {k: v.detach().cpu().clone() for k, v in student.feature_maps[l].state_dict().items()} for l in mine}
-    states = _gather_layer_states(local, mine, layout, student.config.num_hidden_layers)
+    if layout.world > 1 and len(mine) < student.config.num_hidden_layers:
+        gathered = [None] * layout.world
+        dist.all_gather_object(gathered, local)
+        states = {l: st for part in gathered for l, st in part.items()}
+    else:
+        states = local
     if zero_stage >= 3:
         # the engine's modules hold partitioned (empty) parameters: give the student fresh, full ones
         from hmscale.models.feature_map import HedgehogFeatureMap
