@@ -77,10 +77,15 @@ ABLATIONS = {
 # -> 1.022 in one run (three passes: 1.024; a repeat of two: 1.029). With that many steps the 0/100 split
 # catches up with 10/90 and passes it (1.017 and 1.019 in the two runs); a lower stage-2 lr for the feature
 # maps (x0.25) did not restore the order (10/90 1.035, 0/100 1.021).
+#
+# 2026-12-01, evening (H200, BENCHMARKS.md): stage 1 aligns the whole HedgeMamba mixer (`stage1.transfer=mixer`:
+# feature maps plus conv, dt/A/D and gate, layer-local) instead of the Hedgehog attention alone, and stage 2
+# starts from that model: 10/90 1.009 against 0/100 1.021 and the attention transfer 1.026 in the same run.
 RECIPES = {
     "v0": [],
     "tuned": ["stage1.epochs=32", "stage1.lr=5e-2", "stage2.kd_source=online", "stage2.kd_weight=3",
-              "stage2.lr=5e-4", "stage2.new_params_lr_scale=20", "stage2.micro_batch_size=8", "stage2.epochs=2"],
+              "stage2.lr=5e-4", "stage2.new_params_lr_scale=20", "stage2.micro_batch_size=8", "stage2.epochs=2",
+              "stage1.transfer=mixer"],
 }
 
 

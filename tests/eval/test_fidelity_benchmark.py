@@ -11,6 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_fidelity_smoke(tmp_path):
+    """The tuned recipe's mixer transfer: each ablation whose mixer differs (no gate, Hedgehog only) aligns its
+    own mixer in stage 1, so none of them may reuse the 10/90 run's stage 1."""
     out = tmp_path / "fid"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -21,8 +23,20 @@ def test_fidelity_smoke(tmp_path):
     assert all(math.isfinite(r["ppl"]) and r["ppl"] > 1 for r in res["results"].values())
     assert set(res["checks"]) == {"hedgemamba/teacher <= 1.03", "10/90 beats 0/100 and 100/0", "the gate helps",
                                   "Hedgehog-only is worse than HedgeMamba"}
-    assert "stage 1 shared with hedgemamba" in proc.stdout  # no_gate and hedgehog reuse the 10/90 stage 1
+    assert "stage 1 shared" not in proc.stdout
     assert "| HedgeMamba, split 10/90 |" in proc.stdout
+
+
+def test_fidelity_attention_transfer_shares_stage1(tmp_path):
+    """With the paper's attention transfer stage 1 trains only the feature maps, so the ablations that differ
+    only in stage 2 (no gate, Hedgehog only) reuse the 10/90 run's stage 1."""
+    out = tmp_path / "fid"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out),
+                           "--only", "hedgemamba", "no_gate", "hedgehog", "-s", "stage1.transfer=attention"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "no_gate: stage 1 shared with hedgemamba" in proc.stdout
+    assert "hedgehog: stage 1 shared with hedgemamba" in proc.stdout
 
 
 def test_variants_parse_list_values():
