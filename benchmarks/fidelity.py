@@ -1,7 +1,7 @@
 """Fidelity benchmark: how close HedgeMamba gets to its teacher, with the paper's ablations.
 
-    python benchmarks/fidelity.py --teacher-seconds 80 --teacher-steps 2506 --max-documents 2500 --jobs 7
-        # one H200, 8.5-9.5 minutes: the teacher, then the five ablations (and any variants) side by side
+    python benchmarks/fidelity.py --teacher-seconds 80 --teacher-steps 2506 --max-documents 2500 --jobs 6
+        # one H200, about 7 minutes: the teacher, then the five ablations (and any variants) side by side
     ... --teacher-steps 2500          # a teacher of a fixed step count instead of a time limit (same teacher
                                       # in every run, so recipes compare on it)
     python benchmarks/fidelity.py --smoke                                       # CPU, tiny, checks the plumbing
@@ -23,8 +23,9 @@
      hedgehog     10/90 with gate, conv and SSM (decay/dt) off: the Hedgehog linear-attention model fine-tuned
 3. Print validation perplexities next to the paper's (Pythia-1B, 10B tokens of OpenWebText).
 
-Ablations with the same stage-1 config (hedgemamba, no_gate, hedgehog) share one stage-1 run (with --jobs,
-each process runs its own).
+Ablations with the same stage-1 config share one stage-1 run (with --jobs, each process runs its own): with
+the paper's attention transfer (-s stage1.transfer=attention) hedgemamba, no_gate and hedgehog share it; the
+tuned recipe's mixer transfer aligns each ablation's own mixer, so there each runs its own.
 """
 
 from __future__ import annotations
