@@ -125,7 +125,7 @@ class Stage1Config(_Section):
     warmup_steps: int = Field(10, ge=0)
     source: Literal["cache", "online"] = "cache"
     steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage1_tokens
-    layer_parallel: bool = False  # spread layers over workers (each trains its own layers' phi)
+    layer_parallel: bool = False  # spread layers over workers (each trains its own layers' phi or mixers)
     # passes over the stage's token share (budget.stage1_tokens): stage 1 is layer-local and cheap, and
     # one pass leaves phi far from converged at small budgets; the same rows are revisited, no new tokens
     epochs: int = Field(1, ge=1)
@@ -269,9 +269,6 @@ class RunConfig(_Section):
         if self.stage1.transfer == "mixer" and self.parallel.zero_stage == 3:
             raise ValueError("stage1.transfer: the mixer transfer runs with ZeRO 0-2 (its mixers hold frozen copies "
                              "of the teacher's projections); set parallel.zero_stage<=2 or stage1.transfer=attention")
-        if self.stage1.transfer == "mixer" and self.stage1.layer_parallel:
-            raise ValueError("stage1.transfer: the mixer transfer trains every layer on every worker (ZeRO data "
-                             "parallel); set stage1.layer_parallel=false or stage1.transfer=attention")
         if self.teacher.name_or_path and self.tokenizer.name_or_path is None:
             # a pretrained teacher needs its own tokenizer
             self.tokenizer.name_or_path = self.teacher.name_or_path

@@ -13,8 +13,8 @@ teacher attention input only, so:
   (`convert.to_mixer_student`: feature maps plus the conv, dt/A/D and gate of `stage2.components`, from their
   exact identity init; the teacher's qkv/dense frozen inside it) is aligned with the teacher's attention
   output, through its gated per-head output; the added parts at `stage1.new_params_lr_scale` x lr. Stage 2
-  then starts from that model itself (same components required). Layer-local all the same; not with
-  layer_parallel or ZeRO-3.
+  then starts from that model itself (same components required). Layer-local all the same (layer_parallel
+  too: each worker trains its layers' mixers); not with ZeRO-3.
 
 The logged `loss` is the mean over layers; `layer_loss/<l>` per layer.
 
@@ -296,10 +296,12 @@ def run_stage1(
         owners = {l: 1 for l in range(n_layers)}
         mpu = LayerParallelMPU()
         dp_rank, dp_size = 0, 1
-        for l in mine:
-            for p in student.feature_maps[l].parameters():
-                p.model_parallel = True
-                p.tensor_model_parallel = True
+        for l in mine:  # this rank's own parameters: the grad norm sums them over the "model-parallel" world
+            owned = student.feature_maps[l] if mixer_model is None else mixer_model.backbone.layers[l].mixer
+            for p in owned.parameters():
+                if p.requires_grad:
+                    p.model_parallel = True
+                    p.tensor_model_parallel = True
     else:
         mine = list(range(n_layers))
         owners = {l: layout.world for l in range(n_layers)}
@@ -401,11 +403,15 @@ def run_stage1(
         if mixer_model is None:
             _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
         else:
-            # a fresh model (no engine hooks on its parameters) with the trained recurrent parts (ZeRO 0-2, no
-            # layer parallelism: every rank holds all of them)
+            # a fresh model (no engine hooks on its parameters) with the trained recurrent parts (ZeRO 0-2: every
+            # rank holds its layers' parts whole; layer-parallel ranks each bring their own layers)
             from hmscale.models.convert import load_recurrent_state, recurrent_state
 
-            state = recurrent_state(mixer_model)
+            state = recurrent_state(mixer_model, layers=mine)
+            if mpu is not None:
+                gathered = [None] * layout.world
+                dist.all_gather_object(gathered, state)
+                state = {k: v for part in gathered for k, v in part.items()}
             mixer_model = to_mixer_student(teacher, cfg.stage2.components, s1.feature_dim)
             load_recurrent_state(mixer_model, state)
         if layout.rank == 0:

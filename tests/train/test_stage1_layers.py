@@ -1,5 +1,6 @@
-"""Stage 1 with layers spread over 2 workers (each trains only its layers' phi) gives the same per-layer
-losses as one worker training all layers; the merged export holds every layer."""
+"""Stage 1 with layers spread over 2 workers (each trains only its layers' phi, or with transfer=mixer its
+layers' mixers) gives the same per-layer losses as one worker training all layers; the merged export holds
+every layer."""
 
 import json
 
@@ -8,9 +9,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_layer_parallel_matches_single_worker(launch_job, tmp_path):
+@pytest.mark.parametrize("transfer,export", [("attention", "feature_maps.safetensors"),
+                                             ("mixer", "mixers.safetensors")])
+def test_layer_parallel_matches_single_worker(launch_job, tmp_path, transfer, export):
     common = ["stage1.steps=5", "stage1.micro_batch_size=4", "stage1.lr=0.05", "stage1.warmup_steps=1",
-              "stage1.source=online", "parallel.checkpoint_every=100", "parallel.zero_stage=2"]
+              "stage1.source=online", "parallel.checkpoint_every=100", "parallel.zero_stage=2",
+              f"stage1.transfer={transfer}"]
     (one,) = launch_job({"runs": [{"overrides": common, "run_dir": str(tmp_path / "one"), "stage": "stage1"}]}, world=1)
     (two,) = launch_job({"runs": [{"overrides": common + ["stage1.layer_parallel=true", "parallel.num_workers=2"],
                                    "run_dir": str(tmp_path / "two"), "stage": "stage1"}]}, world=2)
@@ -23,8 +27,13 @@ def test_layer_parallel_matches_single_worker(launch_job, tmp_path):
     assert meta["layer_parallel"] and meta["done"]
     from safetensors.torch import load_file
 
-    a = load_file(str(tmp_path / "one" / "stage1" / "student" / "feature_maps.safetensors"))
-    b = load_file(str(tmp_path / "two" / "stage1" / "student" / "feature_maps.safetensors"))
-    assert sorted(a) == sorted(b) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    a = load_file(str(tmp_path / "one" / "stage1" / "student" / export))
+    b = load_file(str(tmp_path / "two" / "stage1" / "student" / export))
+    assert sorted(a) == sorted(b)
+    assert {k.split(".", 1)[0] for k in a} == {"0", "1"}  # both layers, whichever worker trained them
+    if transfer == "attention":
+        assert sorted(a) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    else:  # the conv, decay and gate moved too, not only the feature maps
+        assert any("conv" in k for k in a) and any("feature_map" in k for k in a)
     for k in a:
         assert (a[k] - b[k]).abs().max() <= 1e-3 * a[k].abs().max() + 1e-6, k
