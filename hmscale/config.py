@@ -266,9 +266,6 @@ class RunConfig(_Section):
             heads = _heads_of(self.teacher.name_or_path)
         if heads is not None and heads % self.parallel.tp:
             raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's {heads} heads; pick a divisor of {heads}")
-        if self.stage1.transfer == "mixer" and self.parallel.zero_stage == 3:
-            raise ValueError("stage1.transfer: the mixer transfer runs with ZeRO 0-2 (its mixers hold frozen copies "
-                             "of the teacher's projections); set parallel.zero_stage<=2 or stage1.transfer=attention")
         if self.teacher.name_or_path and self.tokenizer.name_or_path is None:
             # a pretrained teacher needs its own tokenizer
             self.tokenizer.name_or_path = self.teacher.name_or_path

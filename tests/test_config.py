@@ -47,7 +47,6 @@ def test_resolved_config_round_trips(tmp_path):
         (["stage1.epochs=4", "stage1.steps=100"], "stage1.epochs"),
         (["stage1.epochs=0"], "stage1.epochs"),
         (["stage2.epochs=2", "stage2.steps=100"], "stage2.epochs"),
-        (["stage1.transfer=mixer", "parallel.zero_stage=3"], "stage1.transfer"),
         (["stage1.transfer=both"], "stage1.transfer"),
         (["stage2.epochs=0"], "stage2.epochs"),
         (["stage2.ce_weight=0"], "stage2.ce_weight"),

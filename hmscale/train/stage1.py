@@ -14,7 +14,7 @@ teacher attention input only, so:
   exact identity init; the teacher's qkv/dense frozen inside it) is aligned with the teacher's attention
   output, through its gated per-head output; the added parts at `stage1.new_params_lr_scale` x lr. Stage 2
   then starts from that model itself (same components required). Layer-local all the same (layer_parallel
-  too: each worker trains its layers' mixers); not with ZeRO-3.
+  too: each worker trains its layers' mixers).
 
 The logged `loss` is the mean over layers; `layer_loss/<l>` per layer.
 
@@ -100,6 +100,15 @@ class Stage1Trainable(nn.Module):
         else:
             self.mixers = nn.ModuleDict({str(l): mixer_model.backbone.layers[l].mixer for l in self.layers})
             self._rope = (mixer_model.config.rotary_ndims, mixer_model.config.rotary_emb_base)
+            # ZeRO-3 gathers a module's own parameters when its forward runs; stage 1 calls the mixers'
+            # head_outputs, not their forward, so their direct parameters (A, D, ...) are gathered with this
+            # module's forward instead (submodules such as in_proj and the conv are called and gather themselves;
+            # DeepSpeed 0.19.8 was seen to fetch unregistered ones on access too, this does not rely on that)
+            import deepspeed
+
+            for mixer in self.mixers.values():
+                for p in mixer.parameters(recurse=False):
+                    deepspeed.zero.register_external_parameter(self, p)
         self._attn = {l: student.layers[l].attention for l in self.layers}
         self._config = student.config
         self._chunk = getattr(student, "chunk_size", 64)
@@ -403,11 +412,15 @@ def run_stage1(
         if mixer_model is None:
             _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
         else:
-            # a fresh model (no engine hooks on its parameters) with the trained recurrent parts (ZeRO 0-2: every
-            # rank holds its layers' parts whole; layer-parallel ranks each bring their own layers)
+            # a fresh model (no engine hooks on its parameters) with the trained recurrent parts (gathered whole
+            # under ZeRO-3; layer-parallel ranks each bring their own layers)
+            import deepspeed
+
             from hmscale.models.convert import load_recurrent_state, recurrent_state
 
-            state = recurrent_state(mixer_model, layers=mine)
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if par.zero_stage >= 3 else _null():
+                state = recurrent_state(mixer_model, layers=mine)
             if mpu is not None:
                 gathered = [None] * layout.world
                 dist.all_gather_object(gathered, state)
