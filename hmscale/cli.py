@@ -155,7 +155,9 @@ def print_results(res: dict) -> None:
     t = res["teacher_ppl"]
     typer.echo("")
     typer.echo(f"{'model':<24}{'val ppl':>10}{'/ teacher':>12}")
-    for key, name in (("teacher_ppl", "teacher"), ("hedgehog_ppl", "Hedgehog (stage 1)"),
+    from hmscale.recipe import stage1_label
+
+    for key, name in (("teacher_ppl", "teacher"), ("hedgehog_ppl", stage1_label(res)),
                       ("hedgemamba_ppl", "HedgeMamba (stage 2)")):
         typer.echo(f"{name:<24}{res[key]:>10.3f}{res[key] / t:>12.3f}")
 

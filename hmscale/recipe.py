@@ -101,6 +101,7 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
             "hedgemamba_ppl": perplexity(hedgemamba, rows, bs),
         }
         results.update(ppl)
+        results["stage1_transfer"] = cfg.stage1.transfer
         results["eval_tokens"] = int(rows.shape[0] * (rows.shape[1] - 1))
         record("eval", t0, **ppl)
     results["wall_seconds"] = round(sum(stages[k].get("seconds", 0) for k in ("prepare", "distill", "eval") if k in stages), 2)
@@ -130,6 +131,12 @@ def load_final_model(run_dir: Path, data=None):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
+def stage1_label(results: dict) -> str:
+    """The name of the stage-1 model in results tables: the Hedgehog student, or with stage1.transfer=mixer the
+    HedgeMamba whose mixers stage 1 aligned (``hedgehog_ppl`` holds the stage-1 model's perplexity either way)."""
+    return "stage 1 (mixer transfer)" if results.get("stage1_transfer") == "mixer" else "Hedgehog (stage 1)"
+
+
 def _plain(d: dict) -> dict:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
@@ -142,7 +149,7 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
     if "teacher_ppl" in results:
         t = results["teacher_ppl"]
         lines += ["| model | validation perplexity | / teacher |", "| --- | --- | --- |"]
-        for key, name in (("teacher_ppl", "teacher (GPT-NeoX)"), ("hedgehog_ppl", "Hedgehog (stage 1)"),
+        for key, name in (("teacher_ppl", "teacher (GPT-NeoX)"), ("hedgehog_ppl", stage1_label(results)),
                           ("hedgemamba_ppl", "HedgeMamba (stage 2)")):
             lines.append(f"| {name} | {results[key]:.3f} | {results[key] / t:.3f} |")
         lines += ["", f"Evaluated on {results.get('eval_tokens', 0):,} held-out tokens.", ""]

@@ -1,0 +1,21 @@
+"""report.md and the printed results table name the stage-1 model after the transfer that made it."""
+
+import pytest
+
+from hmscale.config import build_config
+
+
+@pytest.mark.parametrize("transfer,label", [("attention", "Hedgehog (stage 1)"), ("mixer", "stage 1 (mixer transfer)")])
+def test_stage1_model_is_named_by_its_transfer(tmp_path, capsys, transfer, label):
+    from hmscale.cli import print_results
+    from hmscale.recipe import write_report
+
+    results = {"teacher_ppl": 10.0, "hedgehog_ppl": 20.0, "hedgemamba_ppl": 10.5, "stage1_transfer": transfer,
+               "eval_tokens": 1000, "stages": {"stage1": {"seconds": 1.0, "tokens": 10}}}
+    report = write_report(tmp_path, results, build_config({}, [f"stage1.transfer={transfer}"])).read_text()
+    assert f"| {label} | 20.000 | 2.000 |" in report
+    print_results(results)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(label))
+    assert row.split()[-2:] == ["20.000", "2.000"]
+    other = "Hedgehog (stage 1)" if transfer == "mixer" else "stage 1 (mixer transfer)"
+    assert other not in report
