@@ -125,6 +125,7 @@ class Stage1Trainable(nn.Module):
 
         per_layer = torch.zeros(self._n_layers)
         total = 0.0
+        rope = None  # the mixers' rotary tables: the same for every layer, built once per call
         for l in self.layers:
             attn = self._attn[l]
             x = attn_inputs[l].to(next(attn.parameters()).dtype)
@@ -133,7 +134,9 @@ class Stage1Trainable(nn.Module):
                 o_lin, o_t = hedgehog_layer_output(attn, self.maps[str(l)], x, self._config, with_teacher=tgt is None,
                                                    chunk_size=self._chunk)
             else:
-                o_lin, o_t = self._mixer_output(l, attn, x, with_teacher=tgt is None)
+                if rope is None:
+                    rope = self._rope_tables(x)
+                o_lin, o_t = self._mixer_output(l, attn, x, rope, with_teacher=tgt is None)
             if tgt is not None:
                 if positions is not None and tgt.shape[1] != o_lin.shape[1]:
                     o_lin = torch.gather(o_lin, 1, positions[:, :, None, None].expand(-1, -1, *o_lin.shape[2:]))
@@ -143,13 +146,16 @@ class Stage1Trainable(nn.Module):
             total = total + loss_l / self._n_layers
         return total, per_layer
 
-    def _mixer_output(self, l: int, attn, x: torch.Tensor, with_teacher: bool):
-        from hmscale.models.hedgehog import teacher_attention_output
+    def _rope_tables(self, x: torch.Tensor):
         from hmscale.models.neox_attention import rotary_cos_sin
 
-        mixer = self.mixers[str(l)]
         positions = torch.arange(x.shape[1], device=x.device)[None]
-        rope = rotary_cos_sin(positions, *self._rope, dtype=x.dtype)
+        return rotary_cos_sin(positions, *self._rope, dtype=x.dtype)
+
+    def _mixer_output(self, l: int, attn, x: torch.Tensor, rope, with_teacher: bool):
+        from hmscale.models.hedgehog import teacher_attention_output
+
+        mixer = self.mixers[str(l)]
         o_t = teacher_attention_output(attn, x, self._config) if with_teacher else None
         return mixer.head_outputs(x.to(mixer.in_proj.weight.dtype), rope), o_t
 
@@ -412,21 +418,7 @@ def run_stage1(
         if mixer_model is None:
             _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
         else:
-            # a fresh model (no engine hooks on its parameters) with the trained recurrent parts (gathered whole
-            # under ZeRO-3; layer-parallel ranks each bring their own layers)
-            import deepspeed
-
-            from hmscale.models.convert import load_recurrent_state, recurrent_state
-
-            params = list(engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if par.zero_stage >= 3 else _null():
-                state = recurrent_state(mixer_model, layers=mine)
-            if mpu is not None:
-                gathered = [None] * layout.world
-                dist.all_gather_object(gathered, state)
-                state = {k: v for part in gathered for k, v in part.items()}
-            mixer_model = to_mixer_student(teacher, cfg.stage2.components, s1.feature_dim)
-            load_recurrent_state(mixer_model, state)
+            mixer_model = _gather_mixers(engine, mixer_model, mine, layout, par.zero_stage, teacher, cfg)
         if layout.rank == 0:
             export_student(student, out / "student", cfg, teacher, meta, mixer_model=mixer_model)
         barrier()
@@ -461,6 +453,26 @@ def _gather_feature_maps(engine, student, mine, layout, zero_stage):
         student.feature_maps = fresh.to(next(student.teacher.parameters()).device)
     for l, st in states.items():
         student.feature_maps[l].load_state_dict(st)
+
+
+def _gather_mixers(engine, mixer_model, mine, layout, zero_stage, teacher, cfg):
+    """A fresh mixer student (no engine hooks on its parameters) holding every layer's trained recurrent parts
+    (ZeRO-3 gather, layer-parallel gather)."""
+    import deepspeed
+
+    from hmscale.models.convert import load_recurrent_state, recurrent_state, to_mixer_student
+
+    params = list(engine.module.parameters())
+    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage >= 3 else _null()
+    with ctx:
+        state = recurrent_state(mixer_model, layers=mine)
+    if layout.world > 1 and len(mine) < mixer_model.config.num_hidden_layers:
+        gathered = [None] * layout.world
+        dist.all_gather_object(gathered, state)
+        state = {k: v for part in gathered for k, v in part.items()}
+    fresh = to_mixer_student(teacher, cfg.stage2.components, cfg.stage1.feature_dim)
+    load_recurrent_state(fresh, state)
+    return fresh
 
 
 class _null:
