@@ -53,7 +53,8 @@ def teacher_model(flavor: str, vocab: int | None = None):
 
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
-          ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False) -> dict:
+          ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
+          foreach_grad_checks: bool = True) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -66,7 +67,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         apply_compile(model)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
                      zero_stage=zero_stage, bf16=bf16, torch_adam=True, ds_config=ds_config)
-    engine = build_engine(model, spec, dp_world=1)
+    engine = build_engine(model, spec, dp_world=1, foreach_grad_checks=foreach_grad_checks)
     if cuda_graphs:  # the student's blocks only (hmscale.parallel.apply_cuda_graphs)
         from hmscale.parallel import apply_cuda_graphs
 
@@ -187,6 +188,9 @@ def main(argv=None) -> int:
                     help="a DeepSpeed JSON instead of ds_configs/zero2.json (e.g. to try other ZeRO bucket settings)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
+    ap.add_argument("--grad-checks", choices=("foreach", "deepspeed", "both"), default="foreach",
+                    help="ZeRO-1/2 gradient norm and overflow check: hmscale.train.zero_foreach (default), DeepSpeed's "
+                         "per-tensor loops, or both (each model trained twice, side by side)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--phases", action="store_true",
@@ -220,14 +224,18 @@ def main(argv=None) -> int:
         v = vocab or get_flavor(flavor).vocab_size
         suffix = " compiled" if args.compile else ""
         pairs = [("hedgemamba", student_model)] + ([] if args.no_teacher else [("teacher-sdpa", teacher_model)])
-        for kind, make in pairs:
+        checks = {"foreach": [True], "deepspeed": [False], "both": [True, False]}[args.grad_checks]
+        for (kind, make), foreach in [(pair, f) for pair in pairs for f in checks]:
             torch.manual_seed(0)
             try:
                 graphs = args.cuda_graphs and kind == "hedgemamba"
-                r = bench(f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}", make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
+                name = (f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}"
+                        f"{'' if foreach else ' deepspeed-loops'}")
+                r = bench(name, make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
-                          cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases)
+                          cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
+                          foreach_grad_checks=foreach)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -192,9 +192,16 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=None, params=None):
-    """deepspeed.initialize with the recipe's config, schedule and (optionally) an mpu."""
+def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=None, params=None,
+                 foreach_grad_checks: bool = True):
+    """deepspeed.initialize with the recipe's config, schedule and (optionally) an mpu.
+
+    ZeRO-1/2 optimizers get the foreach gradient norm and overflow check of ``zero_foreach`` (same results,
+    a few kernel launches instead of ~15 per trainable tensor); ``foreach_grad_checks=False`` keeps DeepSpeed's
+    per-tensor loops (benchmarks/train_throughput.py's ``--deepspeed-loops`` baseline)."""
     import deepspeed
+
+    from .zero_foreach import install as install_foreach
 
     conf = ds_config_for(spec, dp_world)
     if params is None:
@@ -210,6 +217,8 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=conf, mpu=mpu, lr_scheduler=scheduler
     )
+    if foreach_grad_checks:
+        install_foreach(engine.optimizer)
     return engine
 
 
