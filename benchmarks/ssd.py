@@ -187,7 +187,7 @@ def dbc_sweep(configs):
     os.environ.pop("HMSCALE_SSD_DBC_CFG", None)
 
 
-SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the last: the 160m training call, softmax B/C, D)
+SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the *_norm ones: the 160m and 410m training calls, softmax B/C, D)
     "410m_2k": (16, 16, 64, 128, 2048, False),
     "410m_8k": (16, 16, 64, 128, 8192, False),
     "410m_16k": (16, 16, 64, 128, 16384, False),
@@ -195,10 +195,12 @@ SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the last: the 160m training 
     "1.4b_8k": (16, 16, 128, 256, 8192, False),
     "1.4b_16k": (16, 16, 128, 256, 16384, False),
     "160m_norm": (12, 12, 64, 128, 2048, True),
+    "410m_norm": (16, 16, 64, 128, 2048, True),
 }
 KERNEL_SHORT = {"_chunk_state_fwd": "state", "_state_pass_fwd": "pass", "_chunk_scan_fwd": "scan",
                 "_chunk_dstate_bwd": "dstate", "_state_pass_bwd": "pass_b", "_chunk_bwd_dx_dcs": "dx",
-                "_chunk_bwd_dx": "dx1", "_chunk_bwd_dbc": "dbc"}
+                "_chunk_bwd_dx": "dx1", "_chunk_bwd_dbc": "dbc",
+                "_state_fused_fwd": "fstate", "_dstate_fused_bwd": "fdstate"}
 
 
 def kernel_times(fn, iters=5):

@@ -37,9 +37,25 @@ def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp
         dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
     dden = None
     dyn = dy
+    if norm and norm_bwd_mode() == "rowscale" and x.dtype == torch.bfloat16 and dy.dtype == torch.bfloat16:
+        _, dden = norm_bwd_prologue(dy, ynum, den, write_dyn=False)
+        return ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy,
+                       dy_den=den)
     if norm:
         dyn, dden = norm_bwd_prologue(dy, ynum, den)
     return ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy)
+
+
+def norm_bwd_mode() -> str:
+    """``HMSCALE_SSD_NORM_BWD``: how the fused normaliser's backward hands the numerator's gradient dy / den to the
+    kernels, for bf16 inputs. ``rowscale`` (default): the kernels read the output's bf16 gradient and apply 1 / den
+    per row (exact bf16 dots, as without normalize); ``fp32``: the prologue writes dy / den in fp32 and the kernels
+    take it as an fp32 operand (tf32 and 3-term split dots). fp16 and fp32 inputs always use ``fp32`` (an fp16 dy / den
+    can leave the fp16 range)."""
+    v = os.environ.get("HMSCALE_SSD_NORM_BWD", "rowscale").lower()
+    if v not in ("rowscale", "fp32"):
+        raise ValueError(f"HMSCALE_SSD_NORM_BWD must be rowscale or fp32, got {v!r}")
+    return v
 
 
 def _d_hp(D, h, p):

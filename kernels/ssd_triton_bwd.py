@@ -31,15 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _xdot, block_sizes, dbc_state_precision, kcfg,
-                             pass_config, precisions, state_precision)
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _xdot, block_sizes, dbc_state_precision,
+                             fused_pass_config, kcfg, pass_config, precisions, state_precision, use_fused_pass)
 
 
 @triton.jit
-def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr,
+def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, den_ptr,
                       L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
+                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, DY_SCALE: tl.constexpr = False):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pn = tl.program_id(2)
@@ -62,7 +62,10 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr,
                  mask=mask_t[:, None] & mask_p[None, :], other=0.0)
     Ct = tl.load((C_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
                  mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-    dyw = dy.to(tl.float32) * win[:, None]  # about fp32 accuracy (PREC)
+    wy = win
+    if DY_SCALE:  # dy holds the output's gradient; the numerator's is dy / den (row scale)
+        wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+    dyw = dy.to(tl.float32) * wy[:, None]  # about fp32 accuracy (PREC)
     dS = _xdot(tl.trans(dyw), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
     d_base = dst_ptr + (bh * NC + c) * (P + NORM) * N
     tl.store(d_base + (offs_p[:, None] * N + offs_n[None, :]), dS, mask=mask_p[:, None] & mask_n[None, :])
@@ -147,6 +150,77 @@ def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC
 
 
 @triton.jit
+def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, st_ptr, gdec_ptr, dst_ptr,
+                      dfinal_ptr, dinit_ptr, dg_ptr, den_ptr,
+                      L, H, G, P, N, NC, NBLK,
+                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
+                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False):
+    """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
+    (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
+    and writes only the gradient leaving each chunk, and per tile the partial <dS, S_prev> (the gradient of the
+    carry factor; the first p tile's programs add the normaliser row's)."""
+    bh = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    grp = h // (H // G)
+    n_pb = tl.cdiv(P, BP)
+    pb = blk % n_pb
+    nb = blk // n_pb
+    offs_p = pb * BP + tl.arange(0, BP)
+    offs_n = nb * BN + tl.arange(0, BN)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    PN = (P + NORM) * N
+    soff = offs_p[:, None] * N + offs_n[None, :]
+    smask = mask_p[:, None] & mask_n[None, :]
+    rmask = mask_n & ((offs_n * 0 + pb) == 0)
+    if HAS_DFINAL:
+        dS = tl.load(dfinal_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
+        dSr = tl.load(dfinal_ptr + bh * PN + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BP, BN], dtype=tl.float32)
+        dSr = tl.zeros([BN], dtype=tl.float32)
+    dy_base = dy_ptr + (b * L * H + h) * P
+    c_base = C_ptr + (b * L * G + grp) * N
+    dgbase = dg_ptr + (bh * NBLK + blk) * NC
+    for i in range(0, NC):
+        c = NC - 1 - i
+        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+        win = tl.exp(cs)
+        if HAS_DOC:
+            doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+            win = tl.where(doc == doc_prev, win, 0.0)
+        s_base = (bh * NC + c) * PN
+        S0 = tl.load(st_ptr + s_base + soff, mask=smask, other=0.0)
+        part = tl.sum(tl.sum(dS * S0, axis=1), axis=0)
+        if NORM:
+            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=rmask, other=0.0)
+            part += tl.sum(dSr * S0r, axis=0)
+            tl.store(dst_ptr + s_base + P * N + offs_n, dSr, mask=rmask)
+        tl.store(dgbase + c, part)
+        tl.store(dst_ptr + s_base + soff, dS, mask=smask)  # the gradient of the state leaving chunk c
+        g = tl.load(gdec_ptr + bh * NC + c)
+        dy = tl.load(dy_base + (offs_t[:, None] * (H * P) + offs_p[None, :]),
+                     mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+        Ct = tl.load(c_base + (offs_t[:, None] * (G * N) + offs_n[None, :]),
+                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        wy = win
+        if DY_SCALE:
+            wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+        dyw = dy.to(tl.float32) * wy[:, None]
+        dS = _xdot(tl.trans(dyw), Ct, dS * g, PREC, "b")
+        if NORM:
+            dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+            dSr = dSr * g + tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)
+    if HAS_DINIT:
+        tl.store(dinit_ptr + bh * PN + soff, dS, mask=smask)
+        if NORM:
+            tl.store(dinit_ptr + bh * PN + P * N + offs_n, dSr, mask=rmask)
+
+
+@triton.jit
 def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
                   L, H, G, P, N, NC,
                   Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -193,16 +267,19 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
 
 @triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
-                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr,
+                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
-                      DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False):
+                      DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
+                      DY_SCALE: tl.constexpr = False):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
     the first p tile also adds the normaliser column's terms (x = 1, dy = dden, state row P). HAS_D: the D skip's
-    gradients from ``dyo`` (the gradient of the final output): dx += D dyo, and per-chunk partial sums of dyo x."""
+    gradients from ``dyo`` (the gradient of the final output): dx += D dyo, and per-chunk partial sums of dyo x.
+    DY_SCALE: ``dy`` is the output's gradient and the numerator's is ``dy / den`` (per row): the 1/den scale goes on
+    the t columns of the Q x Q operand and on the dy . y sums, so dy stays an exact 16-bit operand."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -253,7 +330,10 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     xm = mask_t[:, None] & mask_p[None, :]
     dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
     x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
-    if DY_EXACT:  # dx / dt
+    if DY_SCALE:  # dx / dt, with dy / den = dy * rden (rows t)
+        rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+        stuff = _xdot(MT * rden[None, :], dy, wend[:, None] * accZ, XPREC, "b")
+    elif DY_EXACT:  # dx / dt
         stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "b")
     else:
         stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "none")
@@ -269,6 +349,8 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     ddt_direct = tl.sum(xf * stuff, axis=1)
     u = tl.sum(xf * accZ, axis=1)
     dyy = tl.sum(dy.to(tl.float32) * y, axis=1)
+    if DY_SCALE:
+        dyy = dyy * rden
     if NORM:  # the normaliser column (x = 1), on the first p tile only
         fr = tl.where(pb == 0, 1.0, 0.0)
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
@@ -287,12 +369,12 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
 
 @triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
-                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr,
+                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
-                   DY_EXACT: tl.constexpr = True):
+                   DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False):
     c = tl.program_id(0)
     bg = tl.program_id(1).to(tl.int64)
     nb = tl.program_id(2)
@@ -340,6 +422,10 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
                 accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
             else:
                 accDYS = _xdot(dy, S0, accDYS, SPREC, "none")
+        if DY_SCALE:  # the numerator's gradient is dy / den (rows t)
+            rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+            accDYX = accDYX * rden[:, None]
+            accDYS = accDYS * rden[:, None]
         if NORM:  # the normaliser column: x = 1, dy = dden, state row P
             dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
             ones = tl.where(mask_t, 1.0, 0.0)
@@ -435,11 +521,14 @@ def dbc_config(n: int):
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None):
+def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
+            dy_den=None):
     """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
     when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
     the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
-    numerator when normalised, else the same) and dD (h, p) is returned, else None."""
+    numerator when normalised, else the same) and dD (h, p) is returned, else None. ``dy_den`` (the normaliser
+    ``den``, (b, l, h) fp32; v2 only): ``dy`` is the output's gradient and the numerator's is ``dy / den``, applied
+    inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
@@ -455,6 +544,10 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     else:
         in_dtype = _TL_DTYPE[x.dtype]
     dy_exact = dy.dtype == x.dtype
+    dy_scale = dy_den is not None
+    if dy_scale and bwd_variant() != "v2":
+        raise ValueError("the row-scaled dy (dy_den) needs the v2 backward")
+    den_arg = dy_den.contiguous() if dy_scale else dt
     BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
     # dots run at about fp32 accuracy (state_precision)
@@ -464,20 +557,30 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
     dst = torch.empty_like(states)  # same storage dtype as the forward states
-    BP, BN, nw = block_sizes(p, n, x.dtype, "dstate")
-    grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
-    _chunk_dstate_bwd[grid1](dy, dden, dt, A, C, doc_arg, dst, l, h, g, p, n, nc,
-                             Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-                             num_warps=nw)
-    PN = states.shape[3] * n
-    BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
-    nblk = triton.cdiv(PN, BLOCK)
-    dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
-    _state_pass_bwd[(b * h, nblk)](dst, states, gdec, dfinal.contiguous() if has_dfinal else dst,
-                                   dinit if need_dinit else dst, dg, nc, PN, nblk,
-                                   HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
+    dfinal_arg = dfinal.contiguous() if has_dfinal else dst
+    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b"):
+        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b")
+        nblk = triton.cdiv(p, BP) * triton.cdiv(n, BN)
+        dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
+        _dstate_fused_bwd[(b * h, nblk)](dy, dden, dt, A, C, doc_arg, states, gdec, dst, dfinal_arg,
+                                         dinit if need_dinit else dst, dg, den_arg, l, h, g, p, n, nc, nblk,
+                                         Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
+                                         NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
+                                         DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
+    else:
+        BP, BN, nw = block_sizes(p, n, x.dtype, "dstate")
+        grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
+        _chunk_dstate_bwd[grid1](dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
+                                 Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
+                                 DY_SCALE=dy_scale, num_warps=nw)
+        PN = states.shape[3] * n
+        BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
+        nblk = triton.cdiv(PN, BLOCK)
+        dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
+        _state_pass_bwd[(b * h, nblk)](dst, states, gdec, dfinal_arg, dinit if need_dinit else dst, dg, nc, PN, nblk,
+                                       HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
@@ -494,14 +597,15 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
         dyo_arg = dyo.contiguous() if has_d else dy
         _chunk_bwd_dx_dcs[(nc, b * h, npb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
-                                           dyo_arg, D if has_d else dt, dD_part if has_d else dt,
+                                           dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                                            l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                                            HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
-                                           DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, num_warps=nw2, **extra)
+                                           DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
+                                           num_warps=nw2, **extra)
         nnb = triton.cdiv(n, BN_dbc)
         _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype), DCS=False,
-                                         NORM=int(norm), **dbc_kw)
+                                         den_arg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
+                                         DCS=False, NORM=int(norm), DY_SCALE=dy_scale, **dbc_kw)
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
@@ -513,7 +617,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
         dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
         _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+                                         dt, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     # d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch
     ddt = torch.empty(b, l, h, device=dev, dtype=torch.float32)
     dA_part = torch.empty(b * h, nc, device=dev, dtype=torch.float32)

@@ -197,6 +197,65 @@ def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
 
 
 @triton.jit
+def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
+                     L, H, G, P, N, NC,
+                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr):
+    """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
+    (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
+    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps)."""
+    bh = tl.program_id(0).to(tl.int64)
+    pn = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    grp = h // (H // G)
+    n_pb = tl.cdiv(P, BP)
+    pb = pn % n_pb
+    nb = pn // n_pb
+    offs_p = pb * BP + tl.arange(0, BP)
+    offs_n = nb * BN + tl.arange(0, BN)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    PN = (P + NORM) * N
+    soff = offs_p[:, None] * N + offs_n[None, :]
+    smask = mask_p[:, None] & mask_n[None, :]
+    rmask = mask_n & ((offs_n * 0 + pb) == 0)  # the normaliser row belongs to the first p tile's programs
+    if HAS_INIT:
+        S = tl.load(init_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
+        Sr = tl.load(init_ptr + bh * PN + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BP, BN], dtype=tl.float32)
+        Sr = tl.zeros([BN], dtype=tl.float32)
+    x_base = x_ptr + (b * L * H + h) * P
+    b_base = B_ptr + (b * L * G + grp) * N
+    for c in range(0, NC):
+        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+        w = tl.exp(cs_end - cs) * dt
+        g = tl.exp(cs_end)
+        if HAS_DOC:
+            doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+            w = tl.where(doc == doc_end, w, 0.0)
+            g = tl.where(doc_end == doc_prev, g, 0.0)
+        s_base = st_ptr + (bh * NC + c) * PN
+        tl.store(s_base + soff, S, mask=smask)  # the state entering chunk c
+        if NORM:
+            tl.store(s_base + P * N + offs_n, Sr, mask=rmask)
+        if pn == 0:
+            tl.store(gdec_ptr + bh * NC + c, g)
+        x = tl.load(x_base + (offs_t[:, None] * (H * P) + offs_p[None, :]),
+                    mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+        Bt = tl.load(b_base + (offs_t[:, None] * (G * N) + offs_n[None, :]),
+                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        xw = x.to(tl.float32) * w[:, None]
+        S = _xdot(tl.trans(xw), Bt, S * g, PREC, "b")
+        if NORM:
+            Sr = Sr * g + tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
+    tl.store(final_ptr + bh * PN + soff, S, mask=smask)
+    if NORM:
+        tl.store(final_ptr + bh * PN + P * N + offs_n, Sr, mask=rmask)
+
+
+@triton.jit
 def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr,
                     L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -321,18 +380,19 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 # per-kernel profiles of tiling sweeps on the H200 (kernels/NOTES.md); fp32 inputs keep the earlier ones.
 DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (32, 64, 4, 0),
-    "pass": (1024, 8), "pass_b": (1024, 8),
+    "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
 }
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
-    "pass": (1024, 4), "pass_b": (1024, 4),
+    "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
 }
 
 
 def kcfg(name: str, dtype: torch.dtype) -> tuple:
     """Launch configuration of one kernel; ``HMSCALE_SSD_CFG="state=64,64,4;scan=64,128,8;..."`` overrides it
     (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
-    (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps)."""
+    (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps),
+    fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages)."""
     default = (DEFAULT_CFG_FP32 if dtype == torch.float32 else DEFAULT_CFG)[name]
     env = os.environ.get("HMSCALE_SSD_CFG", "")
     for item in env.split(";"):
@@ -347,6 +407,50 @@ def block_sizes(p: int, n: int, dtype: torch.dtype, name: str = "state"):
     """(BP, BN, num_warps) of the state-building kernels (chunk_state, dstate)."""
     bp, bn, nw = kcfg(name, dtype)
     return min(bp, _pow2(p)), min(bn, _pow2(n)), nw
+
+
+def pass_mode() -> str:
+    """``HMSCALE_SSD_PASS``: how the state building and the serial state pass run, each way.
+    ``split``: two launches (chunk_state + state_pass, dstate + state_pass_bwd); ``fused``: one launch that builds
+    each chunk's (gradient) state in registers while it walks the chunks (``_state_fused_fwd`` /
+    ``_dstate_fused_bwd``: 2 fewer state sweeps each way, but one serial walk per state tile); ``auto`` (default):
+    fused when there are at least as many (batch x head x state tile) programs as the GPU has multiprocessors,
+    split otherwise (long single sequences, where the serial walk would leave most of the GPU idle; H200
+    sweep in kernels/NOTES.md)."""
+    v = os.environ.get("HMSCALE_SSD_PASS", "auto").lower()
+    if v not in ("split", "fused", "auto"):
+        raise ValueError(f"HMSCALE_SSD_PASS must be auto, split or fused, got {v!r}")
+    return v
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: torch.device, name: str) -> bool:
+    """Whether this call's state passes (``name`` fpass or fpass_b) run fused (see ``pass_mode``)."""
+    mode = pass_mode()
+    if mode != "auto":
+        return mode == "fused"
+    sms = _sm_count(device)
+    if sms is None:  # the CPU interpreter: the split passes (the fused ones are tested explicitly)
+        return False
+    bp, bn, _, _ = fused_pass_config(p, n, dtype, name)
+    return b * h * triton.cdiv(p, bp) * triton.cdiv(n, bn) >= sms
+
+
+def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass"):
+    """(BP, BN, num_warps, num_stages) of a fused state pass."""
+    bp, bn, nw, st = kcfg(name, dtype)
+    return min(bp, _pow2(p)), min(bn, _pow2(n)), nw, st
 
 
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
@@ -371,19 +475,27 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     den = torch.empty(b, l, h, device=dev, dtype=torch.float32) if norm else None
     ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if norm and save_ynum else None
     prec, sprec = precisions(x.dtype)
-    BP, BN, nw = block_sizes(p, n, x.dtype, "state")
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
-    grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
-    _chunk_state_fwd[grid1](x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
-                            Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-                            num_warps=nw)
-    PN = ps * n
-    BLOCK, nw = pass_config(PN, x.dtype)
     has_init = initial_state is not None
-    grid2 = (b * h, triton.cdiv(PN, BLOCK))
-    _state_pass_fwd[grid2](states, gdec, initial_state if has_init else final, final, nc, PN,
-                           HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
+    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass"):
+        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype)
+        grid = (b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
+        _state_fused_fwd[grid](x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
+                               l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
+                               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
+                               num_warps=nw, num_stages=nst)
+    else:
+        BP, BN, nw = block_sizes(p, n, x.dtype, "state")
+        grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
+        _chunk_state_fwd[grid1](x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
+                                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
+                                num_warps=nw)
+        PN = ps * n
+        BLOCK, nw = pass_config(PN, x.dtype)
+        grid2 = (b * h, triton.cdiv(PN, BLOCK))
+        _state_pass_fwd[grid2](states, gdec, initial_state if has_init else final, final, nc, PN,
+                               HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
     bp, bn, nw, nst = kcfg("scan", x.dtype)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
@@ -397,7 +509,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
 
 @triton.jit
 def _norm_bwd_prologue(dy_ptr, ynum_ptr, den_ptr, dyn_ptr, dden_ptr, R, P,
-                       BR: tl.constexpr, BPF: tl.constexpr):
+                       BR: tl.constexpr, BPF: tl.constexpr, WRITE_DYN: tl.constexpr = True):
     """Gradient through y = ynum / den, per row (token, head): dynum = dy / den, dden = -sum_p dy ynum / den^2."""
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     cols = tl.arange(0, BPF)
@@ -408,18 +520,22 @@ def _norm_bwd_prologue(dy_ptr, ynum_ptr, den_ptr, dyn_ptr, dden_ptr, R, P,
     yn = tl.load(ynum_ptr + off, mask=m, other=0.0)
     rden = 1.0 / tl.load(den_ptr + rows, mask=rm, other=1.0)
     dyn = dy * rden[:, None]
-    tl.store(dyn_ptr + off, dyn, mask=m)
+    if WRITE_DYN:
+        tl.store(dyn_ptr + off, dyn, mask=m)
     tl.store(dden_ptr + rows, -tl.sum(dyn * yn, axis=1) * rden, mask=rm)
 
 
-def norm_bwd_prologue(dy, ynum, den):
-    """(dynum fp32 like ynum, dden fp32 like den) from the gradient of y = ynum / den (+ D x)."""
+def norm_bwd_prologue(dy, ynum, den, write_dyn: bool = True):
+    """(dynum fp32 like ynum, dden fp32 like den) from the gradient of y = ynum / den (+ D x). With
+    ``write_dyn=False`` dynum (= dy / den) is not materialised (None): the backward kernels apply 1 / den
+    themselves (``ssd_bwd(..., dy_den=den)``)."""
     b, l, h, p = ynum.shape
     dy = dy.contiguous()
-    dyn = torch.empty_like(ynum)
+    dyn = torch.empty_like(ynum) if write_dyn else None
     dden = torch.empty_like(den)
     R = b * l * h
     BPF = _pow2(p)
     BR = max(1, 2048 // BPF)
-    _norm_bwd_prologue[(triton.cdiv(R, BR),)](dy, ynum, den, dyn, dden, R, p, BR=BR, BPF=BPF, num_warps=8)
+    _norm_bwd_prologue[(triton.cdiv(R, BR),)](dy, ynum, den, dyn if write_dyn else dden, dden, R, p, BR=BR, BPF=BPF,
+                                              WRITE_DYN=write_dyn, num_warps=8)
     return dyn, dden

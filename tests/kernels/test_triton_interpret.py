@@ -46,10 +46,11 @@ def _triton(**k):
     return ssd(**k, backend="triton")
 
 
-@pytest.mark.parametrize("bwd", ["v1", "v2"])
+@pytest.mark.parametrize("bwd,state_pass", [("v1", "split"), ("v2", "split"), ("v2", "fused")])
 @pytest.mark.parametrize("shape,chunk,opts", CASES)
-def test_triton_matches_reference(shape, chunk, opts, bwd, monkeypatch):
+def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
+    monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     ins, seq = make_inputs(**shape, **opts, dtype=torch.float32)
     y, s, g, gy, gs = _run(_triton, ins, seq, opts, chunk, device=TRITON_DEVICE)
     ins64 = {k: v.double() for k, v in ins.items()}
@@ -103,14 +104,17 @@ def test_dbc_tuning_override(monkeypatch):
         assert rel(g[k], gr[k]) < TOL, k
 
 
-SMALL_TILES = "state=16,16,4;dstate=16,16,4;scan=16,16,4;dx=16,16,4;pass=64,4;pass_b=32,4"
+SMALL_TILES = ("state=16,16,4;dstate=16,16,4;scan=16,16,4;dx=16,16,4;pass=64,4;pass_b=32,4;"
+               "fpass=16,16,4,2;fpass_b=16,16,4,2")
 
 
-@pytest.mark.parametrize("norm", ["fused", "cat"])
-def test_normalize_many_tiles(norm, monkeypatch):
+@pytest.mark.parametrize("norm,state_pass", [("fused", "split"), ("cat", "split"), ("fused", "fused")])
+def test_normalize_many_tiles(norm, state_pass, monkeypatch):
     """normalize with several p and n tiles in every kernel: the normaliser row/column terms are added once
-    (fused: by the first p tile's programs), and both normaliser modes agree with the reference."""
+    (fused: by the first p tile's programs), and both normaliser modes agree with the reference; also with the
+    fused state passes (HMSCALE_SSD_PASS=fused)."""
     monkeypatch.setenv("HMSCALE_SSD_NORM", norm)
+    monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_CFG", SMALL_TILES)
     opts = dict(normalize=True, D=True, init=True, seq=True)
     ins, seq = make_inputs(1, 40, 2, 1, 36, 24, dtype=torch.float32, **opts)
@@ -122,13 +126,17 @@ def test_normalize_many_tiles(norm, monkeypatch):
         assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
 
 
-@pytest.mark.parametrize("split", ["state", "all", "off"])
+@pytest.mark.parametrize("split,state_pass,norm_bwd", [("state", "split", "rowscale"), ("all", "split", "rowscale"),
+                                                       ("off", "split", "rowscale"), ("state", "fused", "rowscale"),
+                                                       ("state", "split", "fp32")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
-def test_bf16_state_precision(split, opts, monkeypatch):
+def test_bf16_state_precision(split, state_pass, norm_bwd, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
     makes the interpreter's bf16 dots exact). The state and the decay gradients (dt, A: sums whose terms cancel)
     must stay near fp32 accuracy, far inside the 1e-2 bf16 limit; the rest is bounded by bf16 rounding."""
     monkeypatch.setenv("HMSCALE_SSD_SPLIT", split)
+    monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
+    monkeypatch.setenv("HMSCALE_SSD_NORM_BWD", norm_bwd)  # normalize: dy / den as a row scale, or in fp32
     ins, seq = make_inputs(1, 70, 2, 1, 16, 32, dtype=torch.bfloat16, **opts)
     gen = torch.Generator().manual_seed(1)
     ps = 16 + int(bool(opts))
@@ -162,3 +170,26 @@ def test_custom_ops_pass_opcheck(opts):
     init = ins["initial_state"].clone().requires_grad_() if "initial_state" in ins else None
     args = (*leaves, init, doc, 16, torch.float32, norm, Dhp, True)
     torch.library.opcheck(core_fwd_op, args)
+
+
+def test_state_pass_mode_choice(monkeypatch):
+    """HMSCALE_SSD_PASS=auto: fused passes when the (batch x head x state tile) programs fill the GPU's
+    multiprocessors, split ones for long single sequences; explicit modes win; a bad value is refused."""
+    from kernels import ssd_triton_fwd as fwd
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fwd, "_sm_count", lambda device: 132 if device.type == "cuda" else None)
+    monkeypatch.delenv("HMSCALE_SSD_PASS", raising=False)
+    monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
+    bf16 = torch.bfloat16
+    # 1.4b shape (P=128, N=256: 8 tiles of 64 x 64): b=1 gives 128 programs (< 132), b=8 gives 1024
+    assert not fwd.use_fused_pass(1, 16, 128, 256, bf16, cuda, "fpass")
+    assert fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass_b")
+    assert not fwd.use_fused_pass(8, 16, 128, 256, bf16, torch.device("cpu"), "fpass")  # interpreter: split
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
+    assert fwd.use_fused_pass(1, 16, 128, 256, bf16, cuda, "fpass")
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "split")
+    assert not fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass")
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "fast")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_PASS must be"):
+        fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass")
