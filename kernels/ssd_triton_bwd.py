@@ -210,7 +210,7 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, st_ptr, g
         if DY_SCALE:
             wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
         dyw = dy.to(tl.float32) * wy[:, None]
-        dS = _xdot(tl.trans(dyw), Ct, dS * g, PREC, "b")
+        dS = g * dS + _xdot(tl.trans(dyw), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")  # (see the forward)
         if NORM:
             dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
             dSr = dSr * g + tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)

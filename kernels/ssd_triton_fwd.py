@@ -247,7 +247,9 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
         Bt = tl.load(b_base + (offs_t[:, None] * (G * N) + offs_n[None, :]),
                      mask=mask_t[:, None] & mask_n[None, :], other=0.0)
         xw = x.to(tl.float32) * w[:, None]
-        S = _xdot(tl.trans(xw), Bt, S * g, PREC, "b")
+        # the chunk's local state from a zero accumulator, then the carry: the dots do not wait on the running
+        # state, so consecutive chunks' dots can overlap (accumulating onto g S would chain them)
+        S = g * S + _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
         if NORM:
             Sr = Sr * g + tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
     tl.store(final_ptr + bh * PN + soff, S, mask=smask)
