@@ -272,17 +272,23 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
-                      DY_SCALE: tl.constexpr = False):
+                      DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
     the first p tile also adds the normaliser column's terms (x = 1, dy = dden, state row P). HAS_D: the D skip's
     gradients from ``dyo`` (the gradient of the final output): dx += D dyo, and per-chunk partial sums of dyo x.
     DY_SCALE: ``dy`` is the output's gradient and the numerator's is ``dy / den`` (per row): the 1/den scale goes on
-    the t columns of the Q x Q operand and on the dy . y sums, so dy stays an exact 16-bit operand."""
-    c = tl.program_id(0)
+    the t columns of the Q x Q operand and on the dy . y sums, so dy stays an exact 16-bit operand.
+    TILE_MAJOR: grid (chunks x p tiles, batch*head), the p tiles of a chunk launched together (they read the same
+    B, C tiles: L2 hits instead of HBM reads); else (chunks, batch*head, p tiles)."""
+    if TILE_MAJOR:
+        c = tl.program_id(0) // NPB
+        pb = tl.program_id(0) % NPB
+    else:
+        c = tl.program_id(0)
+        pb = tl.program_id(2)
     bh = tl.program_id(1).to(tl.int64)
-    pb = tl.program_id(2)
     b = bh // H
     h = bh % H
     grp = h // (H // G)
@@ -374,10 +380,16 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
-                   DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False):
-    c = tl.program_id(0)
+                   DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False):
+    """dB, dC (and with DCS the decay-gradient partials). TILE_MAJOR: grid (chunks x n tiles, batch*group), the n
+    tiles of a chunk launched together (they read the same x, dy tiles); else (chunks, batch*group, n tiles)."""
+    if TILE_MAJOR:
+        c = tl.program_id(0) // NNB
+        nb = tl.program_id(0) % NNB
+    else:
+        c = tl.program_id(0)
+        nb = tl.program_id(2)
     bg = tl.program_id(1).to(tl.int64)
-    nb = tl.program_id(2)
     b = bg // G
     grp = bg % G
     HPG = H // G
@@ -492,6 +504,15 @@ def _finish_bwd(dcs_ptr, ddtp_ptr, dg_ptr, gdec_ptr, dt_ptr, A_ptr, ddt_ptr, dAp
     tl.store(dAp_ptr + bh * NC + c, tl.sum(tl.where(mask, da * dtv, 0.0), axis=0))
 
 
+def tile_major() -> bool:
+    """``HMSCALE_SSD_TILE_ORDER``: ``tile`` launches the p tiles (dx) and n tiles (dB/dC) of one chunk next to each
+    other, ``chunk`` (default) the chunks of one tile (the v2 backward's two big kernels; an H200 timing choice)."""
+    v = os.environ.get("HMSCALE_SSD_TILE_ORDER", "chunk").lower()
+    if v not in ("tile", "chunk"):
+        raise ValueError(f"HMSCALE_SSD_TILE_ORDER must be tile or chunk, got {v!r}")
+    return v == "tile"
+
+
 def bwd_variant() -> str:
     """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
     dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
@@ -596,16 +617,17 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         has_d = D is not None
         dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
         dyo_arg = dyo.contiguous() if has_d else dy
-        _chunk_bwd_dx_dcs[(nc, b * h, npb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
+        tm = tile_major()
+        _chunk_bwd_dx_dcs[(nc * npb, b * h) if tm else (nc, b * h, npb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                                            dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                                            l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                                            HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                                            DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-                                           num_warps=nw2, **extra)
+                                           TILE_MAJOR=tm, num_warps=nw2, **extra)
         nnb = triton.cdiv(n, BN_dbc)
-        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+        _chunk_bwd_dbc[(nc * nnb, b * g) if tm else (nc, b * g, nnb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                          den_arg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
-                                         DCS=False, NORM=int(norm), DY_SCALE=dy_scale, **dbc_kw)
+                                         DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tm, **dbc_kw)
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))

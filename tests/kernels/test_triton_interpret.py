@@ -46,11 +46,13 @@ def _triton(**k):
     return ssd(**k, backend="triton")
 
 
-@pytest.mark.parametrize("bwd,state_pass", [("v1", "split"), ("v2", "split"), ("v2", "fused")])
+@pytest.mark.parametrize("bwd,state_pass,order", [("v1", "split", "chunk"), ("v2", "split", "chunk"),
+                                                  ("v2", "fused", "tile")])
 @pytest.mark.parametrize("shape,chunk,opts", CASES)
-def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, monkeypatch):
+def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
+    monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", order)  # launch order of the dx / dB-dC tiles
     ins, seq = make_inputs(**shape, **opts, dtype=torch.float32)
     y, s, g, gy, gs = _run(_triton, ins, seq, opts, chunk, device=TRITON_DEVICE)
     ins64 = {k: v.double() for k, v in ins.items()}
@@ -115,6 +117,7 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
     fused state passes (HMSCALE_SSD_PASS=fused)."""
     monkeypatch.setenv("HMSCALE_SSD_NORM", norm)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
+    monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", "tile" if state_pass == "fused" else "chunk")
     monkeypatch.setenv("HMSCALE_SSD_CFG", SMALL_TILES)
     opts = dict(normalize=True, D=True, init=True, seq=True)
     ins, seq = make_inputs(1, 40, 2, 1, 36, 24, dtype=torch.float32, **opts)
