@@ -196,3 +196,19 @@ def test_state_pass_mode_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fast")
     with pytest.raises(ValueError, match="HMSCALE_SSD_PASS must be"):
         fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass")
+
+
+def test_tile_order_choice(monkeypatch):
+    """HMSCALE_SSD_TILE_ORDER=auto: dx in tile order always, dB/dC from 4 n tiles on; explicit values win."""
+    from kernels.ssd_triton_bwd import tile_major
+
+    monkeypatch.delenv("HMSCALE_SSD_TILE_ORDER", raising=False)
+    assert tile_major("dx", 1) and tile_major("dx", 4)
+    assert not tile_major("dbc", 2) and tile_major("dbc", 4)
+    monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", "chunk")
+    assert not tile_major("dx", 4) and not tile_major("dbc", 4)
+    monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", "tile")
+    assert tile_major("dbc", 2)
+    monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", "sideways")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_TILE_ORDER must be"):
+        tile_major("dx", 1)
