@@ -142,7 +142,9 @@ def main(argv=None) -> int:
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hmscale-cache-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    cfg = build_config({}, [f"cache.root={root}", f"cache.batch_size={args.batch_size}", f"cache.capture.layers={layers}",
+    # cache.max_tokens: the plan (and its printed total) covers every shard the benchmark writes, not the default budget's
+    cfg = build_config({}, [f"cache.root={root}", f"cache.max_tokens={n_seq * seq_len}",
+                            f"cache.batch_size={args.batch_size}", f"cache.capture.layers={layers}",
                             f"cache.capture.dtype={args.dtype}", f"cache.capture.token_fraction={args.token_fraction}",
                             f"cache.capture.topk={args.topk}", "teacher.flavor=pythia-nano"])
     t0 = time.perf_counter()
