@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         "cache_tok_s": n_tok / t_cache, "overhead_pct": overhead,
         "capture_overhead_pct": 100 * (t_cap / t_fwd - 1) if t_fwd else None, "target_pct": TARGET_PCT,
         "target_met": overhead <= TARGET_PCT if t_fwd else None, "bytes_per_token": bpt, "planned_bytes_per_token": cp.bytes_per_token,
-        "written_gb": written / 1e9, "write_gb_s": written / t_cache / 1e9, "needed_write_gb_s": need_gb_s,
+        "planned_gb": cp.total_bytes / 1e9, "written_gb": written / 1e9, "write_gb_s": written / t_cache / 1e9, "needed_write_gb_s": need_gb_s,
         "host_seconds": spent, "verify_gb_s": (written / t_verify / 1e9) if t_verify else None,
         "verify_ok": report.ok if report else None,
     }

@@ -19,6 +19,11 @@ Launches (default, backward variant v2):
 5. ``_finish_bwd`` (grid: chunk x batch*head): d cs -> d(dt A) by a reverse cumulative sum within each chunk,
    then ddt and the per-chunk partials of dA.
 
+``_dstate_fused_bwd`` replaces 1 and 2 by one launch under the same rule as the forward's fused pass
+(``use_fused_pass``). With the fused normaliser and bf16 inputs the prologue only computes dden, and the kernels
+apply 1/den to the output's gradient themselves (``dy_den``). Kernels 3 and 4 launch the tiles of one chunk next
+to each other where that was measured to pay (``tile_major``).
+
 Variant v1 (``HMSCALE_SSD_BWD=v1``) has ``_chunk_bwd_dx`` (dx only) and the decay-gradient partials in
 ``_chunk_bwd_dbc`` instead.
 """

@@ -13,6 +13,10 @@ Three launches, no host synchronisation:
 3. ``_chunk_scan_fwd`` (grid: chunk x batch*head x p tiles) writes
    ``y = (C B^T o decay o dt) x + exp(cs) S_prev C`` for the chunk.
 
+``_state_fused_fwd`` replaces 1 and 2 by one launch when there are enough (batch*head x state tile) programs to
+fill the GPU (``pass_mode``, ``use_fused_pass``): each program walks the chunks and builds the local states in
+registers, so they never go through memory.
+
 The normaliser (``NORM``, for ``normalize=True``) is the same scan applied to an all-ones column of x. It is
 not materialised as a column of x (P + 1 columns would double the p tiles at P = 64): the states carry it as
 one extra row (row P of a (P + 1) x N state), built and consumed with vector ops by the first p tile's

@@ -16,12 +16,14 @@ def _run(args, cwd):
 
 
 def test_cache_throughput_smoke(tmp_path):
-    out = _run([str(REPO / "benchmarks" / "cache_throughput.py"), "--smoke", "--json", str(tmp_path / "c.json")],
-               tmp_path)
+    # more tokens than the config's default stage-1 budget: the plan must still cover every shard written
+    out = _run([str(REPO / "benchmarks" / "cache_throughput.py"), "--smoke", "--tokens", "65536",
+                "--json", str(tmp_path / "c.json")], tmp_path)
     res = json.loads((tmp_path / "c.json").read_text())
-    assert res["verify_ok"] is True and res["written_gb"] > 0
+    assert res["verify_ok"] is True and res["written_gb"] > 0 and res["tokens"] == 65536
     # what was written is what the plan said, give or take the tar headers
     assert abs(res["bytes_per_token"] - res["planned_bytes_per_token"]) <= 0.02 * res["planned_bytes_per_token"]
+    assert abs(res["written_gb"] - res["planned_gb"]) <= 0.02 * res["planned_gb"]
     assert all(res[k] > 0 for k in ("forward_tok_s", "capture_tok_s", "cache_tok_s"))
     assert "verify" in out
 

@@ -198,7 +198,7 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
 
     ZeRO-1/2 optimizers get the foreach gradient norm and overflow check of ``zero_foreach`` (same results,
     a few kernel launches instead of ~15 per trainable tensor); ``foreach_grad_checks=False`` keeps DeepSpeed's
-    per-tensor loops (benchmarks/train_throughput.py's ``--deepspeed-loops`` baseline)."""
+    per-tensor loops (the baseline of benchmarks/train_throughput.py's ``--grad-checks deepspeed``)."""
     import deepspeed
 
     from .zero_foreach import install as install_foreach
