@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _xdot, block_sizes, dbc_state_precision,
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _state_tile, _xdot, block_sizes, dbc_state_precision,
                              fused_pass_config, kcfg, pass_config, precisions, state_precision, use_fused_pass)
 
 
@@ -167,20 +167,8 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, st_ptr, g
     carry factor; the first p tile's programs add the normaliser row's)."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    grp = h // (H // G)
-    n_pb = tl.cdiv(P, BP)
-    pb = blk % n_pb
-    nb = blk // n_pb
-    offs_p = pb * BP + tl.arange(0, BP)
-    offs_n = nb * BN + tl.arange(0, BN)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
+    b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N
-    soff = offs_p[:, None] * N + offs_n[None, :]
-    smask = mask_p[:, None] & mask_n[None, :]
-    rmask = mask_n & ((offs_n * 0 + pb) == 0)
     if HAS_DFINAL:
         dS = tl.load(dfinal_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
         dSr = tl.load(dfinal_ptr + bh * PN + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
@@ -628,7 +616,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
         dyo_arg = dyo.contiguous() if has_d else dy
         tm = tile_major("dx", npb)
-        _chunk_bwd_dx_dcs[(nc * npb, b * h) if tm else (nc, b * h, npb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
+        grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
+        _chunk_bwd_dx_dcs[grid_dx](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                                            dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                                            l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                                            HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
@@ -636,7 +625,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                                            TILE_MAJOR=tm, num_warps=nw2, **extra)
         nnb = triton.cdiv(n, BN_dbc)
         tmb = tile_major("dbc", nnb)
-        _chunk_bwd_dbc[(nc * nnb, b * g) if tmb else (nc, b * g, nnb)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+        grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
+        _chunk_bwd_dbc[grid_dbc](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                          den_arg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                                          DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, **dbc_kw)
     else:

@@ -201,15 +201,10 @@ def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
 
 
 @triton.jit
-def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
-                     L, H, G, P, N, NC,
-                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr):
-    """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
-    (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
-    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps)."""
-    bh = tl.program_id(0).to(tl.int64)
-    pn = tl.program_id(1)
+def _state_tile(bh, pn, H, G, P, N, BP: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr):
+    """Indices of one (BP x BN) state tile of a fused state pass: b, h, the B/C group, the tile's p and n offsets
+    and masks, the element offsets within one (P + NORM) x N state, and the mask of the normaliser row (kept by
+    the first p tile's programs)."""
     b = bh // H
     h = bh % H
     grp = h // (H // G)
@@ -220,10 +215,24 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
     offs_n = nb * BN + tl.arange(0, BN)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    PN = (P + NORM) * N
     soff = offs_p[:, None] * N + offs_n[None, :]
     smask = mask_p[:, None] & mask_n[None, :]
-    rmask = mask_n & ((offs_n * 0 + pb) == 0)  # the normaliser row belongs to the first p tile's programs
+    rmask = mask_n & ((offs_n * 0 + pb) == 0)
+    return b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask
+
+
+@triton.jit
+def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
+                     L, H, G, P, N, NC,
+                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr):
+    """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
+    (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
+    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps)."""
+    bh = tl.program_id(0).to(tl.int64)
+    pn = tl.program_id(1)
+    b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
+    PN = (P + NORM) * N
     if HAS_INIT:
         S = tl.load(init_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
         Sr = tl.load(init_ptr + bh * PN + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
