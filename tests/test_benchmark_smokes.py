@@ -29,9 +29,12 @@ def test_cache_throughput_smoke(tmp_path):
 
 
 def test_train_throughput_smoke(tmp_path):
-    out = _run([str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--out", str(tmp_path / "t.json")],
-               tmp_path)
+    out = _run([str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--grad-checks", "both",
+                "--out", str(tmp_path / "t.json")], tmp_path)
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert [r["model"] for r in rows] == ["pythia-nano hedgemamba", "pythia-nano teacher-sdpa"]
+    assert [r["model"] for r in rows] == ["pythia-nano hedgemamba", "pythia-nano hedgemamba deepspeed-loops",
+                                          "pythia-nano teacher-sdpa", "pythia-nano teacher-sdpa deepspeed-loops"]
     assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows)
+    for fast, loops in (rows[:2], rows[2:]):  # the foreach gradient checks train exactly as DeepSpeed's loops
+        assert abs(fast["final_loss"] - loops["final_loss"]) <= 1e-5 * loops["final_loss"], (fast, loops)
     assert "| pythia-nano hedgemamba |" in out
