@@ -239,7 +239,7 @@ def sweep_inputs(H, G, P, N, L, norm):
 def run_sweep(path, warm_only=False, part="0/1", old_dir=None):
     """Time ours fwd+bwd (and per-kernel) for the variants of a sweep file: one per line,
     ``label | ENV=VAL ENV=VAL ... | shape,shape`` (shapes optional; names in SWEEP_SHAPES). ``IMPL=old`` times the
-    kernels package found at --old instead. --warm-only --part i/n only compiles a share of the variants."""
+    kernels package found at --old instead; ``CHUNK=128`` sets the chunk size (default 64). --warm-only --part i/n only compiles a share of the variants."""
     variants = []
     for line in open(path):
         line = line.strip()
@@ -264,15 +264,16 @@ def run_sweep(path, warm_only=False, part="0/1", old_dir=None):
     for label, env, shapes in variants:
         os.environ.clear()
         os.environ.update(base_env)
-        os.environ.update({k: v for k, v in env.items() if k != "IMPL"})
+        os.environ.update({k: v for k, v in env.items() if k not in ("IMPL", "CHUNK")})
         fn_ssd = old if env.get("IMPL") == "old" else ssd
+        chunk = int(env.get("CHUNK", 64))
         for sh in shapes:
             if sh not in data:
                 torch.manual_seed(0)
                 data[sh] = sweep_inputs(*SWEEP_SHAPES[sh])
             x, dt, A, B, C, gy, kw = data[sh]
             ins = [x, dt, A, B, C] + ([kw["D"]] if "D" in kw else [])
-            fb = lambda: torch.autograd.grad(fn_ssd(x, dt, A, B, C, **kw), ins, gy)  # noqa: E731
+            fb = lambda: torch.autograd.grad(fn_ssd(x, dt, A, B, C, chunk_size=chunk, **kw), ins, gy)  # noqa: E731
             try:
                 fb()
                 torch.cuda.synchronize()

@@ -105,7 +105,7 @@ def run_case(b, l, h, g, p, n, dtype, opts, gen, chunk=64):
     return errs
 
 
-def graph_check():
+def graph_check(chunk=64):
     """fwd+bwd captured in a CUDA graph gives the eager result (no host syncs in the hot path)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     ins, seq = make_inputs(2, 512, 8, 8, 64, 128, torch.bfloat16, OPTION_SETS["init+seq+D"], gen)
@@ -113,7 +113,7 @@ def graph_check():
     gy = torch.randn(2, 512, 8, 64, device="cuda", generator=gen).to(torch.bfloat16)
 
     def step():
-        y, fs = ssd_triton(**leaf, seq_idx=seq, return_final_state=True)
+        y, fs = ssd_triton(**leaf, seq_idx=seq, return_final_state=True, chunk_size=chunk)
         return torch.autograd.grad((y * gy).sum() + fs.sum(), list(leaf.values()))
 
     s = torch.cuda.Stream()
@@ -134,6 +134,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--l", type=int, default=200, help="sequence length (not a multiple of the chunk)")
+    ap.add_argument("--chunk", type=int, default=64, help="chunk size of the kernels under test")
     ap.add_argument("--shard", default="0/1",
                     help="i/n: this process's share of the (dtype, option set) pairs (9 of them); run n in parallel")
     args = ap.parse_args()
@@ -159,7 +160,7 @@ def main():
         if (dtypes.index(dt) * len(opt_names) + oi) % nshard != shard:  # shards share compiled variants
             continue
         oname = opt_names[oi]
-        errs = run_case(2, args.l, h, g, p, n, dt, OPTION_SETS[oname], gen)
+        errs = run_case(2, args.l, h, g, p, n, dt, OPTION_SETS[oname], gen, chunk=args.chunk)
         worst_k = max(errs, key=lambda k: float("inf") if errs[k] != errs[k] else errs[k])
         worst = errs[worst_k]
         ok = worst == worst and worst <= TOL[dt]
@@ -170,7 +171,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for p, n, g, dt, o, k, e, ok in rows:
         print(f"| {p} | {n} | {g} | {dt} | {o} | {k} | {e:.2e} | {'ok' if ok else 'FAIL'} |")
-    gerr = graph_check() if shard == 0 else 0.0
+    gerr = graph_check(args.chunk) if shard == 0 else 0.0
     print(f"CUDA graph capture of fwd+bwd: replay vs eager rel diff {gerr:.1e}")
     for row, errs in fails:
         print("FAILED", row, {k: f"{v:.2e}" for k, v in errs.items()})
@@ -180,7 +181,7 @@ def main():
     print("worst rel err by dtype:", {k: f"{v:.2e}" for k, v in worst_by_dtype.items()})
     ok = not fails and gerr < 1e-3
     print(f"{'PASS' if ok else 'FAIL'}: {len(rows) - len(fails)}/{len(rows)} cases within tolerance "
-          f"(l={args.l}, b=2, h={h}, shard {args.shard}), {time.time() - t0:.0f}s")
+          f"(l={args.l}, b=2, h={h}, chunk {args.chunk}, shard {args.shard}), {time.time() - t0:.0f}s")
     sys.exit(0 if ok else 1)
 
 

@@ -367,15 +367,78 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
 
 
 @triton.jit
+def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c, L, H, P, N, NC,
+                   offs_t, mask_t, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                   PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, NORM: tl.constexpr,
+                   DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
+    """One head's sums over P for dB/dC of one (chunk, n tile): dy_t . x_s [t, s], x_s^T dS [s, n] and
+    dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM)."""
+    x_base = (b * L * H + h) * P
+    s_base = (bh * NC + c) * (P + NORM) * N
+    accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
+    accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
+    accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
+    for p0 in range(0, P, BP):
+        offs_p = p0 + tl.arange(0, BP)
+        mask_p = offs_p < P
+        xo = offs_t[:, None] * (H * P) + offs_p[None, :]
+        xm = mask_t[:, None] & mask_p[None, :]
+        x = tl.load(x_ptr + x_base + xo, mask=xm, other=0.0)
+        dy = tl.load(dy_ptr + x_base + xo, mask=xm, other=0.0)
+        accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
+        so = offs_p[:, None] * N + offs_n[None, :]
+        sm = mask_p[:, None] & mask_n[None, :]
+        dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
+        accXS = _xdot(x, dS, accXS, SPREC, "a")
+        S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
+        if DY_EXACT:
+            accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
+        else:
+            accDYS = _xdot(dy, S0, accDYS, SPREC, "none")
+    if DY_SCALE:  # the numerator's gradient is dy / den (rows t)
+        rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+        accDYX = accDYX * rden[:, None]
+        accDYS = accDYS * rden[:, None]
+    if NORM:  # the normaliser column: x = 1, dy = dden, state row P
+        dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+        ones = tl.where(mask_t, 1.0, 0.0)
+        dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+        S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+        accDYX += dr[:, None] * ones[None, :]
+        accXS += ones[:, None] * dSr[None, :]
+        accDYS += dr[:, None] * S0r[None, :]
+    return accDYX, accXS, accDYS
+
+
+@triton.jit
+def _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q: tl.constexpr, HAS_DOC: tl.constexpr):
+    """decay [t, s] (causal, within a document), win_t and wend_s of one chunk (see the module docstring)."""
+    tt = tl.arange(0, Q)
+    keep = tt[:, None] >= tt[None, :]
+    win = tl.exp(cs)
+    wend = tl.exp(cs_end - cs)
+    if HAS_DOC:
+        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+        keep = keep & (doc[:, None] == doc[None, :])
+        win = tl.where(doc == doc_prev, win, 0.0)
+        wend = tl.where(doc == doc_end, wend, 0.0)
+    decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
+    return decay, win, wend
+
+
+@triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
                    dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
-                   DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False):
+                   DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
+                   ONE_HEAD: tl.constexpr = False):
     """dB, dC (and with DCS the decay-gradient partials). TILE_MAJOR: grid (chunks x n tiles, batch*group), the n
-    tiles of a chunk launched together (they read the same x, dy tiles); else (chunks, batch*group, n tiles)."""
+    tiles of a chunk launched together (they read the same x, dy tiles); else (chunks, batch*group, n tiles).
+    ONE_HEAD (one head per B/C group, as in HedgeMamba; not with DCS): no running sum over heads, B and C loaded
+    after the sums over P, and the state terms used as the dots' accumulators: fewer live (Q x BN) tiles."""
     if TILE_MAJOR:
         c = tl.program_id(0) // NNB
         nb = tl.program_id(0) % NNB
@@ -393,6 +456,22 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     bc_base = (b * L * G + grp) * N
     bc_off = offs_tt[:, None] * (G * N) + offs_n[None, :]
     bc_mask = mask_tt[:, None] & mask_n[None, :]
+    if ONE_HEAD:
+        h = grp
+        bh = b * H + h
+        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+        accDYX, accXS, accDYS = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c, L, H,
+                                               P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC, SPREC,
+                                               IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
+        decay, win, wend = _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
+        Pm = decay * accDYX  # [t, s]
+        Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
+        tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        dB = tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), wend[:, None] * accXS, input_precision=PREC)
+        tl.store(dB_ptr + bc_base + bc_off, (dt[:, None] * dB).to(dB_ptr.dtype.element_ty), mask=bc_mask)
+        return
     Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
     Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
     if DCS:
@@ -400,54 +479,14 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     dB = tl.zeros([Q, BN], dtype=tl.float32)
     dC = tl.zeros([Q, BN], dtype=tl.float32)
     tt = tl.arange(0, Q)
-    causal = tt[:, None] >= tt[None, :]
     for hh in range(HPG):
         h = grp * HPG + hh
         bh = b * H + h
         offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        x_base = (b * L * H + h) * P
-        s_base = (bh * NC + c) * (P + NORM) * N
-        accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
-        accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
-        accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
-        for p0 in range(0, P, BP):
-            offs_p = p0 + tl.arange(0, BP)
-            mask_p = offs_p < P
-            xo = offs_t[:, None] * (H * P) + offs_p[None, :]
-            xm = mask_t[:, None] & mask_p[None, :]
-            x = tl.load(x_ptr + x_base + xo, mask=xm, other=0.0)
-            dy = tl.load(dy_ptr + x_base + xo, mask=xm, other=0.0)
-            accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
-            so = offs_p[:, None] * N + offs_n[None, :]
-            sm = mask_p[:, None] & mask_n[None, :]
-            dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
-            accXS = _xdot(x, dS, accXS, SPREC, "a")
-            S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
-            if DY_EXACT:
-                accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
-            else:
-                accDYS = _xdot(dy, S0, accDYS, SPREC, "none")
-        if DY_SCALE:  # the numerator's gradient is dy / den (rows t)
-            rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
-            accDYX = accDYX * rden[:, None]
-            accDYS = accDYS * rden[:, None]
-        if NORM:  # the normaliser column: x = 1, dy = dden, state row P
-            dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
-            ones = tl.where(mask_t, 1.0, 0.0)
-            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
-            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
-            accDYX += dr[:, None] * ones[None, :]
-            accXS += ones[:, None] * dSr[None, :]
-            accDYS += dr[:, None] * S0r[None, :]
-        keep = causal
-        win = tl.exp(cs)
-        wend = tl.exp(cs_end - cs)
-        if HAS_DOC:
-            doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
-            keep = keep & (doc[:, None] == doc[None, :])
-            win = tl.where(doc == doc_prev, win, 0.0)
-            wend = tl.where(doc == doc_end, wend, 0.0)
-        decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
+        accDYX, accXS, accDYS = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c, L, H,
+                                               P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC, SPREC,
+                                               IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
+        decay, win, wend = _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
         Pm = decay * accDYX  # [t, s]
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
@@ -511,6 +550,15 @@ def tile_major(kernel: str, tiles: int) -> bool:
     return v == "tile"
 
 
+def dbc_one_head() -> bool:
+    """``HMSCALE_SSD_DBC_ONE_HEAD=1|0``: with one head per B/C group, the dB/dC kernel's one-head form (default 1;
+    0 keeps the general form with its running sum over the group's heads, for comparisons)."""
+    v = os.environ.get("HMSCALE_SSD_DBC_ONE_HEAD", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"HMSCALE_SSD_DBC_ONE_HEAD must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def bwd_variant() -> str:
     """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
     dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
@@ -521,18 +569,22 @@ def bwd_variant() -> str:
     return v
 
 
-def dbc_config(n: int):
+def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     """(BP, BN, num_stages, num_warps) of ``_chunk_bwd_dbc``, the backward's slowest kernel.
 
     Defaults measured on the H200 (see kernels/NOTES.md): v2 (16, min(64, N), 3, 4), the best of two sweeps (with the
     bf16 split for its state dots: 3 stages beat 2 by 17-25%); v1 (16, min(64, N), 1, 8), its spill-free choice.
     ``HMSCALE_SSD_DBC_CFG="BP,BN,stages,warps"`` overrides it, for tuning runs only (powers of two, >= 16).
+    Chunks of 128 with 16-bit inputs: (16, min(32, N), 3, 8), the tiling that compiles without register spills
+    for sm_90 (benchmarks/ssd_registers.py).
     """
     env = os.environ.get("HMSCALE_SSD_DBC_CFG")
     if env:
         bp, bn, st, nw = (int(v) for v in env.split(","))
         return bp, min(bn, _pow2(n)), st, nw
     if bwd_variant() == "v2":  # without the decay-gradient terms the kernel pipelines
+        if Q >= 128 and dtype != torch.float32:
+            return 16, min(32, _pow2(n)), 3, 8
         return 16, min(64, _pow2(n)), 3, 4
     return 16, min(64, _pow2(n)), 1, 8
 
@@ -567,7 +619,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     if dy_scale and bwd_variant() != "v2":
         raise ValueError("the row-scaled dy (dy_den) needs the v2 backward")
     den_arg = dy_den.contiguous() if dy_scale else dt
-    BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n)
+    BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n, x.dtype, Q)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
     # dots run at about fp32 accuracy (state_precision)
     sprec_dbc = state_precision(x.dtype)
@@ -579,8 +631,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
-    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b"):
-        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b")
+    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
+        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = triton.cdiv(p, BP) * triton.cdiv(n, BN)
         dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
         _dstate_fused_bwd[(b * h, nblk)](dy, dden, dt, A, C, doc_arg, states, gdec, dst, dfinal_arg,
@@ -589,7 +641,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                                          NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
                                          DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
     else:
-        BP, BN, nw = block_sizes(p, n, x.dtype, "dstate")
+        BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
         grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
         _chunk_dstate_bwd[grid1](dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
                                  Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
@@ -606,7 +658,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
                   num_warps=warps_dbc, num_stages=stages_dbc)
     if bwd_variant() == "v2":
-        bp2, bn2, nw2, st2 = kcfg("dx", x.dtype)
+        bp2, bn2, nw2, st2 = kcfg("dx", x.dtype, Q)
         BP2 = min(bp2, _pow2(p))
         npb = triton.cdiv(p, BP2)
         ddt_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
@@ -628,7 +680,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
         _chunk_bwd_dbc[grid_dbc](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                          den_arg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
-                                         DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, **dbc_kw)
+                                         DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
+                                         ONE_HEAD=g == h and dbc_one_head(), **dbc_kw)
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))

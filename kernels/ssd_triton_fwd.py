@@ -397,18 +397,27 @@ DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (32, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
 }
+# chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
+# (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
+DEFAULT_CFG_Q128 = {"scan": (64, 64, 8, 0), "dx": (16, 64, 8, 0), "fpass": (64, 64, 8, 3), "fpass_b": (64, 64, 8, 3)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
 }
 
 
-def kcfg(name: str, dtype: torch.dtype) -> tuple:
+def kcfg(name: str, dtype: torch.dtype, Q: int = 64) -> tuple:
     """Launch configuration of one kernel; ``HMSCALE_SSD_CFG="state=64,64,4;scan=64,128,8;..."`` overrides it
     (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
     (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps),
-    fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages)."""
-    default = (DEFAULT_CFG_FP32 if dtype == torch.float32 else DEFAULT_CFG)[name]
+    fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages). ``Q``: the chunk
+    size (chunks of 128 and more have their own defaults for 16-bit inputs)."""
+    if dtype == torch.float32:
+        default = DEFAULT_CFG_FP32[name]
+    elif Q >= 128 and name in DEFAULT_CFG_Q128:
+        default = DEFAULT_CFG_Q128[name]
+    else:
+        default = DEFAULT_CFG[name]
     env = os.environ.get("HMSCALE_SSD_CFG", "")
     for item in env.split(";"):
         k, _, v = item.partition("=")
@@ -418,9 +427,9 @@ def kcfg(name: str, dtype: torch.dtype) -> tuple:
     return default
 
 
-def block_sizes(p: int, n: int, dtype: torch.dtype, name: str = "state"):
+def block_sizes(p: int, n: int, dtype: torch.dtype, name: str = "state", Q: int = 64):
     """(BP, BN, num_warps) of the state-building kernels (chunk_state, dstate)."""
-    bp, bn, nw = kcfg(name, dtype)
+    bp, bn, nw = kcfg(name, dtype, Q)
     return min(bp, _pow2(p)), min(bn, _pow2(n)), nw
 
 
@@ -450,7 +459,8 @@ def _sm_count(device: torch.device) -> int | None:
     return _SM_COUNT[i]
 
 
-def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: torch.device, name: str) -> bool:
+def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: torch.device, name: str,
+                   Q: int = 64) -> bool:
     """Whether this call's state passes (``name`` fpass or fpass_b) run fused (see ``pass_mode``)."""
     mode = pass_mode()
     if mode != "auto":
@@ -458,13 +468,13 @@ def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: t
     sms = _sm_count(device)
     if sms is None:  # the CPU interpreter: the split passes (the fused ones are tested explicitly)
         return False
-    bp, bn, _, _ = fused_pass_config(p, n, dtype, name)
+    bp, bn, _, _ = fused_pass_config(p, n, dtype, name, Q)
     return b * h * triton.cdiv(p, bp) * triton.cdiv(n, bn) >= sms
 
 
-def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass"):
+def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64):
     """(BP, BN, num_warps, num_stages) of a fused state pass."""
-    bp, bn, nw, st = kcfg(name, dtype)
+    bp, bn, nw, st = kcfg(name, dtype, Q)
     return min(bp, _pow2(p)), min(bn, _pow2(n)), nw, st
 
 
@@ -493,15 +503,15 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
-    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass"):
-        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype)
+    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
+        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
         grid = (b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
         _state_fused_fwd[grid](x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
                                l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
                                PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
                                num_warps=nw, num_stages=nst)
     else:
-        BP, BN, nw = block_sizes(p, n, x.dtype, "state")
+        BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
         grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
         _chunk_state_fwd[grid1](x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
                                 Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
@@ -511,7 +521,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         grid2 = (b * h, triton.cdiv(PN, BLOCK))
         _state_pass_fwd[grid2](states, gdec, initial_state if has_init else final, final, nc, PN,
                                HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
-    bp, bn, nw, nst = kcfg("scan", x.dtype)
+    bp, bn, nw, nst = kcfg("scan", x.dtype, Q)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
     grid3 = (nc, b * h, triton.cdiv(p, bp))

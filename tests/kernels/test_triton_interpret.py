@@ -212,3 +212,49 @@ def test_tile_order_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", "sideways")
     with pytest.raises(ValueError, match="HMSCALE_SSD_TILE_ORDER must be"):
         tile_major("dx", 1)
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+@pytest.mark.parametrize("opts", [dict(seq=True), dict(normalize=True, D=True, init=True, seq=True)])
+def test_bf16_one_head_per_group(chunk, opts, monkeypatch):
+    """One head per B/C group (HedgeMamba) in bf16: the dB/dC kernel's one-head form (HMSCALE_SSD_DBC_ONE_HEAD=1,
+    the default) gives the general form's dB and dC up to fp32 summation order, every other gradient bit for bit,
+    and both agree with the float64 reference; chunk 128 takes its own (8-warp) tilings. l = 150: several chunks
+    and a partial last one."""
+    ins, seq = make_inputs(1, 150, 2, 2, 16, 32, dtype=torch.bfloat16, **opts)
+    gen = torch.Generator().manual_seed(1)
+    ps = 16 + int(bool(opts.get("normalize")))
+    gy = torch.randn(1, 150, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double()
+    gs = torch.randn(1, 2, ps, 32, generator=gen, dtype=torch.float64)
+    grads = {}
+    for one_head in ("1", "0"):
+        monkeypatch.setenv("HMSCALE_SSD_DBC_ONE_HEAD", one_head)
+        y, s, grads[one_head], _, _ = _run(_triton, ins, seq, opts, chunk, gy, gs, device=TRITON_DEVICE)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, gy, gs)
+    assert rel(y, yr) < 1e-2 and rel(s, sr) < 1e-4
+    one, general = grads["1"], grads["0"]
+    for k in one:
+        assert torch.isfinite(one[k]).all(), k
+        if k in ("B", "C"):
+            assert rel(one[k], general[k]) < 1e-3, (k, rel(one[k], general[k]))
+            assert rel(one[k], gr[k]) < 1e-2, (k, rel(one[k], gr[k]))
+        else:
+            assert torch.equal(one[k], general[k]), k
+    assert rel(one["x"], gr["x"]) < 1e-2
+
+
+def test_launch_configs_by_chunk(monkeypatch):
+    """16-bit inputs at chunk 128 take the 8-warp tilings (spill-free for sm_90: benchmarks/ssd_registers.py);
+    chunk 64 and fp32 inputs keep theirs; HMSCALE_SSD_CFG / HMSCALE_SSD_DBC_CFG still override."""
+    from kernels.ssd_triton_bwd import dbc_config
+    from kernels.ssd_triton_fwd import DEFAULT_CFG, DEFAULT_CFG_FP32, DEFAULT_CFG_Q128, kcfg
+
+    monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
+    monkeypatch.delenv("HMSCALE_SSD_DBC_CFG", raising=False)
+    bf16 = torch.bfloat16
+    assert kcfg("dx", bf16, 128) == DEFAULT_CFG_Q128["dx"] != DEFAULT_CFG["dx"] == kcfg("dx", bf16, 64)
+    assert kcfg("state", bf16, 128) == DEFAULT_CFG["state"]  # no Q x Q tile: unchanged
+    assert kcfg("scan", torch.float32, 128) == DEFAULT_CFG_FP32["scan"]
+    assert dbc_config(256, bf16, 128) == (16, 32, 3, 8) and dbc_config(256, bf16, 64) == (16, 64, 3, 4)
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=32,32,4")
+    assert kcfg("dx", bf16, 128) == (32, 32, 4, 0)
