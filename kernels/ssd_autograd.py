@@ -19,7 +19,7 @@ import torch
 
 from .reference import doc_ids_from_seq_idx
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
-from .ssd_triton_fwd import norm_bwd_prologue, ssd_fwd
+from .ssd_triton_fwd import keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd
 
 __all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_mode"]
 
@@ -37,13 +37,14 @@ def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp
         dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
     dden = None
     dyn = dy
+    ys = dict(ysaved=ynum, den=den) if ynum is not None and save_y_mode() and bwd_variant() == "v2" else {}
     if norm and norm_bwd_mode() == "rowscale" and x.dtype == torch.bfloat16 and dy.dtype == torch.bfloat16:
         _, dden = norm_bwd_prologue(dy, ynum, den, write_dyn=False)
         return ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy,
-                       dy_den=den)
+                       dy_den=den, **ys)
     if norm:
         dyn, dden = norm_bwd_prologue(dy, ynum, den)
-    return ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy)
+    return ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy, **ys)
 
 
 def norm_bwd_mode() -> str:
@@ -118,7 +119,7 @@ def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save
     f32 = torch.float32
     return (x.new_empty(b, l, h, p, dtype=out_dtype), x.new_empty(b, h, ps, n, dtype=f32),
             x.new_empty(b, h, nc, ps, n, dtype=f32), x.new_empty(b * h, nc, dtype=f32),
-            x.new_empty((b, l, h, p) if norm and save_ynum else (0,), dtype=f32),
+            x.new_empty((b, l, h, p) if keeps_ynum(norm, save_ynum) else (0,), dtype=f32),
             x.new_empty((b, l, h) if norm else (0,), dtype=f32))
 
 

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _state_tile, _xdot, block_sizes, dbc_state_precision,
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _state_tile, _xdot, block_sizes, bwd_variant,
+                             dbc_state_precision,
                              fused_pass_config, kcfg, pass_config, precisions, state_precision, use_fused_pass)
 
 
@@ -260,12 +261,13 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
 
 @triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
-                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr,
+                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
-                      DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False):
+                      DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
+                      Y_SAVED: tl.constexpr = False):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
@@ -274,7 +276,10 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     DY_SCALE: ``dy`` is the output's gradient and the numerator's is ``dy / den`` (per row): the 1/den scale goes on
     the t columns of the Q x Q operand and on the dy . y sums, so dy stays an exact 16-bit operand.
     TILE_MAJOR: grid (chunks x p tiles, batch*head), the p tiles of a chunk launched together (they read the same
-    B, C tiles: L2 hits instead of HBM reads); else (chunks, batch*head, p tiles)."""
+    B, C tiles: L2 hits instead of HBM reads); else (chunks, batch*head, p tiles).
+    Y_SAVED: the forward kept y (the fp32 numerator, before 1/den and D) at ``ys_ptr``, and with NORM its
+    normaliser den at ``den_ptr``: dy . y reads them instead of recomputing y, so the entering states S0 are not
+    read and 4 of the kernel's 9 state-precision dots go."""
     if TILE_MAJOR:
         c = tl.program_id(0) // NPB
         pb = tl.program_id(0) % NPB
@@ -307,13 +312,15 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         sm = mask_p[None, :] & mask_n[:, None]
         dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
-        S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
-        accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
+        if not Y_SAVED:
+            S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
+            accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
             dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
-            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
-            accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
+            if not Y_SAVED:
+                S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+                accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
     wend = tl.exp(cs_end - cs)
@@ -344,7 +351,10 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         dxv += Dv[None, :] * dyo
         tl.store(dD_ptr + (bh * NC + c) * P + offs_p, tl.sum(dyo * xf, axis=0), mask=mask_p)
     tl.store(dx_ptr + xo + xt, dxv.to(dx_ptr.dtype.element_ty), mask=xm)
-    y = _xdot(tl.trans(MT * dt[:, None]), x, win[:, None] * accYI, XPREC, "b")
+    if Y_SAVED:
+        y = tl.load(ys_ptr + xo + xt, mask=xm, other=0.0)
+    else:
+        y = _xdot(tl.trans(MT * dt[:, None]), x, win[:, None] * accYI, XPREC, "b")
     ddt_direct = tl.sum(xf * stuff, axis=1)
     u = tl.sum(xf * accZ, axis=1)
     dyy = tl.sum(dy.to(tl.float32) * y, axis=1)
@@ -354,7 +364,10 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         fr = tl.where(pb == 0, 1.0, 0.0)
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         stuff_r = tl.sum(MT * dr[None, :], axis=1) + wend * accZr
-        y_r = tl.sum(MT * dt[:, None], axis=0) + win * accYIr
+        if Y_SAVED:
+            y_r = tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+        else:
+            y_r = tl.sum(MT * dt[:, None], axis=0) + win * accYIr
         ddt_direct += fr * stuff_r
         u += fr * accZr
         dyy += fr * (dr * y_r)
@@ -559,16 +572,6 @@ def dbc_one_head() -> bool:
     return v == "1"
 
 
-def bwd_variant() -> str:
-    """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
-    dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
-    terms inside ``_chunk_bwd_dbc``). Env ``HMSCALE_SSD_BWD``."""
-    v = os.environ.get("HMSCALE_SSD_BWD", "v2").lower()
-    if v not in ("v1", "v2"):
-        raise ValueError(f"HMSCALE_SSD_BWD must be v1 or v2, got {v!r}")
-    return v
-
-
 def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     """(BP, BN, num_stages, num_warps) of ``_chunk_bwd_dbc``, the backward's slowest kernel.
 
@@ -593,13 +596,15 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
-            dy_den=None):
+            dy_den=None, ysaved=None, den=None):
     """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
     when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
     the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
     numerator when normalised, else the same) and dD (h, p) is returned, else None. ``dy_den`` (the normaliser
     ``den``, (b, l, h) fp32; v2 only): ``dy`` is the output's gradient and the numerator's is ``dy / den``, applied
-    inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots)."""
+    inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots).
+    ``ysaved`` (v2 only): the forward's fp32 numerator y (b, l, h, p), and ``den`` its normaliser when normalised:
+    the dx kernel reads them instead of recomputing y from the entering states."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
@@ -618,7 +623,9 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dy_scale = dy_den is not None
     if dy_scale and bwd_variant() != "v2":
         raise ValueError("the row-scaled dy (dy_den) needs the v2 backward")
-    den_arg = dy_den.contiguous() if dy_scale else dt
+    if ysaved is not None and (bwd_variant() != "v2" or (norm and den is None)):
+        raise ValueError("the saved numerator (ysaved) needs the v2 backward, and den when normalised")
+    den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
     BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n, x.dtype, Q)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
     # dots run at about fp32 accuracy (state_precision)
@@ -671,10 +678,11 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
         _chunk_bwd_dx_dcs[grid_dx](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                                            dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
+                                           ysaved if ysaved is not None else dt,
                                            l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                                            HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                                            DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-                                           TILE_MAJOR=tm, num_warps=nw2, **extra)
+                                           TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra)
         nnb = triton.cdiv(n, BN_dbc)
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)

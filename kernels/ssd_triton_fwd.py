@@ -275,7 +275,9 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
                     L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
-                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False):
+                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee"):
+    """y of one (chunk, p tile). SAVE_YNUM: also keep the fp32 numerator for the backward, whose decay gradient
+    (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -300,7 +302,10 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
         Sp = tl.load(s_base + (offs_p[None, :] * N + offs_n[:, None]),
                      mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = S_prev^T
-        accS = _xdot(Ct, Sp, accS, SPREC, "a")
+        if SAVE_YNUM:
+            accS = _xdot(Ct, Sp, accS, YPREC, "a")
+        else:
+            accS = _xdot(Ct, Sp, accS, SPREC, "a")
         if NORM:
             Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
@@ -315,16 +320,19 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
     M = accG * decay * dt[None, :]
     x = tl.load((x_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-    y = tl.dot(M.to(x.dtype), x, input_precision=PREC)
-    y += accS * win[:, None]
+    if SAVE_YNUM:
+        y = _xdot(M, x, accS * win[:, None], YPREC, "b")
+    else:
+        y = tl.dot(M.to(x.dtype), x, input_precision=PREC)
+        y += accS * win[:, None]
     yo = (b * L * H + h) * P + (offs_t[:, None] * (H * P) + offs_p[None, :])
     ym = mask_t[:, None] & mask_p[None, :]
-    if NORM:  # the epilogue: y / den (+ D x below); the numerator is kept (fp32) for the backward
+    if SAVE_YNUM:  # the fp32 numerator (before 1 / den and D x), kept for the backward
+        tl.store(ynum_ptr + yo, y, mask=ym)
+    if NORM:  # the epilogue: y / den (+ D x below)
         den = tl.sum(M, axis=1) + win * accR
         if pb == 0:
             tl.store(den_ptr + (b * L * H + h) + offs_t * H, den, mask=mask_t)
-        if SAVE_YNUM:
-            tl.store(ynum_ptr + yo, y, mask=ym)
         y = y / tl.where(mask_t, den, 1.0)[:, None]
     if HAS_D:  # D (h, p) fp32
         Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
@@ -483,6 +491,33 @@ def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
     return min(block, _pow2(pn)), nw
 
 
+def bwd_variant() -> str:
+    """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
+    dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
+    terms inside ``_chunk_bwd_dbc``). Env ``HMSCALE_SSD_BWD``."""
+    v = os.environ.get("HMSCALE_SSD_BWD", "v2").lower()
+    if v not in ("v1", "v2"):
+        raise ValueError(f"HMSCALE_SSD_BWD must be v1 or v2, got {v!r}")
+    return v
+
+
+def save_y_mode() -> bool:
+    """``HMSCALE_SSD_SAVE_Y=1|0``: whether the forward keeps the fp32 numerator y for the backward's dx kernel,
+    which then reads it instead of recomputing y from the entering states (default 1: +4 bytes per element of x
+    held for the backward, and without normalize a (b, l, h, p) fp32 write in the forward; 0 recomputes, and the
+    fused normaliser then keeps the numerator only for its own gradient)."""
+    v = os.environ.get("HMSCALE_SSD_SAVE_Y", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"HMSCALE_SSD_SAVE_Y must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def keeps_ynum(norm: bool, save_ynum: bool) -> bool:
+    """Whether a forward asked to keep what its backward needs (``save_ynum``) writes the fp32 numerator: the fused
+    normaliser's gradient always needs it, dx too under ``save_y_mode`` (v2 backward)."""
+    return save_ynum and (norm or (save_y_mode() and bwd_variant() == "v2"))
+
+
 def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
             save_ynum: bool = False):
     """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, fp32, p + norm rows),
@@ -498,7 +533,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
     den = torch.empty(b, l, h, device=dev, dtype=torch.float32) if norm else None
-    ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if norm and save_ynum else None
+    ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if keeps_ynum(norm, save_ynum) else None
     prec, sprec = precisions(x.dtype)
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
@@ -528,7 +563,8 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     _chunk_scan_fwd[grid3](x, dt, A, B, C, doc_arg, states, y, den if norm else y, ynum if ynum is not None else y,
                            D if D is not None else dt, l, h, g, p, n, nc,
                            Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-                           NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None, num_warps=nw, **extra)
+                           NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
+                           YPREC=state_precision(x.dtype), num_warps=nw, **extra)
     return y, ynum, den, final, states, gdec
 
 

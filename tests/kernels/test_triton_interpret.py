@@ -258,3 +258,31 @@ def test_launch_configs_by_chunk(monkeypatch):
     assert dbc_config(256, bf16, 128) == (16, 32, 3, 8) and dbc_config(256, bf16, 64) == (16, 64, 3, 4)
     monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=32,32,4")
     assert kcfg("dx", bf16, 128) == (32, 32, 4, 0)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
+    """HMSCALE_SSD_SAVE_Y: dx reads the forward's fp32 numerator (1, default) or recomputes it from the entering
+    states (0); both match the reference (fp32: 1e-5; bf16: the decay gradients dt, A within 1e-4, the rest 1e-2),
+    and the two agree with each other to fp32 rounding."""
+    shape, chunk, opts = case
+    ins, seq = make_inputs(**shape, **opts, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    ps = shape["p"] + int(bool(opts.get("normalize")))
+    gy = torch.randn(shape["b"], shape["l"], shape["h"], shape["p"], generator=gen, dtype=torch.float64)
+    gy = gy.to(dtype).double()
+    gs = torch.randn(shape["b"], shape["h"], ps, shape["n"], generator=gen, dtype=torch.float64)
+    out = {}
+    for save in ("1", "0"):
+        monkeypatch.setenv("HMSCALE_SSD_SAVE_Y", save)
+        out[save] = _run(_triton, ins, seq, opts, chunk, gy, gs, device=TRITON_DEVICE)[2]
+    gr = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, gy, gs)[2]
+    for k in gr:
+        assert rel(out["1"][k], out["0"][k]) < 1e-5, (k, rel(out["1"][k], out["0"][k]))
+        if dtype == torch.float32:
+            tol = TOL
+        else:
+            tol = 1e-4 if k in ("dt", "A") and not opts.get("normalize") else 1e-2
+        for save in out:
+            assert rel(out[save][k], gr[k]) < tol, (save, k, rel(out[save][k], gr[k]))
