@@ -402,7 +402,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 # Default launch configurations (BP, BN, warps[, stages]; pass: BLOCK, warps) for 16-bit inputs, chosen from
 # per-kernel profiles of tiling sweeps on the H200 (kernels/NOTES.md); fp32 inputs keep the earlier ones.
 DEFAULT_CFG = {
-    "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (32, 64, 4, 0),
+    "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
 }
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
