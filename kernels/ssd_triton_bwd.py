@@ -10,12 +10,13 @@ Launches (default, backward variant v2):
 0. ``norm_bwd_prologue`` (normalize only, ssd_triton_fwd): the gradient through y = ynum / den.
 1. ``_chunk_dstate_bwd`` (parallel): ``dlocal_c = sum_t win_t dy_t C_t^T`` (plus the normaliser row).
 2. ``_state_pass_bwd`` (sequential over chunks, reversed): ``dS_prev = g_c dS + dlocal_c``; overwrites
-   the buffer with the gradient leaving each chunk, writes d initial_state and, per state tile,
-   the partial dot <dS, S_prev> that is the gradient of the carry factor g_c.
+   the buffer with the gradient leaving each chunk and writes d initial_state.
 3. ``_chunk_bwd_dx_dcs`` (grid: chunk x batch*head x p tiles): ``dx_s = dt_s [ sum_t (C_t.B_s) decay_ts dy_t
    + wend_s dS B_s ]`` (+ D dy), and per p tile the partial direct dt gradient and d cs (and dD).
 4. ``_chunk_bwd_dbc`` (grid: chunk x batch*group x n tiles, looping over the group's heads so that
-   groups shared by several heads are reduced without atomics): dB, dC.
+   groups shared by several heads are reduced without atomics): dB, dC, and per n tile the partial dot
+   <dS, S_prev> that is the gradient of the carry factor g_c (it reads both states anyway: the passes of 1-2
+   then never read the forward's states).
 5. ``_finish_bwd`` (grid: chunk x batch*head): d cs -> d(dt A) by a reverse cumulative sum within each chunk,
    then ddt and the per-chunk partials of dA.
 
@@ -83,7 +84,7 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, 
 
 
 @triton.jit
-def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC, PN, NBLK,
+def _state_pass_bwd(dst_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
                     HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -94,9 +95,7 @@ def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC
     else:
         dS = tl.zeros([BLOCK], dtype=tl.float32)
     dbase = dst_ptr + bh * NC * PN + offs
-    sbase = st_ptr + bh * NC * PN + offs
     gbase = gdec_ptr + bh * NC
-    dgbase = dg_ptr + (bh * NBLK + blk) * NC
     # four chunks per step (reversed), the next step's loads issued before this step's stores
     # (see _state_pass_fwd)
     k0 = NC - 1
@@ -107,10 +106,6 @@ def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC
     d1 = tl.load(dbase + k1 * PN, mask=mask, other=0.0)
     d2 = tl.load(dbase + k2 * PN, mask=mask, other=0.0)
     d3 = tl.load(dbase + k3 * PN, mask=mask, other=0.0)
-    s0 = tl.load(sbase + k0 * PN, mask=mask, other=0.0)
-    s1 = tl.load(sbase + k1 * PN, mask=mask, other=0.0)
-    s2 = tl.load(sbase + k2 * PN, mask=mask, other=0.0)
-    s3 = tl.load(sbase + k3 * PN, mask=mask, other=0.0)
     g0 = tl.load(gbase + k0)
     g1 = tl.load(gbase + k1)
     g2 = tl.load(gbase + k2)
@@ -125,47 +120,37 @@ def _state_pass_bwd(dst_ptr, st_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, dg_ptr, NC
         e1 = tl.load(dbase + n1 * PN, mask=mask, other=0.0)
         e2 = tl.load(dbase + n2 * PN, mask=mask, other=0.0)
         e3 = tl.load(dbase + n3 * PN, mask=mask, other=0.0)
-        t0 = tl.load(sbase + n0 * PN, mask=mask, other=0.0)
-        t1 = tl.load(sbase + n1 * PN, mask=mask, other=0.0)
-        t2 = tl.load(sbase + n2 * PN, mask=mask, other=0.0)
-        t3 = tl.load(sbase + n3 * PN, mask=mask, other=0.0)
         h0 = tl.load(gbase + n0)
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        tl.store(dgbase + c0, tl.sum(dS * s0, axis=0))
         tl.store(dbase + c0 * PN, dS, mask=mask)
         dS = g0 * dS + d0
         if i0 + 1 < NC:
-            tl.store(dgbase + c0 - 1, tl.sum(dS * s1, axis=0))
             tl.store(dbase + (c0 - 1) * PN, dS, mask=mask)
             dS = g1 * dS + d1
         if i0 + 2 < NC:
-            tl.store(dgbase + c0 - 2, tl.sum(dS * s2, axis=0))
             tl.store(dbase + (c0 - 2) * PN, dS, mask=mask)
             dS = g2 * dS + d2
         if i0 + 3 < NC:
-            tl.store(dgbase + c0 - 3, tl.sum(dS * s3, axis=0))
             tl.store(dbase + (c0 - 3) * PN, dS, mask=mask)
             dS = g3 * dS + d3
         d0, d1, d2, d3 = e0, e1, e2, e3
-        s0, s1, s2, s3 = t0, t1, t2, t3
         g0, g1, g2, g3 = h0, h1, h2, h3
     if HAS_DINIT:
         tl.store(dinit_ptr + bh * PN + offs, dS, mask=mask)
 
 
 @triton.jit
-def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, st_ptr, gdec_ptr, dst_ptr,
-                      dfinal_ptr, dinit_ptr, dg_ptr, den_ptr,
-                      L, H, G, P, N, NC, NBLK,
+def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr, dst_ptr,
+                      dfinal_ptr, dinit_ptr, den_ptr,
+                      L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
-    and writes only the gradient leaving each chunk, and per tile the partial <dS, S_prev> (the gradient of the
-    carry factor; the first p tile's programs add the normaliser row's)."""
+    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's)."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
@@ -178,7 +163,6 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, st_ptr, g
         dSr = tl.zeros([BN], dtype=tl.float32)
     dy_base = dy_ptr + (b * L * H + h) * P
     c_base = C_ptr + (b * L * G + grp) * N
-    dgbase = dg_ptr + (bh * NBLK + blk) * NC
     for i in range(0, NC):
         c = NC - 1 - i
         offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
@@ -187,13 +171,8 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, st_ptr, g
             doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
             win = tl.where(doc == doc_prev, win, 0.0)
         s_base = (bh * NC + c) * PN
-        S0 = tl.load(st_ptr + s_base + soff, mask=smask, other=0.0)
-        part = tl.sum(tl.sum(dS * S0, axis=1), axis=0)
         if NORM:
-            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=rmask, other=0.0)
-            part += tl.sum(dSr * S0r, axis=0)
             tl.store(dst_ptr + s_base + P * N + offs_n, dSr, mask=rmask)
-        tl.store(dgbase + c, part)
         tl.store(dst_ptr + s_base + soff, dS, mask=smask)  # the gradient of the state leaving chunk c
         g = tl.load(gdec_ptr + bh * NC + c)
         dy = tl.load(dy_base + (offs_t[:, None] * (H * P) + offs_p[None, :]),
@@ -385,12 +364,14 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
                    PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, NORM: tl.constexpr,
                    DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
     """One head's sums over P for dB/dC of one (chunk, n tile): dy_t . x_s [t, s], x_s^T dS [s, n] and
-    dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM)."""
+    dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and this
+    n tile's share of <dS, S0> over the whole state (the gradient of the chunk's carry factor)."""
     x_base = (b * L * H + h) * P
     s_base = (bh * NC + c) * (P + NORM) * N
     accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
     accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
     accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
+    dg = tl.zeros([BN], dtype=tl.float32)  # <dS, S0>, per n
     for p0 in range(0, P, BP):
         offs_p = p0 + tl.arange(0, BP)
         mask_p = offs_p < P
@@ -404,6 +385,7 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
         dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
         S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
+        dg += tl.sum(dS * S0, axis=0)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
         else:
@@ -420,7 +402,8 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
-    return accDYX, accXS, accDYS
+        dg += dSr * S0r
+    return accDYX, accXS, accDYS, tl.sum(dg, axis=0)
 
 
 @triton.jit
@@ -441,14 +424,15 @@ def _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q: tl.constexpr, 
 
 @triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
-                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr,
+                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
                    ONE_HEAD: tl.constexpr = False):
-    """dB, dC (and with DCS the decay-gradient partials). TILE_MAJOR: grid (chunks x n tiles, batch*group), the n
+    """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
+    at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway). TILE_MAJOR: grid (chunks x n tiles, batch*group), the n
     tiles of a chunk launched together (they read the same x, dy tiles); else (chunks, batch*group, n tiles).
     ONE_HEAD (one head per B/C group, as in HedgeMamba; not with DCS): no running sum over heads, B and C loaded
     after the sums over P, and the state terms used as the dots' accumulators: fewer live (Q x BN) tiles."""
@@ -473,9 +457,10 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         h = grp
         bh = b * H + h
         offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        accDYX, accXS, accDYS = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c, L, H,
-                                               P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC, SPREC,
-                                               IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
+        accDYX, accXS, accDYS, dg = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c,
+                                                   L, H, P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC,
+                                                   SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
+        tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dg)
         decay, win, wend = _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
         Pm = decay * accDYX  # [t, s]
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
@@ -496,9 +481,10 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         h = grp * HPG + hh
         bh = b * H + h
         offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        accDYX, accXS, accDYS = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c, L, H,
-                                               P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC, SPREC,
-                                               IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
+        accDYX, accXS, accDYS, dg = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c,
+                                                   L, H, P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC,
+                                                   SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
+        tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dg)
         decay, win, wend = _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
         Pm = decay * accDYX  # [t, s]
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
@@ -525,7 +511,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
 def _finish_bwd(dcs_ptr, ddtp_ptr, dg_ptr, gdec_ptr, dt_ptr, A_ptr, ddt_ptr, dAp_ptr, L, H, NC, NPART, NBLK,
                 Q: tl.constexpr, BB: tl.constexpr):
     """Per chunk: sum the tile partials of d cs and of the direct dt gradient, add the carry factor's gradient
-    (sum over state blocks of <dS, S_prev>, times g) to the chunk's last position, reverse cumulative sum
+    (sum over dB/dC's n tiles of <dS, S_prev>, times g) to the chunk's last position, reverse cumulative sum
     (d cs -> d a, a = dt A), then ddt = direct + A d a (stored (b, l, h)) and the chunk's partial of dA = sum d a dt."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -641,9 +627,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = triton.cdiv(p, BP) * triton.cdiv(n, BN)
-        dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
-        _dstate_fused_bwd[(b * h, nblk)](dy, dden, dt, A, C, doc_arg, states, gdec, dst, dfinal_arg,
-                                         dinit if need_dinit else dst, dg, den_arg, l, h, g, p, n, nc, nblk,
+        _dstate_fused_bwd[(b * h, nblk)](dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
+                                         dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                                          Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                                          NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
                                          DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
@@ -655,13 +640,13 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                                  DY_SCALE=dy_scale, num_warps=nw)
         PN = states.shape[3] * n
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
-        nblk = triton.cdiv(PN, BLOCK)
-        dg = torch.empty(b * h, nblk, nc, device=dev, dtype=torch.float32)
-        _state_pass_bwd[(b * h, nblk)](dst, states, gdec, dfinal_arg, dinit if need_dinit else dst, dg, nc, PN, nblk,
+        _state_pass_bwd[(b * h, triton.cdiv(PN, BLOCK))](dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
                                        HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
+    nnb = triton.cdiv(n, BN_dbc)
+    dg = torch.empty(b * h, nnb, nc, device=dev, dtype=torch.float32)  # <dS, S0> per n tile of dB/dC
     dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
                   num_warps=warps_dbc, num_stages=stages_dbc)
     if bwd_variant() == "v2":
@@ -683,11 +668,10 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                                            HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                                            DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
                                            TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra)
-        nnb = triton.cdiv(n, BN_dbc)
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
         _chunk_bwd_dbc[grid_dbc](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         den_arg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
+                                         den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                                          DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
                                          ONE_HEAD=g == h and dbc_one_head(), **dbc_kw)
     else:
@@ -697,16 +681,15 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         _chunk_bwd_dx[(nc, b * h, triton.cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
                                                       Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
                                                       SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
-        nnb = triton.cdiv(n, BN_dbc)
         ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
         dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
         _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         dt, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+                                         dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     # d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch
     ddt = torch.empty(b, l, h, device=dev, dtype=torch.float32)
     dA_part = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
-    _finish_bwd[(nc, b * h)](dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc, dcs_part.shape[1], nblk,
-                             Q=Q, BB=_pow2(nblk, 2), num_warps=2)
+    _finish_bwd[(nc, b * h)](dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc, dcs_part.shape[1], nnb,
+                             Q=Q, BB=_pow2(nnb, 2), num_warps=2)
     dA = dA_part.view(b, h, nc).sum((0, 2))
     dD = dD_part.view(b, h, nc, p).sum((0, 2)) if dD_part is not None else None
     return dx, ddt, dA, dB, dC, dinit, dD
