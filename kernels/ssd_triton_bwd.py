@@ -371,7 +371,7 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
     accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
     accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
     accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
-    dg = tl.zeros([BN], dtype=tl.float32)  # <dS, S0>, per n
+    dg = tl.zeros([BP, BN], dtype=tl.float32)  # <dS, S0>, summed over the p steps elementwise (reduced once)
     for p0 in range(0, P, BP):
         offs_p = p0 + tl.arange(0, BP)
         mask_p = offs_p < P
@@ -385,11 +385,12 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
         dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
         S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
-        dg += tl.sum(dS * S0, axis=0)
+        dg += dS * S0
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
         else:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "none")
+    dgs = tl.sum(tl.sum(dg, axis=1), axis=0)
     if DY_SCALE:  # the numerator's gradient is dy / den (rows t)
         rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
         accDYX = accDYX * rden[:, None]
@@ -402,8 +403,8 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
-        dg += dSr * S0r
-    return accDYX, accXS, accDYS, tl.sum(dg, axis=0)
+        dgs += tl.sum(dSr * S0r, axis=0)
+    return accDYX, accXS, accDYS, dgs
 
 
 @triton.jit
@@ -561,8 +562,8 @@ def dbc_one_head() -> bool:
 def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     """(BP, BN, num_stages, num_warps) of ``_chunk_bwd_dbc``, the backward's slowest kernel.
 
-    Defaults measured on the H200 (see kernels/NOTES.md): v2 (16, min(64, N), 3, 4), the best of two sweeps (with the
-    bf16 split for its state dots: 3 stages beat 2 by 17-25%); v1 (16, min(64, N), 1, 8), its spill-free choice.
+    Defaults measured on the H200 (see kernels/NOTES.md): v2 (32, min(64, N), 3, 4) since the kernel also sums the
+    carry factor's gradient (16-row p steps were the best before; 3 stages beat 2 by 17-25% with the bf16 split); v1 (16, min(64, N), 1, 8), its spill-free choice.
     ``HMSCALE_SSD_DBC_CFG="BP,BN,stages,warps"`` overrides it, for tuning runs only (powers of two, >= 16).
     Chunks of 128 with 16-bit inputs: (16, min(32, N), 3, 8), the tiling that compiles without register spills
     for sm_90 (benchmarks/ssd_registers.py).
@@ -574,7 +575,7 @@ def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     if bwd_variant() == "v2":  # without the decay-gradient terms the kernel pipelines
         if Q >= 128 and dtype != torch.float32:
             return 16, min(32, _pow2(n)), 3, 8
-        return 16, min(64, _pow2(n)), 3, 4
+        return 32, min(64, _pow2(n)), 3, 4
     return 16, min(64, _pow2(n)), 1, 8
 
 

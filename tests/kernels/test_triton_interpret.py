@@ -255,7 +255,7 @@ def test_launch_configs_by_chunk(monkeypatch):
     assert kcfg("dx", bf16, 128) == DEFAULT_CFG_Q128["dx"] != DEFAULT_CFG["dx"] == kcfg("dx", bf16, 64)
     assert kcfg("state", bf16, 128) == DEFAULT_CFG["state"]  # no Q x Q tile: unchanged
     assert kcfg("scan", torch.float32, 128) == DEFAULT_CFG_FP32["scan"]
-    assert dbc_config(256, bf16, 128) == (16, 32, 3, 8) and dbc_config(256, bf16, 64) == (16, 64, 3, 4)
+    assert dbc_config(256, bf16, 128) == (16, 32, 3, 8) and dbc_config(256, bf16, 64) == (32, 64, 3, 4)
     monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=32,32,4")
     assert kcfg("dx", bf16, 128) == (32, 32, 4, 0)
 
