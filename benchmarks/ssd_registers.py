@@ -20,10 +20,12 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions (their launches are intercepted), even under the test env
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

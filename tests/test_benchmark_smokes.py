@@ -38,3 +38,22 @@ def test_train_throughput_smoke(tmp_path):
     for fast, loops in (rows[:2], rows[2:]):  # the foreach gradient checks train exactly as DeepSpeed's loops
         assert abs(fast["final_loss"] - loops["final_loss"]) <= 1e-5 * loops["final_loss"], (fast, loops)
     assert "| pythia-nano hedgemamba |" in out
+
+
+def test_ssd_registers_reports_every_kernel(tmp_path):
+    """benchmarks/ssd_registers.py compiles each launch of one fwd+bwd call for sm_90 on the CPU and reads its
+    registers and spill bytes (also when the environment asks for the interpreter, as the test suite does)."""
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_registers.py"), "--shape", "410m_norm",
+                           "--seq", "128", "--batch", "1", "--only", "dbc,dx_dcs,finish"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r.split("|")[1].strip(): r.split("|") for r in proc.stdout.splitlines() if r.startswith("| _")}
+    assert set(rows) == {"_chunk_bwd_dbc", "_chunk_bwd_dx_dcs", "_finish_bwd"}, proc.stdout
+    for name, cols in rows.items():
+        assert "ERROR" not in "".join(cols), cols
+        regs, stack = int(cols[5]), int(cols[6])
+        assert 16 <= regs <= 255 and stack >= 0, cols
+    assert "Q=64,BP=32,BN=64" in "".join(rows["_chunk_bwd_dbc"])  # the launch's real tiles (the v2 default)
