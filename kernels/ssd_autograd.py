@@ -37,7 +37,7 @@ def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp
         dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
     dden = None
     dyn = dy
-    ys = dict(ysaved=ynum, den=den) if ynum is not None and save_y_mode() and bwd_variant() == "v2" else {}
+    ys = dict(ysaved=ynum, den=den) if ynum is not None and save_y_mode() else {}  # ynum: v2 only (keeps_ynum)
     if norm and norm_bwd_mode() == "rowscale" and x.dtype == torch.bfloat16 and dy.dtype == torch.bfloat16:
         _, dden = norm_bwd_prologue(dy, ynum, den, write_dyn=False)
         return ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy,

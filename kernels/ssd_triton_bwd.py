@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _pow2, _state_tile, _xdot, block_sizes, bwd_variant,
-                             dbc_state_precision,
-                             fused_pass_config, kcfg, pass_config, precisions, state_precision, use_fused_pass)
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _pow2, _state_tile, _xdot, block_sizes,
+                             bwd_variant, dbc_state_precision, fused_pass_config, kcfg, pass_config, precisions,
+                             state_precision, use_fused_pass)
 
 
 @triton.jit
@@ -359,13 +359,16 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
 
 
 @triton.jit
-def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c, L, H, P, N, NC,
-                   offs_t, mask_t, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, NORM: tl.constexpr,
-                   DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
-    """One head's sums over P for dB/dC of one (chunk, n tile): dy_t . x_s [t, s], x_s^T dS [s, n] and
-    dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and this
-    n tile's share of <dS, S0> over the whole state (the gradient of the chunk's carry factor)."""
+def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, den_ptr, dg_ptr, b, h, c, nb,
+              L, H, P, N, NC, NNB, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+              HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr,
+              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
+    """One head's part of dB/dC for one (chunk, n tile): the sums over P, dy_t . x_s [t, s], x_s^T dS [s, n] and
+    dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and the
+    chunk's weights. Stores this n tile's share of <dS, S0> (the gradient of the chunk's carry factor) and returns
+    the chunk's dt, Pm = decay o (dy . x) [t, s], win, wend, x^T dS and dy^T S0."""
+    bh = b * H + h
+    offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     x_base = (b * L * H + h) * P
     s_base = (bh * NC + c) * (P + NORM) * N
     accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
@@ -404,23 +407,9 @@ def _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, 
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
         dgs += tl.sum(dSr * S0r, axis=0)
-    return accDYX, accXS, accDYS, dgs
-
-
-@triton.jit
-def _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q: tl.constexpr, HAS_DOC: tl.constexpr):
-    """decay [t, s] (causal, within a document), win_t and wend_s of one chunk (see the module docstring)."""
-    tt = tl.arange(0, Q)
-    keep = tt[:, None] >= tt[None, :]
-    win = tl.exp(cs)
-    wend = tl.exp(cs_end - cs)
-    if HAS_DOC:
-        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
-        keep = keep & (doc[:, None] == doc[None, :])
-        win = tl.where(doc == doc_prev, win, 0.0)
-        wend = tl.where(doc == doc_end, wend, 0.0)
-    decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
-    return decay, win, wend
+    tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dgs)
+    decay, win, wend = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
+    return dt, decay * accDYX, win, wend, accXS, accDYS
 
 
 @triton.jit
@@ -433,8 +422,9 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
                    ONE_HEAD: tl.constexpr = False):
     """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
-    at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway). TILE_MAJOR: grid (chunks x n tiles, batch*group), the n
-    tiles of a chunk launched together (they read the same x, dy tiles); else (chunks, batch*group, n tiles).
+    at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway).
+    TILE_MAJOR: grid (chunks x n tiles, batch*group), the n tiles of a chunk launched together (they read the same
+    x, dy tiles); else (chunks, batch*group, n tiles).
     ONE_HEAD (one head per B/C group, as in HedgeMamba; not with DCS): no running sum over heads, B and C loaded
     after the sums over P, and the state terms used as the dots' accumulators: fewer live (Q x BN) tiles."""
     if TILE_MAJOR:
@@ -455,15 +445,10 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     bc_off = offs_tt[:, None] * (G * N) + offs_n[None, :]
     bc_mask = mask_tt[:, None] & mask_n[None, :]
     if ONE_HEAD:
-        h = grp
-        bh = b * H + h
-        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        accDYX, accXS, accDYS, dg = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c,
-                                                   L, H, P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC,
-                                                   SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
-        tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dg)
-        decay, win, wend = _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
-        Pm = decay * accDYX  # [t, s]
+        dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
+                                                     den_ptr, dg_ptr, b, grp, c, nb, L, H, P, N, NC, NNB, offs_n,
+                                                     mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
+                                                     DY_EXACT, DY_SCALE)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
@@ -480,14 +465,10 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     tt = tl.arange(0, Q)
     for hh in range(HPG):
         h = grp * HPG + hh
-        bh = b * H + h
-        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        accDYX, accXS, accDYS, dg = _dbc_head_sums(x_ptr, dy_ptr, dden_ptr, st_ptr, dst_ptr, den_ptr, b, h, bh, c,
-                                                   L, H, P, N, NC, offs_t, mask_t, offs_n, mask_n, Q, BP, BN, PREC,
-                                                   SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE)
-        tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dg)
-        decay, win, wend = _dbc_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
-        Pm = decay * accDYX  # [t, s]
+        dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
+                                                     den_ptr, dg_ptr, b, h, c, nb, L, H, P, N, NC, NNB, offs_n,
+                                                     mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
+                                                     DY_EXACT, DY_SCALE)
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
@@ -501,7 +482,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
             endterm = wend * dt * u
             dcs = rowPGdt - colPG * dt + v - endterm
             dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
-            po = (bh * NNB + nb) * (NC * Q) + c * Q + tt
+            po = ((b * H + h) * NNB + nb) * (NC * Q) + c * Q + tt
             tl.store(ddt_ptr + po, ddt_direct)
             tl.store(dcs_ptr + po, dcs)
     tl.store(dB_ptr + bc_base + bc_off, dB.to(dB_ptr.dtype.element_ty), mask=bc_mask)
@@ -563,7 +544,8 @@ def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     """(BP, BN, num_stages, num_warps) of ``_chunk_bwd_dbc``, the backward's slowest kernel.
 
     Defaults measured on the H200 (see kernels/NOTES.md): v2 (32, min(64, N), 3, 4) since the kernel also sums the
-    carry factor's gradient (16-row p steps were the best before; 3 stages beat 2 by 17-25% with the bf16 split); v1 (16, min(64, N), 1, 8), its spill-free choice.
+    carry factor's gradient (16-row p steps were the best before; 3 stages beat 2 by 17-25% with the bf16 split);
+    v1 (16, min(64, N), 1, 8), its spill-free choice.
     ``HMSCALE_SSD_DBC_CFG="BP,BN,stages,warps"`` overrides it, for tuning runs only (powers of two, >= 16).
     Chunks of 128 with 16-bit inputs: (16, min(32, N), 3, 8), the tiling that compiles without register spills
     for sm_90 (benchmarks/ssd_registers.py).

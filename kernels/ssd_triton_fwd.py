@@ -106,6 +106,23 @@ def _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q: tl.constexpr):
 
 
 @triton.jit
+def _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q: tl.constexpr, HAS_DOC: tl.constexpr):
+    """decay [t, s] = exp(cs_t - cs_s) for s <= t in the same document (else 0), win_t = exp(cs_t) (0 once a new
+    document started in the chunk) and wend_s = exp(cs_end - cs_s) (0 unless s is in the chunk's last document)."""
+    tt = tl.arange(0, Q)
+    keep = tt[:, None] >= tt[None, :]
+    win = tl.exp(cs)
+    wend = tl.exp(cs_end - cs)
+    if HAS_DOC:
+        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+        keep = keep & (doc[:, None] == doc[None, :])
+        win = tl.where(doc == doc_prev, win, 0.0)
+        wend = tl.where(doc == doc_end, wend, 0.0)
+    decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
+    return decay, win, wend
+
+
+@triton.jit
 def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
                      L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -309,14 +326,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
         if NORM:
             Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
-    tt = tl.arange(0, Q)
-    keep = tt[:, None] >= tt[None, :]
-    win = tl.exp(cs)
-    if HAS_DOC:
-        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
-        keep = keep & (doc[:, None] == doc[None, :])
-        win = tl.where(doc == doc_prev, win, 0.0)
-    decay = tl.exp(tl.where(keep, cs[:, None] - cs[None, :], float("-inf")))
+    decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
     x = tl.load((x_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
