@@ -129,15 +129,17 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
         assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
 
 
-@pytest.mark.parametrize("split,state_pass,norm_bwd", [("state", "split", "rowscale"), ("all", "split", "rowscale"),
-                                                       ("off", "split", "rowscale"), ("state", "fused", "rowscale"),
-                                                       ("state", "split", "fp32")])
+@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec", [
+    ("state", "split", "rowscale", "bf16"), ("all", "split", "rowscale", "bf16x2"), ("off", "split", "rowscale", "tf32"),
+    ("state", "fused", "rowscale", "bf16"), ("state", "split", "fp32", "bf16x2")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
-def test_bf16_state_precision(split, state_pass, norm_bwd, opts, monkeypatch):
+def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
     makes the interpreter's bf16 dots exact). The state and the decay gradients (dt, A: sums whose terms cancel)
-    must stay near fp32 accuracy, far inside the 1e-2 bf16 limit; the rest is bounded by bf16 rounding."""
+    must stay near fp32 accuracy, far inside the 1e-2 bf16 limit, also when dB/dC rounds the states to bf16
+    (HMSCALE_SSD_DBC_PREC=bf16, the default); the rest is bounded by bf16 rounding."""
     monkeypatch.setenv("HMSCALE_SSD_SPLIT", split)
+    monkeypatch.setenv("HMSCALE_SSD_DBC_PREC", dbc_prec)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_NORM_BWD", norm_bwd)  # normalize: dy / den as a row scale, or in fp32
     ins, seq = make_inputs(1, 70, 2, 1, 16, 32, dtype=torch.bfloat16, **opts)
@@ -212,6 +214,22 @@ def test_tile_order_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", "sideways")
     with pytest.raises(ValueError, match="HMSCALE_SSD_TILE_ORDER must be"):
         tile_major("dx", 1)
+
+
+def test_dbc_state_precision_choice(monkeypatch):
+    """dB/dC's state dots: one bf16 dot for bf16 inputs by default, the env choice for bf16 only, tf32 for fp16,
+    exact for fp32; a bad value names the variable."""
+    from kernels.ssd_triton_fwd import dbc_state_precision
+
+    monkeypatch.delenv("HMSCALE_SSD_DBC_PREC", raising=False)
+    assert dbc_state_precision(torch.bfloat16) == "bf16"
+    assert dbc_state_precision(torch.float16) == "tf32"
+    assert dbc_state_precision(torch.float32) == "ieee"
+    monkeypatch.setenv("HMSCALE_SSD_DBC_PREC", "bf16x2")
+    assert dbc_state_precision(torch.bfloat16) == "bf16x2" and dbc_state_precision(torch.float32) == "ieee"
+    monkeypatch.setenv("HMSCALE_SSD_DBC_PREC", "fp8")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_DBC_PREC must be"):
+        dbc_state_precision(torch.bfloat16)
 
 
 @pytest.mark.parametrize("chunk", [32, 128])
