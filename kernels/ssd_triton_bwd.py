@@ -25,6 +25,9 @@ Launches (default, backward variant v2):
 apply 1/den to the output's gradient themselves (``dy_den``). Kernels 3 and 4 launch the tiles of one chunk next
 to each other where that was measured to pay (``tile_major``).
 
+``_chunk_bwd_fused`` replaces 3 and 4 by one launch per (chunk, batch*head) where ``use_fused_bwd`` says so (one head
+per B/C group, P <= 64 by default): each tile of dS and S0 is read once for dx, dB, dC and the carry gradient.
+
 Variant v1 (``HMSCALE_SSD_BWD=v1``) has ``_chunk_bwd_dx`` (dx only) and the decay-gradient partials in
 ``_chunk_bwd_dbc`` instead.
 """
@@ -490,6 +493,130 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
 
 
 @triton.jit
+def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
+                     dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
+                     L, H, P, N, NC,
+                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
+                     IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
+                     DY_SCALE: tl.constexpr):
+    """``_chunk_bwd_dx_dcs`` (with the saved numerator) and the one-head ``_chunk_bwd_dbc`` in one program per
+    (chunk, batch*head), for one head per B/C group and all of P in one tile (BP >= P): each (P x BN) tile of
+    the leaving state's gradient dS and of the entering state S0 is read once and serves dx's B dS^T, dB's x dS,
+    dC's dy S0 and the carry gradient <dS, S0>; dy . x^T (over P) and B . C^T (over N) are formed once per chunk.
+    dB and dC are written per n tile inside the loop; dx, the decay-gradient sums and <dS, S0> after it.
+    Same arguments and precisions as the two kernels it replaces (XPREC: the dots feeding the decay gradient;
+    SPREC: dB/dC's state dots)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+    offs_p = tl.arange(0, BP)
+    mask_p = offs_p < P
+    xo = (b * L * H + h) * P
+    xt = offs_t[:, None] * (H * P) + offs_p[None, :]
+    xm = mask_t[:, None] & mask_p[None, :]
+    x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
+    dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
+    decay, win, wend = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)  # [t, s]
+    accDYX = tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)  # [t, s] = dy_t . x_s
+    if DY_SCALE:  # the numerator's gradient is dy / den (rows t)
+        rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+        accDYX = accDYX * rden[:, None]
+    if NORM:  # the normaliser column: x = 1, dy = dden, state row P
+        dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+        ones = tl.where(mask_t, 1.0, 0.0)
+        accDYX += dr[:, None] * ones[None, :]
+    Pm = decay * accDYX
+    PmC = (Pm * dt[None, :]).to(IN_DTYPE)  # dC = (Pm dt) B + win dy S0
+    PmT = tl.trans(Pm).to(IN_DTYPE)  # dB = dt (Pm^T C + wend x dS)
+    bc_base = (b * L * H + h) * N
+    s_base = (bh * NC + c) * (P + NORM) * N
+    accGT = tl.zeros([Q, Q], dtype=tl.float32)  # [s, t] = B_s . C_t
+    accZ = tl.zeros([Q, BP], dtype=tl.float32)  # [s, p] = (dS B_s)_p
+    accZr = tl.zeros([Q], dtype=tl.float32)  # normaliser row: dS[P] . B_s
+    dgv = tl.zeros([BN], dtype=tl.float32)  # <dS, S0>, summed over p per n tile
+    dgr = 0.0
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mask_n = offs_n < N
+        bc_off = offs_t[:, None] * (H * N) + offs_n[None, :]
+        bc_mask = mask_t[:, None] & mask_n[None, :]
+        Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
+        so = offs_p[:, None] * N + offs_n[None, :]
+        sm = mask_p[:, None] & mask_n[None, :]
+        dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BP, BN)
+        S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
+        accZ = _xdot(Bt, tl.trans(dS), accZ, XPREC, "a")
+        dgv += tl.sum(dS * S0, axis=0)
+        # x and dy are read again per n tile (L1 / L2 hits) rather than held across the loop: registers
+        xl = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
+        accXS = _xdot(xl, dS, tl.zeros([Q, BN], dtype=tl.float32), SPREC, "a")  # [s, n] = x_s^T dS
+        dyl = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
+        if DY_EXACT:
+            accDYS = _xdot(dyl, S0, tl.zeros([Q, BN], dtype=tl.float32), SPREC, "a")  # [t, n] = dy_t^T S0
+        else:
+            accDYS = _xdot(dyl, S0, tl.zeros([Q, BN], dtype=tl.float32), SPREC, "none")
+        if DY_SCALE:
+            accDYS = accDYS * rden[:, None]
+        if NORM:
+            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
+            accXS += ones[:, None] * dSr[None, :]
+            accDYS += dr[:, None] * S0r[None, :]
+            dgr += tl.sum(dSr * S0r, axis=0)
+        dC = tl.dot(PmC, Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
+        tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
+        dB = tl.dot(PmT, Ct.to(IN_DTYPE), wend[:, None] * accXS, input_precision=PREC)
+        tl.store(dB_ptr + bc_base + bc_off, (dt[:, None] * dB).to(dB_ptr.dtype.element_ty), mask=bc_mask)
+    tl.store(dg_ptr + bh * NC + c, tl.sum(dgv, axis=0) + dgr)
+    # dx and the decay-gradient sums, as in _chunk_bwd_dx_dcs with Y_SAVED and one p tile
+    tt = tl.arange(0, Q)
+    keep = tt[:, None] <= tt[None, :]  # s <= t
+    if HAS_DOC:
+        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+        keep = keep & (doc[:, None] == doc[None, :])
+    MT = accGT * tl.exp(tl.where(keep, cs[None, :] - cs[:, None], float("-inf")))  # [s, t]
+    dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
+    if DY_SCALE:
+        stuff = _xdot(MT * rden[None, :], dy, wend[:, None] * accZ, XPREC, "b")
+    elif DY_EXACT:
+        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "b")
+    else:
+        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "none")
+    xf = tl.load(x_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
+    dxv = dt[:, None] * stuff
+    if HAS_D:
+        dyo = tl.load(dyo_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
+        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
+        dxv += Dv[None, :] * dyo
+        tl.store(dD_ptr + (bh * NC + c) * P + offs_p, tl.sum(dyo * xf, axis=0), mask=mask_p)
+    tl.store(dx_ptr + xo + xt, dxv.to(dx_ptr.dtype.element_ty), mask=xm)
+    y = tl.load(ys_ptr + xo + xt, mask=xm, other=0.0)
+    ddt_direct = tl.sum(xf * stuff, axis=1)
+    u = tl.sum(xf * accZ, axis=1)
+    dyy = tl.sum(dy.to(tl.float32) * y, axis=1)
+    if DY_SCALE:
+        dyy = dyy * rden
+    if NORM:
+        stuff_r = tl.sum(MT * dr[None, :], axis=1) + wend * accZr
+        y_r = tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+        ddt_direct += stuff_r
+        u += accZr
+        dyy += dr * y_r
+    endterm = wend * dt * u
+    dcs = dyy - dt * ddt_direct
+    dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
+    po = bh * (NC * Q) + c * Q + tt
+    tl.store(ddt_ptr + po, ddt_direct)
+    tl.store(dcs_ptr + po, dcs)
+
+
+@triton.jit
 def _finish_bwd(dcs_ptr, ddtp_ptr, dg_ptr, gdec_ptr, dt_ptr, A_ptr, ddt_ptr, dAp_ptr, L, H, NC, NPART, NBLK,
                 Q: tl.constexpr, BB: tl.constexpr):
     """Per chunk: sum the tile partials of d cs and of the direct dt gradient, add the carry factor's gradient
@@ -561,6 +688,43 @@ def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     return 16, min(64, _pow2(n)), 1, 8
 
 
+def bwd_fuse_mode() -> str:
+    """``HMSCALE_SSD_BWD_FUSE=auto|1|0``: dx and dB/dC as one kernel (``_chunk_bwd_fused``). It needs the v2
+    backward, one head per B/C group, the saved numerator, 16-bit inputs and chunks of at most 64. ``auto``
+    (default): where the H200 sweep found it faster, P <= 64 without the normaliser (410m L=2048: 323 us against
+    381 for the two kernels; with the normaliser 497 against 475; at P = 128 it spills registers and takes 1.3-1.6
+    ms against 0.93: benchmarks/results/sweep_fused_bwd_2026-12-02.md); ``1``: wherever it applies (P <= 128);
+    ``0``: never."""
+    v = os.environ.get("HMSCALE_SSD_BWD_FUSE", "auto").lower()
+    if v not in ("auto", "1", "0"):
+        raise ValueError(f"HMSCALE_SSD_BWD_FUSE must be auto, 1 or 0, got {v!r}")
+    return v
+
+
+def use_fused_bwd(g: int, h: int, p: int, dtype: torch.dtype, Q: int, saved_y: bool, norm: bool) -> bool:
+    """Whether this backward runs dx and dB/dC as one kernel (see ``bwd_fuse_mode``)."""
+    mode = bwd_fuse_mode()
+    if mode == "0" or bwd_variant() != "v2":
+        return False
+    if not (g == h and saved_y and dtype != torch.float32 and Q <= 64 and _pow2(p) <= 128):
+        return False
+    return mode == "1" or (_pow2(p) <= 64 and not norm)
+
+
+def fused_bwd_config(p: int, n: int):
+    """(BN, num_warps, num_stages) of ``_chunk_bwd_fused``: the (P x BN) state tiles of the n loop. (32, 4, 2),
+    the fastest in the H200 sweep at P = 64; ``HMSCALE_SSD_CFG="fbwd=BN,warps,stages"`` overrides it (tuning)."""
+    default = (32, 4, 2)
+    env = os.environ.get("HMSCALE_SSD_CFG", "")
+    got = default
+    for item in env.split(";"):
+        k, _, v = item.partition("=")
+        if k.strip() == "fbwd" and v:
+            vals = tuple(int(t) for t in v.split(","))
+            got = vals + default[len(vals):]
+    return min(got[0], _pow2(n)), got[1], got[2]
+
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -628,6 +792,23 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
+    has_d = D is not None
+    if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
+        BNf, nwf, stf = fused_bwd_config(p, n)
+        nnb = 1
+        dg = torch.empty(b * h, 1, nc, device=dev, dtype=torch.float32)
+        ddt_part = torch.empty(b * h, 1, nc * Q, device=dev, dtype=torch.float32)
+        dcs_part = torch.empty(b * h, 1, nc * Q, device=dev, dtype=torch.float32)
+        dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
+        _chunk_bwd_fused[(nc, b * h)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, dB, dC, ddt_part, dcs_part,
+                                      dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
+                                      dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
+                                      Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
+                                      XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
+                                      IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
+                                      DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf)
+        ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev)
+        return dx, ddt, dA, dB, dC, dinit, dD
     nnb = triton.cdiv(n, BN_dbc)
     dg = torch.empty(b * h, nnb, nc, device=dev, dtype=torch.float32)  # <dS, S0> per n tile of dB/dC
     dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
@@ -639,7 +820,6 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         ddt_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
         dcs_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
         extra = dict(num_stages=st2) if st2 else {}
-        has_d = D is not None
         dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
         dyo_arg = dyo.contiguous() if has_d else dy
         tm = tile_major("dx", npb)
@@ -668,11 +848,17 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
         _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                                          dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
-    # d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch
+    ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev)
+    return dx, ddt, dA, dB, dC, dinit, dD
+
+
+def _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev):
+    """d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch; dA and dD summed from
+    their per-chunk partials."""
     ddt = torch.empty(b, l, h, device=dev, dtype=torch.float32)
     dA_part = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     _finish_bwd[(nc, b * h)](dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc, dcs_part.shape[1], nnb,
                              Q=Q, BB=_pow2(nnb, 2), num_warps=2)
     dA = dA_part.view(b, h, nc).sum((0, 2))
     dD = dD_part.view(b, h, nc, p).sum((0, 2)) if dD_part is not None else None
-    return dx, ddt, dA, dB, dC, dinit, dD
+    return ddt, dA, dD

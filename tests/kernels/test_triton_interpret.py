@@ -216,6 +216,56 @@ def test_tile_order_choice(monkeypatch):
         tile_major("dx", 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True), dict(D=True, seq=True)])
+def test_fused_dx_dbc_kernel(dtype, opts, monkeypatch):
+    """dx and dB/dC in one kernel (HMSCALE_SSD_BWD_FUSE=1, P not a power of two, several n tiles): it runs, and every
+    output and gradient stays within the 16-bit limit of float64; the decay gradients (dt, A) near fp32 accuracy."""
+    import kernels.ssd_triton_bwd as bwd
+
+    launches = []
+    orig = bwd._chunk_bwd_fused.run
+    monkeypatch.setattr(bwd._chunk_bwd_fused, "run", lambda *a, **k: launches.append(1) or orig(*a, **k))
+    monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "1")
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "fbwd=16,4,2")
+    ins, seq = make_inputs(1, 70, 2, 2, 24, 40, dtype=dtype, **opts)
+    norm = bool(opts.get("normalize"))
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(1, 70, 2, 24, generator=gen, dtype=torch.float64).to(dtype).double()
+    gs = torch.randn(1, 2, 24 + int(norm), 40, generator=gen, dtype=torch.float64)
+    y, s, g, _, _ = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 16, gy, gs)
+    assert launches, "the fused backward kernel did not run"
+    assert rel(y, yr) < 1e-2 and rel(s, sr) < 1e-4
+    for k in g:
+        assert torch.isfinite(g[k]).all(), k
+        assert rel(g[k], gr[k]) < 1e-2, (k, rel(g[k], gr[k]))
+    assert rel(g["dt"], gr["dt"]) < 1e-4 and rel(g["A"], gr["A"]) < 1e-4
+
+
+def test_fused_dx_dbc_choice(monkeypatch):
+    """auto: the fused backward for one head per group, P <= 64, no normaliser, 16-bit, saved numerator; 1 also at
+    P <= 128 and with the normaliser; 0 never; a bad value names the variable."""
+    from kernels.ssd_triton_bwd import use_fused_bwd
+
+    bf16 = torch.bfloat16
+    monkeypatch.delenv("HMSCALE_SSD_BWD_FUSE", raising=False)
+    assert use_fused_bwd(16, 16, 64, bf16, 64, True, False)
+    assert not use_fused_bwd(16, 16, 64, bf16, 64, True, True)  # normaliser
+    assert not use_fused_bwd(16, 16, 128, bf16, 64, True, False)  # P = 128
+    assert not use_fused_bwd(1, 16, 64, bf16, 64, True, False)  # shared B/C
+    assert not use_fused_bwd(16, 16, 64, torch.float32, 64, True, False)
+    assert not use_fused_bwd(16, 16, 64, bf16, 64, False, False)  # numerator not kept
+    assert not use_fused_bwd(16, 16, 64, bf16, 128, True, False)  # chunk 128
+    monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "1")
+    assert use_fused_bwd(16, 16, 128, bf16, 64, True, True) and not use_fused_bwd(16, 16, 256, bf16, 64, True, False)
+    monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "0")
+    assert not use_fused_bwd(16, 16, 64, bf16, 64, True, False)
+    monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "yes")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_BWD_FUSE must be"):
+        use_fused_bwd(16, 16, 64, bf16, 64, True, False)
+
+
 def test_dbc_state_precision_choice(monkeypatch):
     """dB/dC's state dots: one bf16 dot for bf16 inputs by default, the env choice for bf16 only, tf32 for fp16,
     exact for fp32; a bad value names the variable."""
