@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv
+
 __all__ = ["causal_depthwise_conv_triton"]
 
 _BL, _BC = 32, 128  # rows x channels per tile
@@ -88,7 +90,7 @@ def _conv_bwd_dw(X, PREV, DY, PART, L, C, NT, W: tl.constexpr, BL: tl.constexpr,
 
 
 def _grid(b: int, rows: int, C: int):
-    return (b, triton.cdiv(rows, _BL), triton.cdiv(C, _BC))
+    return (b, cdiv(rows, _BL), cdiv(C, _BC))
 
 
 class _CausalConvTriton(torch.autograd.Function):
@@ -116,7 +118,7 @@ class _CausalConvTriton(torch.autograd.Function):
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
         dx = torch.empty_like(x)
         dprev = torch.empty_like(prev)
-        nt = triton.cdiv(l, _BL)
+        nt = cdiv(l, _BL)
         part = torch.empty(b * nt, W + 1, c, dtype=torch.float32, device=x.device)
         if b and l:
             _conv_bwd_dx[_grid(b, W - 1 + l, c)](dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _pow2, _state_tile, _xdot, block_sizes,
                              bwd_variant, dbc_state_precision, fused_pass_config, kcfg, pass_config, precisions,
                              state_precision, use_fused_pass)
@@ -773,7 +774,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
-        nblk = triton.cdiv(p, BP) * triton.cdiv(n, BN)
+        nblk = cdiv(p, BP) * cdiv(n, BN)
         _dstate_fused_bwd[(b * h, nblk)](dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
                                          dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                                          Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
@@ -781,13 +782,13 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                                          DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
-        grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
+        grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
         _chunk_dstate_bwd[grid1](dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
                                  Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
                                  DY_SCALE=dy_scale, num_warps=nw)
         PN = states.shape[3] * n
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
-        _state_pass_bwd[(b * h, triton.cdiv(PN, BLOCK))](dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
+        _state_pass_bwd[(b * h, cdiv(PN, BLOCK))](dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
                                        HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
@@ -809,14 +810,14 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                                       DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf)
         ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev)
         return dx, ddt, dA, dB, dC, dinit, dD
-    nnb = triton.cdiv(n, BN_dbc)
+    nnb = cdiv(n, BN_dbc)
     dg = torch.empty(b * h, nnb, nc, device=dev, dtype=torch.float32)  # <dS, S0> per n tile of dB/dC
     dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
                   num_warps=warps_dbc, num_stages=stages_dbc)
     if bwd_variant() == "v2":
         bp2, bn2, nw2, st2 = kcfg("dx", x.dtype, Q)
         BP2 = min(bp2, _pow2(p))
-        npb = triton.cdiv(p, BP2)
+        npb = cdiv(p, BP2)
         ddt_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
         dcs_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
         extra = dict(num_stages=st2) if st2 else {}
@@ -841,7 +842,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
         BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
-        _chunk_bwd_dx[(nc, b * h, triton.cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
+        _chunk_bwd_dx[(nc, b * h, cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
                                                       Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
                                                       SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
         ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)

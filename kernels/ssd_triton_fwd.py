@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_pow2
+
 
 @triton.jit
 def _hilo(v):
@@ -354,7 +356,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
 
 
 def _pow2(v: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(v)))
+    return max(lo, next_pow2(int(v)))
 
 
 def split_mode() -> str:
@@ -497,7 +499,7 @@ def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: t
     if sms is None:  # the CPU interpreter: the split passes (the fused ones are tested explicitly)
         return False
     bp, bn, _, _ = fused_pass_config(p, n, dtype, name, Q)
-    return b * h * triton.cdiv(p, bp) * triton.cdiv(n, bn) >= sms
+    return b * h * cdiv(p, bp) * cdiv(n, bn) >= sms
 
 
 def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64):
@@ -545,7 +547,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x`` to y."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    nc = triton.cdiv(l, Q)
+    nc = cdiv(l, Q)
     dev = x.device
     ps = p + int(norm)
     states = torch.empty(b, h, nc, ps, n, device=dev, dtype=state_dtype(x.dtype))
@@ -560,26 +562,26 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_init = initial_state is not None
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
-        grid = (b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
+        grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         _state_fused_fwd[grid](x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
                                l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
                                PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
                                num_warps=nw, num_stages=nst)
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
-        grid1 = (nc, b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))
+        grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
         _chunk_state_fwd[grid1](x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
                                 Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
                                 num_warps=nw)
         PN = ps * n
         BLOCK, nw = pass_config(PN, x.dtype)
-        grid2 = (b * h, triton.cdiv(PN, BLOCK))
+        grid2 = (b * h, cdiv(PN, BLOCK))
         _state_pass_fwd[grid2](states, gdec, initial_state if has_init else final, final, nc, PN,
                                HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
     bp, bn, nw, nst = kcfg("scan", x.dtype, Q)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
-    grid3 = (nc, b * h, triton.cdiv(p, bp))
+    grid3 = (nc, b * h, cdiv(p, bp))
     _chunk_scan_fwd[grid3](x, dt, A, B, C, doc_arg, states, y, den if norm else y, ynum if ynum is not None else y,
                            D if D is not None else dt, l, h, g, p, n, nc,
                            Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
@@ -617,6 +619,6 @@ def norm_bwd_prologue(dy, ynum, den, write_dyn: bool = True):
     R = b * l * h
     BPF = _pow2(p)
     BR = max(1, 2048 // BPF)
-    _norm_bwd_prologue[(triton.cdiv(R, BR),)](dy, ynum, den, dyn if write_dyn else dden, dden, R, p, BR=BR, BPF=BPF,
+    _norm_bwd_prologue[(cdiv(R, BR),)](dy, ynum, den, dyn if write_dyn else dden, dden, R, p, BR=BR, BPF=BPF,
                                               WRITE_DYN=write_dyn, num_warps=8)
     return dyn, dden

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_pow2
 from .reference import expand_groups
 
 __all__ = ["ssd_step_torch", "ssd_step_triton"]
@@ -82,15 +83,15 @@ def ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False):
     state = state.contiguous()
     new = torch.empty_like(state)
     y = torch.empty_like(x_t)
-    BN = max(16, triton.next_power_of_2(n))
-    BP = max(2, min(triton.next_power_of_2(p), 4096 // BN))
+    BN = max(16, next_pow2(n))
+    BP = max(2, min(next_pow2(p), 4096 // BN))
     has_d = D is not None
     if has_d:
         Dc = D.contiguous()
         dsh, dsp = (1, 0) if Dc.dim() == 1 else (Dc.stride(0), Dc.stride(1))
     else:
         Dc, dsh, dsp = A, 0, 0
-    grid = (b * h, triton.cdiv(p, BP))
+    grid = (b * h, cdiv(p, BP))
     _ssd_step_kernel[grid](state, x_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
                            C_t.contiguous(), Dc, new, y, h, g, p, n, ps, dsh, dsp,
                            BP=BP, BN=BN, NORM=bool(normalize), HAS_D=has_d, num_warps=4)
