@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .reference import doc_ids_from_seq_idx
+from .settings import env, env_frozen
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
 from .ssd_triton_fwd import keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd
 
@@ -33,6 +34,13 @@ def _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, nor
 
 def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm):
     """(dx, ddt, dA, dB, dC, dinit, dD) of the Triton backward (dinit, dD None when absent)."""
+    with env_frozen():
+        return _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
+                                            chunk_size, has_init, norm)
+
+
+def _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size,
+                                 has_init, norm):
     if dy is None:
         dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
     dden = None
@@ -53,7 +61,7 @@ def norm_bwd_mode() -> str:
     per row (exact bf16 dots, as without normalize); ``fp32``: the prologue writes dy / den in fp32 and the kernels
     take it as an fp32 operand (tf32 and 3-term split dots). fp16 and fp32 inputs always use ``fp32`` (an fp16 dy / den
     can leave the fp16 range)."""
-    v = os.environ.get("HMSCALE_SSD_NORM_BWD", "rowscale").lower()
+    v = env("HMSCALE_SSD_NORM_BWD", "rowscale").lower()
     if v not in ("rowscale", "fp32"):
         raise ValueError(f"HMSCALE_SSD_NORM_BWD must be rowscale or fp32, got {v!r}")
     return v
@@ -173,7 +181,7 @@ def _core(xc, dtc, Ac, Bc, Cc, init, doc, chunk_size, out_dtype, norm=False, Dhp
 def norm_mode() -> str:
     """``fused`` (default: the normaliser is one extra state row inside the kernels) or ``cat`` (a column of ones
     appended to x; always used with the v1 backward). Env ``HMSCALE_SSD_NORM``."""
-    v = os.environ.get("HMSCALE_SSD_NORM", "fused").lower()
+    v = env("HMSCALE_SSD_NORM", "fused").lower()
     if v not in ("fused", "cat"):
         raise ValueError(f"HMSCALE_SSD_NORM must be fused or cat, got {v!r}")
     return "cat" if bwd_variant() == "v1" else v
@@ -193,7 +201,13 @@ def _check(x, dt, A, B, C, chunk_size):
 
 def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
                normalize=False, return_final_state=False):
-    """The contract of :func:`kernels.ssd`, computed by the Triton kernels."""
+    """The contract of :func:`kernels.ssd`, computed by the Triton kernels (the forward reads each ``HMSCALE_SSD_*``
+    switch once: ``kernels.settings``)."""
+    with env_frozen():
+        return _ssd_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize, return_final_state)
+
+
+def _ssd_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize, return_final_state):
     _check(x, dt, A, B, C, chunk_size)
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton SSD needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "

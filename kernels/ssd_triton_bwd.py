@@ -34,13 +34,12 @@ Variant v1 (``HMSCALE_SSD_BWD=v1``) has ``_chunk_bwd_dx`` (dx only) and the deca
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .host_math import cdiv
+from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _pow2, _state_tile, _xdot, block_sizes,
                              bwd_variant, dbc_state_precision, fused_pass_config, kcfg, pass_config, precisions,
                              state_precision, use_fused_pass)
@@ -651,7 +650,7 @@ def tile_major(kernel: str, tiles: int) -> bool:
     same B, C or x, dy tiles: L2 hits), ``chunk`` the chunks of one tile; ``auto`` (default): tile order for dx
     always, for dB/dC from 4 n tiles on (H200 sweep, 2026-12-02: dx -5 to -10 %; dB/dC -2 to -4 % at 4 n tiles,
     +2 to +4 % at 2)."""
-    v = os.environ.get("HMSCALE_SSD_TILE_ORDER", "auto").lower()
+    v = env("HMSCALE_SSD_TILE_ORDER", "auto").lower()
     if v not in ("tile", "chunk", "auto"):
         raise ValueError(f"HMSCALE_SSD_TILE_ORDER must be auto, tile or chunk, got {v!r}")
     if v == "auto":
@@ -662,7 +661,7 @@ def tile_major(kernel: str, tiles: int) -> bool:
 def dbc_one_head() -> bool:
     """``HMSCALE_SSD_DBC_ONE_HEAD=1|0``: with one head per B/C group, the dB/dC kernel's one-head form (default 1;
     0 keeps the general form with its running sum over the group's heads, for comparisons)."""
-    v = os.environ.get("HMSCALE_SSD_DBC_ONE_HEAD", "1")
+    v = env("HMSCALE_SSD_DBC_ONE_HEAD", "1")
     if v not in ("0", "1"):
         raise ValueError(f"HMSCALE_SSD_DBC_ONE_HEAD must be 0 or 1, got {v!r}")
     return v == "1"
@@ -678,9 +677,9 @@ def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     Chunks of 128 with 16-bit inputs: (16, min(32, N), 3, 8), the tiling that compiles without register spills
     for sm_90 (benchmarks/ssd_registers.py).
     """
-    env = os.environ.get("HMSCALE_SSD_DBC_CFG")
-    if env:
-        bp, bn, st, nw = (int(v) for v in env.split(","))
+    cfg = env("HMSCALE_SSD_DBC_CFG")
+    if cfg:
+        bp, bn, st, nw = (int(v) for v in cfg.split(","))
         return bp, min(bn, _pow2(n)), st, nw
     if bwd_variant() == "v2":  # without the decay-gradient terms the kernel pipelines
         if Q >= 128 and dtype != torch.float32:
@@ -696,7 +695,7 @@ def bwd_fuse_mode() -> str:
     381 for the two kernels; with the normaliser 497 against 475; at P = 128 it spills registers and takes 1.3-1.6
     ms against 0.93: benchmarks/results/sweep_fused_bwd_2026-12-02.md); ``1``: wherever it applies (P <= 128);
     ``0``: never."""
-    v = os.environ.get("HMSCALE_SSD_BWD_FUSE", "auto").lower()
+    v = env("HMSCALE_SSD_BWD_FUSE", "auto").lower()
     if v not in ("auto", "1", "0"):
         raise ValueError(f"HMSCALE_SSD_BWD_FUSE must be auto, 1 or 0, got {v!r}")
     return v
@@ -716,9 +715,9 @@ def fused_bwd_config(p: int, n: int):
     """(BN, num_warps, num_stages) of ``_chunk_bwd_fused``: the (P x BN) state tiles of the n loop. (32, 4, 2),
     the fastest in the H200 sweep at P = 64; ``HMSCALE_SSD_CFG="fbwd=BN,warps,stages"`` overrides it (tuning)."""
     default = (32, 4, 2)
-    env = os.environ.get("HMSCALE_SSD_CFG", "")
+    cfg = env("HMSCALE_SSD_CFG", "")
     got = default
-    for item in env.split(";"):
+    for item in cfg.split(";"):
         k, _, v = item.partition("=")
         if k.strip() == "fbwd" and v:
             vals = tuple(int(t) for t in v.split(","))

@@ -34,13 +34,12 @@ the rate); fp16 inputs keep 3xTF32, fp32 inputs exact fp32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .settings import env
 
 
 @triton.jit
@@ -364,7 +363,7 @@ def split_mode() -> str:
     ``state`` (default): the dots that need about fp32 accuracy (state building, state gradients, the decay-gradient
     sums; 3xTF32 before); ``all``: also the scan's state term (slower there: it stays tf32 by default);
     ``off``: 3xTF32 / tf32 as before. (dB/dC's state dots have their own choice: ``dbc_state_precision``.)"""
-    v = os.environ.get("HMSCALE_SSD_SPLIT", "state").lower()
+    v = env("HMSCALE_SSD_SPLIT", "state").lower()
     if v not in ("state", "all", "off"):
         raise ValueError(f"HMSCALE_SSD_SPLIT must be state, all or off, got {v!r}")
     return v
@@ -393,7 +392,7 @@ def dbc_state_precision(dtype: torch.dtype) -> str:
     fp32: exact."""
     if dtype == torch.float32:
         return "ieee"
-    v = os.environ.get("HMSCALE_SSD_DBC_PREC", "bf16").lower()
+    v = env("HMSCALE_SSD_DBC_PREC", "bf16").lower()
     if v not in ("bf16x2", "bf16", "tf32"):
         raise ValueError(f"HMSCALE_SSD_DBC_PREC must be bf16, bf16x2 or tf32, got {v!r}")
     if dtype == torch.bfloat16:
@@ -448,8 +447,8 @@ def kcfg(name: str, dtype: torch.dtype, Q: int = 64) -> tuple:
         default = DEFAULT_CFG_Q128[name]
     else:
         default = DEFAULT_CFG[name]
-    env = os.environ.get("HMSCALE_SSD_CFG", "")
-    for item in env.split(";"):
+    cfg = env("HMSCALE_SSD_CFG", "")
+    for item in cfg.split(";"):
         k, _, v = item.partition("=")
         if k.strip() == name and v:
             got = tuple(int(t) for t in v.split(","))
@@ -471,7 +470,7 @@ def pass_mode() -> str:
     fused when there are at least as many (batch x head x state tile) programs as the GPU has multiprocessors,
     split otherwise (long single sequences, where the serial walk would leave most of the GPU idle; H200
     sweep in kernels/NOTES.md)."""
-    v = os.environ.get("HMSCALE_SSD_PASS", "auto").lower()
+    v = env("HMSCALE_SSD_PASS", "auto").lower()
     if v not in ("split", "fused", "auto"):
         raise ValueError(f"HMSCALE_SSD_PASS must be auto, split or fused, got {v!r}")
     return v
@@ -517,7 +516,7 @@ def bwd_variant() -> str:
     """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
     dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
     terms inside ``_chunk_bwd_dbc``). Env ``HMSCALE_SSD_BWD``."""
-    v = os.environ.get("HMSCALE_SSD_BWD", "v2").lower()
+    v = env("HMSCALE_SSD_BWD", "v2").lower()
     if v not in ("v1", "v2"):
         raise ValueError(f"HMSCALE_SSD_BWD must be v1 or v2, got {v!r}")
     return v
@@ -528,7 +527,7 @@ def save_y_mode() -> bool:
     which then reads it instead of recomputing y from the entering states (default 1: +4 bytes per element of x
     held for the backward, and without normalize a (b, l, h, p) fp32 write in the forward; 0 recomputes, and the
     fused normaliser then keeps the numerator only for its own gradient)."""
-    v = os.environ.get("HMSCALE_SSD_SAVE_Y", "1")
+    v = env("HMSCALE_SSD_SAVE_Y", "1")
     if v not in ("0", "1"):
         raise ValueError(f"HMSCALE_SSD_SAVE_Y must be 0 or 1, got {v!r}")
     return v == "1"

@@ -1,0 +1,39 @@
+"""The kernels' environment switches (``HMSCALE_SSD_*``), read at most once per SSD call.
+
+One forward+backward consults ~30 switches (about 23 us of host time when each is an ``os.environ`` lookup). Inside
+``env_frozen()`` (the SSD entry points open it) each name is looked up once and remembered until the block ends;
+outside it every read goes to ``os.environ``. The memo lives in a ``contextvars.ContextVar``, so threads (autograd's
+backward thread included) never share one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from contextlib import contextmanager
+
+_MEMO: contextvars.ContextVar = contextvars.ContextVar("hmscale_kernel_env", default=None)
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, memoised inside ``env_frozen()``."""
+    memo = _MEMO.get()
+    if memo is None:
+        return os.environ.get(name, default)
+    if name not in memo:
+        memo[name] = os.environ.get(name)
+    v = memo[name]
+    return default if v is None else v
+
+
+@contextmanager
+def env_frozen():
+    """Read each switch at most once until the block ends (nested blocks share the outer memo)."""
+    if _MEMO.get() is not None:
+        yield
+        return
+    token = _MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
