@@ -3,7 +3,8 @@
 One forward+backward consults ~30 switches (about 23 us of host time when each is an ``os.environ`` lookup). Inside
 ``env_frozen()`` (the SSD entry points open it) each name is looked up once and remembered until the block ends;
 outside it every read goes to ``os.environ``. The memo lives in a ``contextvars.ContextVar``, so threads (autograd's
-backward thread included) never share one.
+backward thread included) never share one. Inside a ``torch.compile`` trace (which cannot trace a ContextVar) reads
+go straight to ``os.environ`` and ``env_frozen`` does nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import contextvars
 import os
 from contextlib import contextmanager
 
+import torch
+
 _MEMO: contextvars.ContextVar = contextvars.ContextVar("hmscale_kernel_env", default=None)
 
 
 def env(name: str, default: str | None = None) -> str | None:
     """``os.environ.get(name, default)``, memoised inside ``env_frozen()``."""
+    if torch.compiler.is_compiling():
+        return os.environ.get(name, default)
     memo = _MEMO.get()
     if memo is None:
         return os.environ.get(name, default)
@@ -29,7 +34,7 @@ def env(name: str, default: str | None = None) -> str | None:
 @contextmanager
 def env_frozen():
     """Read each switch at most once until the block ends (nested blocks share the outer memo)."""
-    if _MEMO.get() is not None:
+    if torch.compiler.is_compiling() or _MEMO.get() is not None:
         yield
         return
     token = _MEMO.set({})
