@@ -692,7 +692,7 @@ def bwd_fuse_mode() -> str:
     """``HMSCALE_SSD_BWD_FUSE=auto|1|0``: dx and dB/dC as one kernel (``_chunk_bwd_fused``). It needs the v2
     backward, one head per B/C group, the saved numerator, 16-bit inputs and chunks of at most 64. ``auto``
     (default): where the H200 sweep found it faster, P <= 64 without the normaliser (410m L=2048: 323 us against
-    381 for the two kernels; with the normaliser 497 against 475; at P = 128 it spills registers and takes 1.3-1.6
+    381 for the two kernels; with the normaliser 497 against 475; at P = 128 it spills registers and takes 1.3-2.5
     ms against 0.93: benchmarks/results/sweep_fused_bwd_2026-12-02.md); ``1``: wherever it applies (P <= 128);
     ``0``: never."""
     v = env("HMSCALE_SSD_BWD_FUSE", "auto").lower()
