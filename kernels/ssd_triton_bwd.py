@@ -242,6 +242,38 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
 
 
 @triton.jit
+def _dx_tile(MT, dy, x, accZ, dt, wend, rden, dyo_ptr, D_ptr, dD_ptr, dx_ptr, xo, xt, xm, h, P, offs_p, mask_p, bh, c,
+             NC, XPREC: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, HAS_D: tl.constexpr):
+    """dx of one (chunk, p tile), stored, with dD's per-chunk partial (HAS_D); returns dx / dt and x in fp32.
+    MT [s, t] = (B_s . C_t) decay; accZ [s, p] = (dS B_s)_p; rden (DY_SCALE) the rows' 1 / den."""
+    if DY_SCALE:  # dx / dt, with dy / den = dy * rden (rows t)
+        stuff = _xdot(MT * rden[None, :], dy, wend[:, None] * accZ, XPREC, "b")
+    elif DY_EXACT:  # dx / dt
+        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "b")
+    else:
+        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "none")
+    xf = x.to(tl.float32)
+    dxv = dt[:, None] * stuff
+    if HAS_D:  # D (h, p) fp32; dD partial (b*h, nc, p)
+        dyo = tl.load(dyo_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
+        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
+        dxv += Dv[None, :] * dyo
+        tl.store(dD_ptr + (bh * NC + c) * P + offs_p, tl.sum(dyo * xf, axis=0), mask=mask_p)
+    tl.store(dx_ptr + xo + xt, dxv.to(dx_ptr.dtype.element_ty), mask=xm)
+    return stuff, xf
+
+
+@triton.jit
+def _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, po, Q: tl.constexpr):
+    """The chunk's d cs from the row sums (dy . y, x . dx / dt, x . dS B) and both partials' stores at ``po``."""
+    endterm = wend * dt * u
+    dcs = dyy - dt * ddt_direct
+    dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
+    tl.store(ddt_ptr + po, ddt_direct)
+    tl.store(dcs_ptr + po, dcs)
+
+
+@triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
                       ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                       L, H, G, P, N, NC, NPB,
@@ -318,21 +350,11 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     xm = mask_t[:, None] & mask_p[None, :]
     dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
     x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
-    if DY_SCALE:  # dx / dt, with dy / den = dy * rden (rows t)
+    rden = dt  # unused without DY_SCALE
+    if DY_SCALE:
         rden = 1.0 / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
-        stuff = _xdot(MT * rden[None, :], dy, wend[:, None] * accZ, XPREC, "b")
-    elif DY_EXACT:  # dx / dt
-        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "b")
-    else:
-        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "none")
-    xf = x.to(tl.float32)
-    dxv = dt[:, None] * stuff
-    if HAS_D:  # D (h, p) fp32; dD partial (b*h, nc, p)
-        dyo = tl.load(dyo_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
-        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
-        dxv += Dv[None, :] * dyo
-        tl.store(dD_ptr + (bh * NC + c) * P + offs_p, tl.sum(dyo * xf, axis=0), mask=mask_p)
-    tl.store(dx_ptr + xo + xt, dxv.to(dx_ptr.dtype.element_ty), mask=xm)
+    stuff, xf = _dx_tile(MT, dy, x, accZ, dt, wend, rden, dyo_ptr, D_ptr, dD_ptr, dx_ptr, xo, xt, xm, h, P, offs_p,
+                         mask_p, bh, c, NC, XPREC, DY_EXACT, DY_SCALE, HAS_D)
     if Y_SAVED:
         y = tl.load(ys_ptr + xo + xt, mask=xm, other=0.0)
     else:
@@ -353,12 +375,7 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         ddt_direct += fr * stuff_r
         u += fr * accZr
         dyy += fr * (dr * y_r)
-    endterm = wend * dt * u
-    dcs = dyy - dt * ddt_direct
-    dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
-    po = (bh * NPB + pb) * (NC * Q) + c * Q + tt
-    tl.store(ddt_ptr + po, ddt_direct)
-    tl.store(dcs_ptr + po, dcs)
+    _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, (bh * NPB + pb) * (NC * Q) + c * Q + tt, Q)
 
 
 @triton.jit
@@ -582,20 +599,11 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         keep = keep & (doc[:, None] == doc[None, :])
     MT = accGT * tl.exp(tl.where(keep, cs[None, :] - cs[:, None], float("-inf")))  # [s, t]
     dy = tl.load(dy_ptr + xo + xt, mask=xm, other=0.0)
-    if DY_SCALE:
-        stuff = _xdot(MT * rden[None, :], dy, wend[:, None] * accZ, XPREC, "b")
-    elif DY_EXACT:
-        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "b")
-    else:
-        stuff = _xdot(MT, dy, wend[:, None] * accZ, XPREC, "none")
-    xf = tl.load(x_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
-    dxv = dt[:, None] * stuff
-    if HAS_D:
-        dyo = tl.load(dyo_ptr + xo + xt, mask=xm, other=0.0).to(tl.float32)
-        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
-        dxv += Dv[None, :] * dyo
-        tl.store(dD_ptr + (bh * NC + c) * P + offs_p, tl.sum(dyo * xf, axis=0), mask=mask_p)
-    tl.store(dx_ptr + xo + xt, dxv.to(dx_ptr.dtype.element_ty), mask=xm)
+    x = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
+    if not DY_SCALE:
+        rden = dt  # unused
+    stuff, xf = _dx_tile(MT, dy, x, accZ, dt, wend, rden, dyo_ptr, D_ptr, dD_ptr, dx_ptr, xo, xt, xm, h, P, offs_p,
+                         mask_p, bh, c, NC, XPREC, DY_EXACT, DY_SCALE, HAS_D)
     y = tl.load(ys_ptr + xo + xt, mask=xm, other=0.0)
     ddt_direct = tl.sum(xf * stuff, axis=1)
     u = tl.sum(xf * accZ, axis=1)
@@ -608,12 +616,7 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         ddt_direct += stuff_r
         u += accZr
         dyy += dr * y_r
-    endterm = wend * dt * u
-    dcs = dyy - dt * ddt_direct
-    dcs = tl.where(tt == Q - 1, dcs + tl.sum(endterm, axis=0), dcs)
-    po = bh * (NC * Q) + c * Q + tt
-    tl.store(ddt_ptr + po, ddt_direct)
-    tl.store(dcs_ptr + po, dcs)
+    _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, bh * (NC * Q) + c * Q + tt, Q)
 
 
 @triton.jit
@@ -711,18 +714,11 @@ def use_fused_bwd(g: int, h: int, p: int, dtype: torch.dtype, Q: int, saved_y: b
     return mode == "1" or (_pow2(p) <= 64 and not norm)
 
 
-def fused_bwd_config(p: int, n: int):
-    """(BN, num_warps, num_stages) of ``_chunk_bwd_fused``: the (P x BN) state tiles of the n loop. (32, 4, 2),
-    the fastest in the H200 sweep at P = 64; ``HMSCALE_SSD_CFG="fbwd=BN,warps,stages"`` overrides it (tuning)."""
-    default = (32, 4, 2)
-    cfg = env("HMSCALE_SSD_CFG", "")
-    got = default
-    for item in cfg.split(";"):
-        k, _, v = item.partition("=")
-        if k.strip() == "fbwd" and v:
-            vals = tuple(int(t) for t in v.split(","))
-            got = vals + default[len(vals):]
-    return min(got[0], _pow2(n)), got[1], got[2]
+def fused_bwd_config(p: int, n: int, dtype: torch.dtype):
+    """(BN, num_warps, num_stages) of ``_chunk_bwd_fused``: the (P x BN) state tiles of the n loop; ``kcfg("fbwd")``,
+    (32, 4, 2) by default, the fastest in the H200 sweep at P = 64."""
+    bn, nw, st = kcfg("fbwd", dtype)
+    return min(bn, _pow2(n)), nw, st
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -794,7 +790,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dC = torch.empty_like(C)
     has_d = D is not None
     if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
-        BNf, nwf, stf = fused_bwd_config(p, n)
+        BNf, nwf, stf = fused_bwd_config(p, n, x.dtype)
         nnb = 1
         dg = torch.empty(b * h, 1, nc, device=dev, dtype=torch.float32)
         ddt_part = torch.empty(b * h, 1, nc * Q, device=dev, dtype=torch.float32)

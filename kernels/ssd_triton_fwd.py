@@ -425,6 +425,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
+    "fbwd": (32, 4, 2),
 }
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
 # (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
@@ -439,7 +440,8 @@ def kcfg(name: str, dtype: torch.dtype, Q: int = 64) -> tuple:
     """Launch configuration of one kernel; ``HMSCALE_SSD_CFG="state=64,64,4;scan=64,128,8;..."`` overrides it
     (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
     (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps),
-    fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages). ``Q``: the chunk
+    fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages), fbwd (the fused
+    dx + dB/dC backward, 16-bit inputs only: BN, warps, stages). ``Q``: the chunk
     size (chunks of 128 and more have their own defaults for 16-bit inputs)."""
     if dtype == torch.float32:
         default = DEFAULT_CFG_FP32[name]
