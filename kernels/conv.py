@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
+from .launch import launch
 
 __all__ = ["causal_depthwise_conv_triton"]
 
@@ -102,7 +103,8 @@ class _CausalConvTriton(torch.autograd.Function):
         prev = prev.to(x.dtype).contiguous()
         y = torch.empty_like(x)
         if b and l:
-            _conv_fwd[_grid(b, l, c)](x, prev, weight.contiguous(), bias.contiguous(), y, l, c, W=W, BL=_BL, BC=_BC)
+            launch(_conv_fwd, _grid(b, l, c), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
+                   W=W, BL=_BL, BC=_BC)
         state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
         ctx.set_materialize_grads(False)  # an unused state (training) gives None, not a zero tensor
         ctx.save_for_backward(x, prev, weight)
@@ -121,8 +123,8 @@ class _CausalConvTriton(torch.autograd.Function):
         nt = cdiv(l, _BL)
         part = torch.empty(b * nt, W + 1, c, dtype=torch.float32, device=x.device)
         if b and l:
-            _conv_bwd_dx[_grid(b, W - 1 + l, c)](dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)
-            _conv_bwd_dw[_grid(b, l, c)](x, prev, dy, part, l, c, nt, W=W, BL=_BL, BC=_BC)
+            launch(_conv_bwd_dx, _grid(b, W - 1 + l, c), dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)
+            launch(_conv_bwd_dw, _grid(b, l, c), x, prev, dy, part, l, c, nt, W=W, BL=_BL, BC=_BC)
         else:
             dx.zero_()
             dprev.zero_()

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .launch import launch
 
 
 __all__ = ["hedgehog_feature_map"]
@@ -73,8 +74,8 @@ class _HedgehogFeatureMap(torch.autograd.Function):
         out = torch.empty(*z.shape[:-1], 2 * F, dtype=u.dtype, device=u.device)
         br = _block_rows(F)
         if R:
-            _fm_fwd[(cdiv(R, br),)](z, bias.contiguous(), out, R, h, F, BLOCK_R=br,
-                                           BLOCK_F=next_pow2(F))
+            launch(_fm_fwd, (cdiv(R, br),), z, bias.contiguous(), out, R, h, F, BLOCK_R=br,
+                   BLOCK_F=next_pow2(F))
         ctx.save_for_backward(u, w, out)
         ctx.dtypes = (weight.dtype, bias.dtype)
         return out
@@ -87,8 +88,8 @@ class _HedgehogFeatureMap(torch.autograd.Function):
         dz = torch.empty(*phi.shape[:-1], F, dtype=torch.float32, device=phi.device)
         br = _block_rows(F)
         if R:
-            _fm_bwd[(cdiv(R, br),)](phi, g.contiguous(), dz, R, F, BLOCK_R=br,
-                                           BLOCK_F=next_pow2(F))
+            launch(_fm_bwd, (cdiv(R, br),), phi, g.contiguous(), dz, R, F, BLOCK_R=br,
+                   BLOCK_F=next_pow2(F))
         need_u, need_w, need_b = ctx.needs_input_grad
         w_dtype, b_dtype = ctx.dtypes
         dz_u = dz.to(u.dtype)

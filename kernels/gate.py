@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
+from .launch import launch
 
 __all__ = ["sigmoid_gate_triton"]
 
@@ -43,7 +44,7 @@ class _SigmoidGate(torch.autograd.Function):
         out = torch.empty_like(y)
         n = y.numel()
         if n:
-            _gate_fwd[(cdiv(n, _BLOCK),)](y, z, out, n, BLOCK=_BLOCK)
+            launch(_gate_fwd, (cdiv(n, _BLOCK),), y, z, out, n, BLOCK=_BLOCK)
         ctx.save_for_backward(y, z)
         return out
 
@@ -53,7 +54,7 @@ class _SigmoidGate(torch.autograd.Function):
         dy, dz = torch.empty_like(y), torch.empty_like(z)
         n = y.numel()
         if n:
-            _gate_bwd[(cdiv(n, _BLOCK),)](g.contiguous(), y, z, dy, dz, n, BLOCK=_BLOCK)
+            launch(_gate_bwd, (cdiv(n, _BLOCK),), g.contiguous(), y, z, dy, dz, n, BLOCK=_BLOCK)
         return dy, dz
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .launch import launch
 
 __all__ = ["split_qkv_rotary_triton"]
 
@@ -97,8 +98,8 @@ class _SplitQKVRotaryTriton(torch.autograd.Function):
         k, v = torch.empty_like(q), torch.empty_like(q)
         n = b * l
         if n:
-            _split_rotary_fwd[(cdiv(n, _BL), h)](qkv, cos, sin, q, k, v, n, l, h, p, bstride, R=r, HALF=r // 2,
-                                                        BL=_BL, BP=next_pow2(p))
+            launch(_split_rotary_fwd, (cdiv(n, _BL), h), qkv, cos, sin, q, k, v, n, l, h, p, bstride, R=r, HALF=r // 2,
+                   BL=_BL, BP=next_pow2(p))
         ctx.save_for_backward(cos, sin)
         ctx.meta = (b, l, h, p, r, bstride)
         return q, k, v
@@ -110,9 +111,9 @@ class _SplitQKVRotaryTriton(torch.autograd.Function):
         dqkv = torch.empty(b, l, 3 * h * p, dtype=gq.dtype, device=gq.device)
         n = b * l
         if n:
-            _split_rotary_bwd[(cdiv(n, _BL), h)](gq.contiguous(), gk.contiguous(), gv.contiguous(), cos, sin,
-                                                        dqkv, n, l, h, p, bstride, R=r, HALF=r // 2, BL=_BL,
-                                                        BP=next_pow2(p))
+            launch(_split_rotary_bwd, (cdiv(n, _BL), h), gq.contiguous(), gk.contiguous(), gv.contiguous(), cos, sin,
+                   dqkv, n, l, h, p, bstride, R=r, HALF=r // 2, BL=_BL,
+                   BP=next_pow2(p))
         return dqkv, None, None, None
 
 

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
+from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _pow2, _state_tile, _xdot, block_sizes,
                              bwd_variant, dbc_state_precision, fused_pass_config, kcfg, pass_config, precisions,
@@ -770,21 +771,21 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = cdiv(p, BP) * cdiv(n, BN)
-        _dstate_fused_bwd[(b * h, nblk)](dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
-                                         dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
-                                         Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
-                                         NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-                                         DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
+        launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
+               dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
+               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
+               NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
+               DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
-        _chunk_dstate_bwd[grid1](dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
-                                 Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-                                 DY_SCALE=dy_scale, num_warps=nw)
+        launch(_chunk_dstate_bwd, grid1, dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
+               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
+               DY_SCALE=dy_scale, num_warps=nw)
         PN = states.shape[3] * n
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
-        _state_pass_bwd[(b * h, cdiv(PN, BLOCK))](dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
-                                       HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
+        launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
+               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
@@ -792,69 +793,74 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
         BNf, nwf, stf = fused_bwd_config(p, n, x.dtype)
         nnb = 1
-        dg = torch.empty(b * h, 1, nc, device=dev, dtype=torch.float32)
-        ddt_part = torch.empty(b * h, 1, nc * Q, device=dev, dtype=torch.float32)
-        dcs_part = torch.empty(b * h, 1, nc * Q, device=dev, dtype=torch.float32)
-        dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
-        _chunk_bwd_fused[(nc, b * h)](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, dB, dC, ddt_part, dcs_part,
-                                      dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
-                                      dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
-                                      Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
-                                      XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
-                                      IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
-                                      DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf)
-        ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev)
+        dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
+        launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, dB, dC,
+               ddt_part, dcs_part,
+               dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
+               dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
+               Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
+               XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
+               IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
+               DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf)
+        ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
         return dx, ddt, dA, dB, dC, dinit, dD
     nnb = cdiv(n, BN_dbc)
-    dg = torch.empty(b * h, nnb, nc, device=dev, dtype=torch.float32)  # <dS, S0> per n tile of dB/dC
     dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
                   num_warps=warps_dbc, num_stages=stages_dbc)
     if bwd_variant() == "v2":
         bp2, bn2, nw2, st2 = kcfg("dx", x.dtype, Q)
         BP2 = min(bp2, _pow2(p))
         npb = cdiv(p, BP2)
-        ddt_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
-        dcs_part = torch.empty(b * h, npb, nc * Q, device=dev, dtype=torch.float32)
+        dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, nnb, npb, nc, Q, p if has_d else 0, dev)
         extra = dict(num_stages=st2) if st2 else {}
-        dD_part = torch.empty(b * h, nc, p, device=dev, dtype=torch.float32) if has_d else None
         dyo_arg = dyo.contiguous() if has_d else dy
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
-        _chunk_bwd_dx_dcs[grid_dx](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
-                                           dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
-                                           ysaved if ysaved is not None else dt,
-                                           l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
-                                           HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
-                                           DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-                                           TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra)
+        launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
+               dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
+               ysaved if ysaved is not None else dt,
+               l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
+               HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
+               DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra)
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
-        _chunk_bwd_dbc[grid_dbc](x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
-                                         DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
-                                         ONE_HEAD=g == h and dbc_one_head(), **dbc_kw)
+        launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+               den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
+               DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
+               ONE_HEAD=g == h and dbc_one_head(), **dbc_kw)
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
         BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
-        _chunk_bwd_dx[(nc, b * h, cdiv(p, BP))](dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
-                                                      Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
-                                                      SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
-        ddt_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
-        dcs_part = torch.empty(b * h, nnb, nc * Q, device=dev, dtype=torch.float32)
-        _chunk_bwd_dbc[(nc, b * g, nnb)](x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-                                         dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
-    ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev)
+        launch(_chunk_bwd_dx, (nc, b * h, cdiv(p, BP)), dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
+               Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
+               SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
+        dg, ddt_part, dcs_part, dA_part, _ = _partials(b * h, nnb, nnb, nc, Q, 0, dev)
+        launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC,
+               ddt_part, dcs_part,
+               dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+    ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD
 
 
-def _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, b, l, h, p, nc, nnb, Q, dev):
+def _partials(bh, nnb, npb, nc, Q, p_d, dev):
+    """The backward's fp32 partial sums (uninitialised; every element is written by the kernels): <dS, S0> per n
+    tile of dB/dC (bh, nnb, nc); the decay-gradient partials per p tile of dx, for dt (ddt) and for the decay's
+    cumulative sum (dcs), (bh, npb, nc Q) each; dA's per chunk (bh, nc); dD's per chunk (bh, nc, p_d), or None."""
+    f32 = torch.float32
+    return (torch.empty(bh, nnb, nc, device=dev, dtype=f32), torch.empty(bh, npb, nc * Q, device=dev, dtype=f32),
+            torch.empty(bh, npb, nc * Q, device=dev, dtype=f32), torch.empty(bh, nc, device=dev, dtype=f32),
+            torch.empty(bh, nc, p_d, device=dev, dtype=f32) if p_d else None)
+
+
+def _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev):
     """d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch; dA and dD summed from
-    their per-chunk partials."""
+    their per-chunk partials (dA_part (b h, nc) is filled here)."""
     ddt = torch.empty(b, l, h, device=dev, dtype=torch.float32)
-    dA_part = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
-    _finish_bwd[(nc, b * h)](dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc, dcs_part.shape[1], nnb,
-                             Q=Q, BB=_pow2(nnb, 2), num_warps=2)
+    launch(_finish_bwd, (nc, b * h), dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc,
+           dcs_part.shape[1], nnb,
+           Q=Q, BB=_pow2(nnb, 2), num_warps=2)
     dA = dA_part.view(b, h, nc).sum((0, 2))
     dD = dD_part.view(b, h, nc, p).sum((0, 2)) if dD_part is not None else None
     return ddt, dA, dD

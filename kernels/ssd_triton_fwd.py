@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .launch import launch
 from .settings import env
 
 
@@ -564,30 +565,31 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
-        _state_fused_fwd[grid](x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
-                               l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
-                               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
-                               num_warps=nw, num_stages=nst)
+        launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
+               l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
+               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
+               num_warps=nw, num_stages=nst)
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
-        _chunk_state_fwd[grid1](x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
-                                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-                                num_warps=nw)
+        launch(_chunk_state_fwd, grid1, x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
+               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
+               num_warps=nw)
         PN = ps * n
         BLOCK, nw = pass_config(PN, x.dtype)
         grid2 = (b * h, cdiv(PN, BLOCK))
-        _state_pass_fwd[grid2](states, gdec, initial_state if has_init else final, final, nc, PN,
-                               HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
+        launch(_state_pass_fwd, grid2, states, gdec, initial_state if has_init else final, final, nc, PN,
+               HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
     bp, bn, nw, nst = kcfg("scan", x.dtype, Q)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
     grid3 = (nc, b * h, cdiv(p, bp))
-    _chunk_scan_fwd[grid3](x, dt, A, B, C, doc_arg, states, y, den if norm else y, ynum if ynum is not None else y,
-                           D if D is not None else dt, l, h, g, p, n, nc,
-                           Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-                           NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-                           YPREC=state_precision(x.dtype), num_warps=nw, **extra)
+    launch(_chunk_scan_fwd, grid3, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
+           ynum if ynum is not None else y,
+           D if D is not None else dt, l, h, g, p, n, nc,
+           Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
+           NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
+           YPREC=state_precision(x.dtype), num_warps=nw, **extra)
     return y, ynum, den, final, states, gdec
 
 
@@ -620,6 +622,6 @@ def norm_bwd_prologue(dy, ynum, den, write_dyn: bool = True):
     R = b * l * h
     BPF = _pow2(p)
     BR = max(1, 2048 // BPF)
-    _norm_bwd_prologue[(cdiv(R, BR),)](dy, ynum, den, dyn if write_dyn else dden, dden, R, p, BR=BR, BPF=BPF,
-                                              WRITE_DYN=write_dyn, num_warps=8)
+    launch(_norm_bwd_prologue, (cdiv(R, BR),), dy, ynum, den, dyn if write_dyn else dden, dden, R, p, BR=BR, BPF=BPF,
+           WRITE_DYN=write_dyn, num_warps=8)
     return dyn, dden

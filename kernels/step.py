@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .launch import launch
 from .reference import expand_groups
 
 __all__ = ["ssd_step_torch", "ssd_step_triton"]
@@ -92,7 +93,7 @@ def ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False):
     else:
         Dc, dsh, dsp = A, 0, 0
     grid = (b * h, cdiv(p, BP))
-    _ssd_step_kernel[grid](state, x_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
-                           C_t.contiguous(), Dc, new, y, h, g, p, n, ps, dsh, dsp,
-                           BP=BP, BN=BN, NORM=bool(normalize), HAS_D=has_d, num_warps=4)
+    launch(_ssd_step_kernel, grid, state, x_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
+           C_t.contiguous(), Dc, new, y, h, g, p, n, ps, dsh, dsp,
+           BP=BP, BN=BN, NORM=bool(normalize), HAS_D=has_d, num_warps=4)
     return y, new
