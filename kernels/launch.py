@@ -66,7 +66,16 @@ def _hooks_installed() -> bool:
     except ImportError:  # pragma: no cover - older Triton: no knobs, always the ordinary path
         return True
     rt = knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+
+
+def _hook_set(hook) -> bool:
+    """Whether a launch hook does anything: Triton 3.6+ keeps each as a ``HookChain`` (never None; empty unless
+    a profiler added a call), older ones as a callable or None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
 
 
 def _spec(args) -> tuple:

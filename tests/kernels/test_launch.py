@@ -150,3 +150,21 @@ def test_missing_required_parameter_is_left_to_triton(fake_cuda):
     for _ in range(2):
         L.launch(fn, (1,), x, y, 4)  # BLOCK missing: never remembered, Triton raises its own error
     assert [e[0] for e in fn.log] == ["jit", "jit"]
+
+
+def test_hooks_installed_reads_tritons_hook_chains(monkeypatch):
+    """With Triton's own knobs: no hooks by default (3.6+ keeps empty HookChains, which must not count), and a
+    hook added by a profiler switches the direct path off."""
+    knobs = pytest.importorskip("triton").knobs
+    assert L._hooks_installed() is False
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        hook.add(print)
+        try:
+            assert L._hooks_installed() is True
+        finally:
+            hook.remove(print)
+    else:  # pragma: no cover - a Triton that keeps a plain callable
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print)
+        assert L._hooks_installed() is True
+    assert L._hooks_installed() is False
