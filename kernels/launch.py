@@ -2,10 +2,11 @@
 
 ``fn[grid](...)`` binds the arguments, specialises every one of them (dtype, 16-byte alignment, integer
 divisibility), builds a cache key from that and the options, looks the compiled kernel up, checks the kernel's
-globals and asks the driver for the current device and stream: ~25 us of host time for a 4-argument kernel and
-~50 us for a 32-argument one on the H200 machine's host (``benchmarks/ssd_host.py --launch-cost``). One SSD
-fwd+bwd issues 5-7 such launches, so at the 410m shape the call is host-bound (1.5 ms of host time for 0.64 ms
-of kernels).
+globals and asks the driver for the current device and stream: 12-32 us of host time for a 4-argument kernel and
+25-48 us for a 32-argument one on the H200 machines' hosts (``benchmarks/ssd_host.py --launch-cost``). One SSD
+fwd+bwd issues 5-7 such launches; at the 410m shape the call is host-bound (0.8-1.7 ms of host time for 0.64 ms of
+kernels), though mostly through torch-side work: this path saves ~5 us per launch (25.2 -> 19.8 us for 32
+arguments, 410m host 850 -> 817 us per call; BENCHMARKS.md).
 
 :func:`launch` keeps, per kernel, the compiled kernels it has launched, keyed by what Triton specialises on:
 each tensor argument's dtype and whether its address is 16-byte aligned, every other argument's value (the
