@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import ssd  # noqa: E402
 
+from ssd import load_mamba  # noqa: E402  (benchmarks/ssd.py, beside this script)
+
 TOKENS = 16384
 SHAPES = {  # name: H, G, P, N, L, training-call options (normaliser and D, positive feature maps)
     "410m": (16, 16, 64, 128, 2048, False),
@@ -98,14 +100,16 @@ def graph_time(fn, iters):
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def load_mamba():
-    sys.path.insert(0, "/tmp/anchors")
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        return mamba_chunk_scan_combined
-    except Exception as e:  # pragma: no cover - depends on the machine
-        print(f"mamba_ssm unavailable: {e!r}")
-        return None
+def _host_us(fn, n):
+    """Host time per call of fn over n calls, not waiting for the device (after one warm call)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
 
 
 def launch_cost(iters):
@@ -133,21 +137,9 @@ def launch_cost(iters):
                                                                    BLOCK=1024)),
                          ("32 args, kernels.launch", lambda: direct(_touch32, (1,), *ts, *ints, BLOCK=1024,
                                                                     F1=True, F2=2))):
-        launch()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters * 10):
-            launch()
-        t = (time.perf_counter() - t0) / (iters * 10) * 1e6
-        torch.cuda.synchronize()
-        print(f"trivial Triton launch, {name}: {t:.1f} us host per launch", flush=True)
+        print(f"trivial Triton launch, {name}: {_host_us(launch, iters * 10):.1f} us host per launch", flush=True)
     x = torch.empty(1 << 20, device="cuda")
-    t0 = time.perf_counter()
-    for _ in range(iters * 10):
-        torch.empty(1 << 20, device="cuda")
-        x.add_(1.0)
-    t = (time.perf_counter() - t0) / (iters * 10) * 1e6
-    torch.cuda.synchronize()
+    t = _host_us(lambda: (torch.empty(1 << 20, device="cuda"), x.add_(1.0)), iters * 10)
     print(f"torch.empty + one in-place add: {t:.1f} us host", flush=True)
 
     class _Probe(torch.autograd.Function):  # the fixed cost of an autograd.Function fwd+bwd with 5 inputs
@@ -162,13 +154,7 @@ def launch_cost(iters):
     ins = [torch.randn(1024, device="cuda", requires_grad=True) for _ in range(5)]
     go = torch.ones(1024, device="cuda")
     probe = lambda: torch.autograd.grad(_Probe.apply(*ins), ins[:1], go)  # noqa: E731
-    probe()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters * 10):
-        probe()
-    t = (time.perf_counter() - t0) / (iters * 10) * 1e6
-    torch.cuda.synchronize()
+    t = _host_us(probe, iters * 10)
     print(f"autograd.Function fwd + autograd.grad, one add each way: {t:.1f} us host", flush=True)
 
 
