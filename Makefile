@@ -12,6 +12,7 @@ TORCH         ?= cpu
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 ARGS          ?=
+TEST_WORKERS  ?= 2
 BIN           := $(VENV)/bin
 
 ifeq ($(TORCH),cpu)
@@ -41,7 +42,7 @@ demo: venv
 	$(BIN)/hmscale run $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 gpu-wheels: venv
 	PYTHON=$(BIN)/python bash ../shared/gpu/fetch_wheels.sh

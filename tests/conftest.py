@@ -8,9 +8,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) every test that starts a Ray
+    cluster goes to one worker, one at a time: two local clusters at once on a 2-core machine only slow
+    each other down (raylets, GCS and workers competing for the cores, and Ray's start-up timeouts)."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 # DeepSpeed's CPU all-reduce leaves one /dev/shm file per rank of every multi-process group (tens of MB of

@@ -72,8 +72,17 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
 
     from pathlib import Path
 
-    shm = lambda: set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))  # noqa: E731
-    shm_before = shm()
+    import hmscale.train.launch as launch
+
+    # the process groups' ports: DeepSpeed names its CPU all-reduce buffers after them, and only this run's count
+    # (tests running beside this one, under pytest-xdist, have buffers of their own)
+    ports = []
+    monkeypatch.setattr(launch, "free_port", lambda real=launch.free_port: ports.append(real()) or ports[-1])
+
+    def shm():
+        return {p for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")
+                if any(f"_{port}_" in p.name for port in ports)}
+
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     cfg = build_config({}, _overrides(tmp_path) + ["parallel.num_workers=2", "parallel.zero_stage=2"])
     monkeypatch.setenv(FAULT_ENV, "stage2:3:1")  # rank 1 dies at the start of stage-2 step 3 (after the step-2 checkpoint)
@@ -86,4 +95,4 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     s2 = res["stage2"]
     assert s2["done"] and s2["dp"] == 2 and s2["start_step"] == 2 and s2["end_step"] == 4
     assert (run / "stage2" / "hf" / "config.json").exists()
-    assert shm() - shm_before == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
+    assert len(ports) == 2 and shm() == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
