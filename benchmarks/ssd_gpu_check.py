@@ -179,6 +179,11 @@ def main():
     for p, n, g, dt, o, k, e, ok in rows:
         worst_by_dtype[dt] = max(worst_by_dtype.get(dt, 0.0), e if e == e else float("inf"))
     print("worst rel err by dtype:", {k: f"{v:.2e}" for k, v in worst_by_dtype.items()})
+    from kernels.launch import launch_counts
+
+    counts = launch_counts()  # which path the kernels' launches took in this process (kernels.launch)
+    print(f"launches: {counts['direct']} direct, {counts['jit']} through Triton's JIT "
+          f"(HMSCALE_SSD_LAUNCH={os.environ.get('HMSCALE_SSD_LAUNCH', 'direct')})")
     ok = not fails and gerr < 1e-3
     print(f"{'PASS' if ok else 'FAIL'}: {len(rows) - len(fails)}/{len(rows)} cases within tolerance "
           f"(l={args.l}, b=2, h={h}, chunk {args.chunk}, shard {args.shard}), {time.time() - t0:.0f}s")

@@ -54,7 +54,7 @@ def teacher_model(flavor: str, vocab: int | None = None):
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
           ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
-          foreach_grad_checks: bool = True) -> dict:
+          foreach_grad_checks: bool = True, compile_mode: str | None = None) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -64,7 +64,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     if compile_blocks:
         from hmscale.parallel import apply_compile
 
-        apply_compile(model)
+        apply_compile(model, mode=compile_mode)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
                      zero_stage=zero_stage, bf16=bf16, torch_adam=True, ds_config=ds_config)
     engine = build_engine(model, spec, dp_world=1, foreach_grad_checks=foreach_grad_checks)
@@ -158,7 +158,9 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     tokens = steps * micro_batch * seq
     tps = tokens / dt
     # a graphed run's activations live in the graphs' private pool, allocated at capture: not seen here
-    act = (torch.cuda.max_memory_allocated() - base) / (micro_batch * seq) if cuda and not cuda_graphs else None
+    # (the same for compile mode reduce-overhead: torch's CUDA-graph trees keep the blocks' tensors in their pool)
+    graphed = cuda_graphs or compile_mode == "reduce-overhead"
+    act = (torch.cuda.max_memory_allocated() - base) / (micro_batch * seq) if cuda and not graphed else None
     out = {"model": name, "params": n_params, "seq": seq, "micro_batch": micro_batch, "steps": steps,
            "step_ms": 1e3 * dt / steps, "tokens_per_s": tps, "mfu": 6 * n_params * tps / PEAK_FLOPS,
            "act_bytes_per_token": act, "final_loss": float(loss)}
@@ -188,6 +190,9 @@ def main(argv=None) -> int:
                     help="a DeepSpeed JSON instead of ds_configs/zero2.json (e.g. to try other ZeRO bucket settings)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every block of both models (hmscale.parallel.apply_compile)")
+    ap.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                    default="default", help="with --compile: torch.compile's mode for both models' blocks "
+                    "(reduce-overhead: each block's graphs replayed as CUDA graphs)")
     ap.add_argument("--grad-checks", choices=("foreach", "deepspeed", "both"), default="foreach",
                     help="ZeRO-1/2 gradient norm and overflow check: hmscale.train.zero_foreach (default), DeepSpeed's "
                          "per-tensor loops, or both (each model trained twice, side by side)")
@@ -200,6 +205,8 @@ def main(argv=None) -> int:
                     help="JSON path (default benchmarks/results/train_throughput.json; none with --smoke)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HMSCALE_NO_PROGRESS", "1")
+    if args.compile_mode != "default" and not args.compile:
+        ap.error("--compile-mode needs --compile")
     if args.cuda_graphs and args.zero_stage != 0:
         ap.error("--cuda-graphs needs --zero-stage 0 (the capture fails under DeepSpeed's ZeRO-1/2 optimizer)")
 
@@ -222,7 +229,7 @@ def main(argv=None) -> int:
         from hmscale.teacher.flavors import get_flavor
 
         v = vocab or get_flavor(flavor).vocab_size
-        suffix = " compiled" if args.compile else ""
+        suffix = (" compiled" + ("" if args.compile_mode == "default" else f" ({args.compile_mode})")) if args.compile else ""
         pairs = [("hedgemamba", student_model)] + ([] if args.no_teacher else [("teacher-sdpa", teacher_model)])
         checks = {"foreach": [True], "deepspeed": [False], "both": [True, False]}[args.grad_checks]
         for (kind, make), foreach in [(pair, f) for pair in pairs for f in checks]:
@@ -235,7 +242,8 @@ def main(argv=None) -> int:
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
                           cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
-                          foreach_grad_checks=foreach)
+                          foreach_grad_checks=foreach,
+                          compile_mode=None if args.compile_mode == "default" else args.compile_mode)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -260,7 +268,7 @@ def main(argv=None) -> int:
             print(f"| {r['model']} | {r['error']} | | | | | |")
             continue
         act = (f"{r['act_bytes_per_token'] / 1024:.1f} KiB" if r["act_bytes_per_token"] is not None
-               else "n/a (graph pool)" if "cuda-graphs" in r["model"] else "n/a (CPU)")
+               else "n/a (graph pool)" if ("cuda-graphs" in r["model"] or "reduce-overhead" in r["model"]) else "n/a (CPU)")
         print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['seq']} x {r['micro_batch']} | {r['step_ms']:.1f} ms "
               f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {act} |")
     return 0

@@ -206,6 +206,9 @@ class ParallelConfig(_Section):
     use_gpu: bool = False
     bf16: bool = False
     compile: bool = False  # torch.compile each student block in stage 2 (GPU; the first steps pay the compile)
+    # torch.compile's mode for those blocks; reduce-overhead replays each block's graphs as CUDA graphs
+    # (torch's CUDA-graph trees; GPU, tp=1, ZeRO 0-2)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     cuda_graphs: bool = False  # capture each student block's forward + backward as CUDA graphs in stage 2 (GPU)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)  # newest complete checkpoints kept per stage
@@ -227,6 +230,13 @@ class ParallelConfig(_Section):
             raise ValueError("parallel.cuda_graphs: needs parallel.use_gpu=true and parallel.zero_stage=0, and neither "
                              "parallel.compile nor parallel.tp > 1 (collectives in graphs are not verified); "
                              "set cuda_graphs=false otherwise")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"parallel.compile_mode={self.compile_mode}: needs parallel.compile=true")
+        if self.compile_mode == "reduce-overhead" and (not self.use_gpu or self.tp > 1 or self.zero_stage == 3):
+            # CUDA graphs need a GPU; collectives inside the graphs (tp) and ZeRO-3's parameter gathering in
+            # forward hooks are not verified with them
+            raise ValueError("parallel.compile_mode=reduce-overhead: needs parallel.use_gpu=true, parallel.tp=1 and "
+                             "parallel.zero_stage<=2; set compile_mode=default otherwise")
         if self.ds_config and not Path(self.ds_config).exists():
             raise ValueError(f"parallel.ds_config: {self.ds_config!r} does not exist; point it at a ds_configs/*.json")
         return self

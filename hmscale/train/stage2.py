@@ -350,7 +350,7 @@ def run_stage2(
     if par.compile:
         from hmscale.parallel import apply_compile
 
-        apply_compile(model)
+        apply_compile(model, mode=None if par.compile_mode == "default" else par.compile_mode)
 
     if source is None:
         source = _source_for(cfg, data, cache_dir)
