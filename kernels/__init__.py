@@ -12,9 +12,7 @@ Public API (see DESIGN.md, "Contracts"):
   ``hedgehog_feature_map(u, weight, bias)`` (``feature_map.py``; ``hedgehog_feature_map_reference``),
   ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
   ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
-  ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``),
-  ``conv_split_rotary_triton(qkv, weight, bias, n_heads, cos, sin)`` (``conv_rotary.py``: the conv from zero history
-  and the split + rotary in one kernel each way; the composition of the references above).
+  ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -35,7 +33,7 @@ __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_c
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend", "glue_on_triton",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
            "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
-           "sigmoid_gate_triton", "sigmoid_gate_reference", "conv_split_rotary_triton"]
+           "sigmoid_gate_triton", "sigmoid_gate_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -89,7 +87,6 @@ _LAZY = {
     "causal_depthwise_conv_triton": "conv",
     "split_qkv_rotary_triton": "rotary",
     "sigmoid_gate_triton": "gate",
-    "conv_split_rotary_triton": "conv_rotary",
 }
 
 

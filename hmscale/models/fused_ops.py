@@ -8,17 +8,11 @@ the plain PyTorch versions elsewhere (CPU, and inside ``torch.compile``d blocks,
   ``[prev, x]`` (no document boundaries; the module's loop handles ``seq_idx``);
   ``kernels.causal_depthwise_conv_triton`` or ``kernels.causal_depthwise_conv_reference``.
 - `sigmoid_gate(y, z)`  ``y * 2 sigmoid(z)``; ``kernels.sigmoid_gate_triton`` or ``kernels.sigmoid_gate_reference``.
-- `conv_split_qkv_rotary(qkv, weight, bias, n_heads, cos, sin)`  the training case of the conv followed by the split
-  and rotary (no carried conv state, no document boundaries) as one kernel each way,
-  ``kernels.conv_split_rotary_triton``, where `fused_conv_rotary_applies`; a custom op, so also inside compiled
-  blocks (where it replaces inductor's fusion of the plain steps). ``HMSCALE_FUSED_CONV_ROTARY=0`` turns it off.
 
 The Hedgehog feature map makes the same choice in ``feature_map.HedgehogFeatureMap``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -26,8 +20,7 @@ import kernels
 
 from .neox_attention import apply_rotary, split_qkv
 
-__all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate", "conv_split_qkv_rotary",
-           "fused_conv_rotary_applies"]
+__all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate"]
 
 
 def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor):
@@ -53,18 +46,3 @@ def sigmoid_gate(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     if kernels.glue_on_triton(y):
         return kernels.sigmoid_gate_triton(y, z)
     return kernels.sigmoid_gate_reference(y, z)
-
-
-def fused_conv_rotary_applies(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether `conv_split_qkv_rotary` runs for these inputs: the kernels' backend is Triton (CUDA tensors, or the
-    backend forced), the rotary width is even and non-zero, and ``HMSCALE_FUSED_CONV_ROTARY`` is not 0."""
-    r = cos.shape[-1]
-    return (r > 0 and not r % 2 and kernels.resolve_backend(qkv) == "triton"
-            and os.environ.get("HMSCALE_FUSED_CONV_ROTARY", "1") != "0")
-
-
-def conv_split_qkv_rotary(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_heads: int,
-                          cos: torch.Tensor, sin: torch.Tensor):
-    """(b, l, 3*h*p) -> q, k (rotated), v, each (b, l, h, p): the causal conv (weight (3hp, W), bias) from zero
-    history, then the split and rotary; one Triton kernel each way (see `fused_conv_rotary_applies`)."""
-    return kernels.conv_split_rotary_triton(qkv, weight, bias, n_heads, cos, sin)

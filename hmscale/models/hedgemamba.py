@@ -48,8 +48,7 @@ import kernels
 
 from .feature_map import HedgehogFeatureMap, feature_map_init
 from .hedgehog import causal_lm_loss
-from .fused_ops import (causal_depthwise_conv, conv_split_qkv_rotary, fused_conv_rotary_applies, sigmoid_gate,
-                        split_qkv_rotary)
+from .fused_ops import causal_depthwise_conv, sigmoid_gate, split_qkv_rotary
 from .neox_attention import rotary_cos_sin
 
 __all__ = [
@@ -372,16 +371,12 @@ class HedgeMambaMixer(nn.Module):
         qkv = self.in_proj(h)
         if token_mask is not None:
             qkv = qkv * token_mask.unsqueeze(-1).to(qkv.dtype)
+        if self.conv is not None:
+            qkv, new_conv = self.conv(qkv, conv_state, seq_idx)
+            if cache is not None:
+                cache.conv_states[i] = new_conv
         cos, sin = rope
-        if self.conv is not None and cache is None and seq_idx is None and fused_conv_rotary_applies(qkv, cos):
-            # training: the conv from zero history, the split and the rotary in one kernel each way
-            q, k, v = conv_split_qkv_rotary(qkv, self.conv.weight, self.conv.bias, H, cos, sin)
-        else:
-            if self.conv is not None:
-                qkv, new_conv = self.conv(qkv, conv_state, seq_idx)
-                if cache is not None:
-                    cache.conv_states[i] = new_conv
-            q, k, v = split_qkv_rotary(qkv, H, cos, sin)
+        q, k, v = split_qkv_rotary(qkv, H, cos, sin)
         Cf, Bf = self.feature_map(q), self.feature_map(k)
         dt, A, D = self.ssm_parameters(h)
         if token_mask is not None:

@@ -1,7 +1,6 @@
 """The whole mixer on the Triton kernels (SSD, feature map, conv, split + rotary; under TRITON_INTERPRET=1 on
 CPU) against the plain path, through a small HedgeMamba: loss and every parameter's gradient."""
 
-import pytest
 import torch
 
 from ._helpers import TRITON_DEVICE, needs_triton
@@ -10,18 +9,10 @@ pytestmark = needs_triton
 DEVICE = TRITON_DEVICE
 
 
-@pytest.mark.parametrize("fused_conv", ["1", "0"])
-def test_model_on_triton_kernels_matches_plain(monkeypatch, fused_conv):
+def test_model_on_triton_kernels_matches_plain(monkeypatch):
     """A small HedgeMamba (every component on, off its identity init) with the kernels' backend forced to
-    Triton (SSD, feature map, conv, split + rotary) gives the plain path's loss and gradients; with the conv,
-    split and rotary as one fused kernel (the default) and as two."""
-    import kernels.conv_rotary as conv_rotary
+    Triton (SSD, feature map, conv, split + rotary) gives the plain path's loss and gradients."""
     from hmscale.models.hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM
-
-    monkeypatch.setenv("HMSCALE_FUSED_CONV_ROTARY", fused_conv)
-    calls = []
-    real = conv_rotary._forward
-    monkeypatch.setattr(conv_rotary, "_forward", lambda *a: calls.append(1) or real(*a))
 
     torch.manual_seed(0)
     model = HedgeMambaForCausalLM(HedgeMambaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
@@ -39,7 +30,6 @@ def test_model_on_triton_kernels_matches_plain(monkeypatch, fused_conv):
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (l_tri, g_tri), (l_ref, g_ref) = results
-    assert len(calls) == (2 if fused_conv == "1" else 0)  # one per layer, on the Triton pass only
     assert abs(float(l_tri - l_ref)) <= 1e-5 * abs(float(l_ref))
     assert g_tri.keys() == g_ref.keys() and len(g_ref) > 20
     for name, g in g_ref.items():  # relative, with an absolute floor for gradients that are ~0 on both paths
