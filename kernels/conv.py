@@ -94,20 +94,53 @@ def _grid(b: int, rows: int, C: int):
     return (b, cdiv(rows, _BL), cdiv(C, _BC))
 
 
+def _forward(x, prev, weight, bias):
+    b, l, c = x.shape
+    W = weight.shape[1]
+    x = x.contiguous()
+    prev = prev.to(x.dtype).contiguous()
+    y = torch.empty_like(x)
+    if b and l:
+        launch(_conv_fwd, _grid(b, l, c), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
+               W=W, BL=_BL, BC=_BC)
+    state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
+    return y, state
+
+
+def _backward(dy, x, prev, weight, bias_dtype):
+    """dx, dprev, dw, db for the output gradient dy (the state's gradient is added by the caller)."""
+    b, l, c = x.shape
+    W = weight.shape[1]
+    dy = dy.contiguous()
+    dx = torch.empty_like(x)
+    dprev = torch.empty_like(prev)
+    nt = cdiv(l, _BL)
+    part = torch.empty(b * nt, W + 1, c, dtype=torch.float32, device=x.device)
+    if b and l:
+        launch(_conv_bwd_dx, _grid(b, W - 1 + l, c), dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)
+        launch(_conv_bwd_dw, _grid(b, l, c), x, prev, dy, part, l, c, nt, W=W, BL=_BL, BC=_BC)
+    else:
+        dx.zero_()
+        dprev.zero_()
+        part.zero_()
+    sums = part.sum(0)  # (W + 1, C)
+    # separate storage for each (a custom op's outputs must not alias each other)
+    return dx, dprev, sums[:W].t().to(weight.dtype).contiguous(), sums[W].to(bias_dtype, copy=True)
+
+
+def _add_state_grad(dx, dprev, dstate, W):
+    """The returned state is [prev, x]'s last W-1 rows: its gradient goes to those rows."""
+    dxp = torch.cat([dprev, dx], dim=1)
+    dxp[:, dxp.shape[1] - (W - 1):] += dstate.to(dxp.dtype)
+    return dxp[:, W - 1:].contiguous(), dxp[:, :W - 1].contiguous()
+
+
 class _CausalConvTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, prev, weight, bias):
-        b, l, c = x.shape
-        W = weight.shape[1]
-        x = x.contiguous()
-        prev = prev.to(x.dtype).contiguous()
-        y = torch.empty_like(x)
-        if b and l:
-            launch(_conv_fwd, _grid(b, l, c), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
-                   W=W, BL=_BL, BC=_BC)
-        state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
+        y, state = _forward(x, prev, weight, bias)
         ctx.set_materialize_grads(False)  # an unused state (training) gives None, not a zero tensor
-        ctx.save_for_backward(x, prev, weight)
+        ctx.save_for_backward(x.contiguous(), prev.to(x.dtype).contiguous(), weight)
         ctx.meta = (bias.dtype, ctx.needs_input_grad[1])
         return y, state
 
@@ -115,28 +148,53 @@ class _CausalConvTriton(torch.autograd.Function):
     def backward(ctx, dy, dstate):
         x, prev, weight = ctx.saved_tensors
         b_dtype, need_prev = ctx.meta
-        b, l, c = x.shape
-        W = weight.shape[1]
-        dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
-        dx = torch.empty_like(x)
-        dprev = torch.empty_like(prev)
-        nt = cdiv(l, _BL)
-        part = torch.empty(b * nt, W + 1, c, dtype=torch.float32, device=x.device)
-        if b and l:
-            launch(_conv_bwd_dx, _grid(b, W - 1 + l, c), dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)
-            launch(_conv_bwd_dw, _grid(b, l, c), x, prev, dy, part, l, c, nt, W=W, BL=_BL, BC=_BC)
-        else:
-            dx.zero_()
-            dprev.zero_()
-            part.zero_()
-        if dstate is not None:  # the returned state is xp's last W-1 rows
-            dxp = torch.cat([dprev, dx], dim=1)
-            dxp[:, dxp.shape[1] - (W - 1):] += dstate.to(dxp.dtype)
-            dprev, dx = dxp[:, :W - 1].contiguous(), dxp[:, W - 1:].contiguous()
-        sums = part.sum(0)  # (W + 1, C)
-        dw = sums[:W].t().to(weight.dtype)
-        db = sums[W].to(b_dtype)
+        dx, dprev, dw, db = _backward(dy if dy is not None else torch.zeros_like(x), x, prev, weight, b_dtype)
+        if dstate is not None:
+            dx, dprev = _add_state_grad(dx, dprev, dstate, weight.shape[1])
         return dx, (dprev if need_prev else None), dw, db
+
+
+# The same kernels as torch.library custom ops, for torch.compile: a compiled block keeps them as opaque ops (the
+# Triton kernels beat inductor's fusion of the plain taps, BENCHMARKS.md) instead of tracing the reference.
+@torch.library.custom_op("hmscale::causal_conv_fwd", mutates_args=())
+def conv_fwd_op(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, prev, weight, bias)
+
+
+@conv_fwd_op.register_fake
+def _(x, prev, weight, bias):
+    return torch.empty_like(x), x.new_empty(x.shape[0], weight.shape[1] - 1, x.shape[2])
+
+
+@torch.library.custom_op("hmscale::causal_conv_bwd", mutates_args=())
+def conv_bwd_op(dy: torch.Tensor, x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                bias_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, prev, weight, bias_dtype)
+
+
+@conv_bwd_op.register_fake
+def _(dy, x, prev, weight, bias_dtype):
+    return (torch.empty_like(x), prev.new_empty(prev.shape, dtype=x.dtype), torch.empty_like(weight),
+            weight.new_empty(weight.shape[0], dtype=bias_dtype))
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, prev, weight, bias = inputs
+    ctx.save_for_backward(x, prev, weight)
+    ctx.bias_dtype = bias.dtype
+
+
+def _op_backward(ctx, dy, dstate):
+    x, prev, weight = ctx.saved_tensors
+    dx, dprev, dw, db = conv_bwd_op(dy if dy is not None else torch.zeros_like(x), x.contiguous(),
+                                    prev.to(x.dtype).contiguous(), weight, ctx.bias_dtype)
+    if dstate is not None:
+        dx, dprev = _add_state_grad(dx, dprev, dstate, weight.shape[1])
+    return dx, dprev.to(prev.dtype), dw, db
+
+
+conv_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def causal_depthwise_conv_triton(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
@@ -146,4 +204,6 @@ def causal_depthwise_conv_triton(x: torch.Tensor, prev: torch.Tensor, weight: to
     if W < 2 or prev.shape[1] != W - 1 or weight.shape[0] != x.shape[-1] or bias.shape != (x.shape[-1],):
         raise ValueError(f"causal_depthwise_conv: x {tuple(x.shape)}, prev {tuple(prev.shape)}, weight "
                          f"{tuple(weight.shape)}, bias {tuple(bias.shape)} do not match (W >= 2)")
+    if torch.compiler.is_compiling():
+        return conv_fwd_op(x, prev, weight, bias)
     return _CausalConvTriton.apply(x, prev, weight, bias)

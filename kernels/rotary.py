@@ -85,36 +85,94 @@ def _tables(cos, sin, b, l, r, dtype):
     return cos, sin, (0 if cos.shape[0] == 1 else l * r)
 
 
+def _forward(qkv, cos, sin, n_heads):
+    b, l, three_d = qkv.shape
+    h = n_heads
+    p = three_d // (3 * h)
+    r = cos.shape[-1]
+    qkv = qkv.contiguous()
+    cos, sin, bstride = _tables(cos, sin, b, l, r, qkv.dtype)
+    q = torch.empty(b, l, h, p, dtype=qkv.dtype, device=qkv.device)
+    k, v = torch.empty_like(q), torch.empty_like(q)
+    n = b * l
+    if n:
+        launch(_split_rotary_fwd, (cdiv(n, _BL), h), qkv, cos, sin, q, k, v, n, l, h, p, bstride, R=r, HALF=r // 2,
+               BL=_BL, BP=next_pow2(p))
+    return q, k, v
+
+
+def _backward(gq, gk, gv, cos, sin, n_heads, dtype):
+    b, l, h, p = gq.shape
+    r = cos.shape[-1]
+    cos, sin, bstride = _tables(cos, sin, b, l, r, dtype)
+    dqkv = torch.empty(b, l, 3 * h * p, dtype=dtype, device=gq.device)
+    n = b * l
+    if n:
+        launch(_split_rotary_bwd, (cdiv(n, _BL), h), gq.contiguous(), gk.contiguous(), gv.contiguous(), cos, sin,
+               dqkv, n, l, h, p, bstride, R=r, HALF=r // 2, BL=_BL, BP=next_pow2(p))
+    return dqkv
+
+
+def _zeros_like_heads(qkv, n_heads):
+    b, l, three_d = qkv.shape
+    return qkv.new_zeros(b, l, n_heads, three_d // (3 * n_heads))
+
+
 class _SplitQKVRotaryTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, n_heads: int):
-        b, l, three_d = qkv.shape
-        h = n_heads
-        p = three_d // (3 * h)
-        r = cos.shape[-1]
-        qkv = qkv.contiguous()
-        cos, sin, bstride = _tables(cos, sin, b, l, r, qkv.dtype)
-        q = torch.empty(b, l, h, p, dtype=qkv.dtype, device=qkv.device)
-        k, v = torch.empty_like(q), torch.empty_like(q)
-        n = b * l
-        if n:
-            launch(_split_rotary_fwd, (cdiv(n, _BL), h), qkv, cos, sin, q, k, v, n, l, h, p, bstride, R=r, HALF=r // 2,
-                   BL=_BL, BP=next_pow2(p))
         ctx.save_for_backward(cos, sin)
-        ctx.meta = (b, l, h, p, r, bstride)
-        return q, k, v
+        ctx.meta = (n_heads, qkv.dtype)
+        return _forward(qkv, cos, sin, n_heads)
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
-        b, l, h, p, r, bstride = ctx.meta
-        dqkv = torch.empty(b, l, 3 * h * p, dtype=gq.dtype, device=gq.device)
-        n = b * l
-        if n:
-            launch(_split_rotary_bwd, (cdiv(n, _BL), h), gq.contiguous(), gk.contiguous(), gv.contiguous(), cos, sin,
-                   dqkv, n, l, h, p, bstride, R=r, HALF=r // 2, BL=_BL,
-                   BP=next_pow2(p))
-        return dqkv, None, None, None
+        n_heads, dtype = ctx.meta
+        like = next(g for g in (gq, gk, gv) if g is not None)
+        gq, gk, gv = (g if g is not None else torch.zeros_like(like) for g in (gq, gk, gv))
+        return _backward(gq, gk, gv, cos, sin, n_heads, dtype), None, None, None
+
+
+# The same kernels as torch.library custom ops, kept opaque by torch.compile (see kernels.conv)
+@torch.library.custom_op("hmscale::split_qkv_rotary_fwd", mutates_args=())
+def split_rotary_fwd_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(qkv, cos, sin, n_heads)
+
+
+@split_rotary_fwd_op.register_fake
+def _(qkv, cos, sin, n_heads):
+    q = _zeros_like_heads(qkv, n_heads)
+    return q, torch.empty_like(q), torch.empty_like(q)
+
+
+@torch.library.custom_op("hmscale::split_qkv_rotary_bwd", mutates_args=())
+def split_rotary_bwd_op(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        n_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    return _backward(gq, gk, gv, cos, sin, n_heads, dtype)
+
+
+@split_rotary_bwd_op.register_fake
+def _(gq, gk, gv, cos, sin, n_heads, dtype):
+    b, l, h, p = gq.shape
+    return gq.new_empty(b, l, 3 * h * p, dtype=dtype)
+
+
+def _op_setup_context(ctx, inputs, output):
+    qkv, cos, sin, n_heads = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.n_heads, ctx.dtype, ctx.shape = n_heads, qkv.dtype, tuple(qkv.shape)
+
+
+def _op_backward(ctx, gq, gk, gv):
+    cos, sin = ctx.saved_tensors
+    like = next(g for g in (gq, gk, gv) if g is not None)
+    gq, gk, gv = (g if g is not None else torch.zeros_like(like) for g in (gq, gk, gv))
+    return split_rotary_bwd_op(gq, gk, gv, cos, sin, ctx.n_heads, ctx.dtype), None, None, None
+
+
+split_rotary_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def split_qkv_rotary_triton(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor):
@@ -125,4 +183,6 @@ def split_qkv_rotary_triton(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, 
     if three_d % (3 * n_heads) or r == 0 or r % 2 or r > three_d // (3 * n_heads):
         raise ValueError(f"split_qkv_rotary: qkv {tuple(qkv.shape)} with {n_heads} heads and {r} rotary dims "
                          "(need 3 h P columns and an even 0 < r <= P)")
+    if torch.compiler.is_compiling():
+        return split_rotary_fwd_op(qkv, cos, sin, n_heads)
     return _SplitQKVRotaryTriton.apply(qkv, cos, sin, n_heads)

@@ -1,5 +1,7 @@
 """The mixer's glue around the SSD kernel: the Triton kernels where the kernels' backend is Triton (CUDA),
-the plain PyTorch versions elsewhere (CPU, and inside ``torch.compile``d blocks, where inductor fuses them).
+the plain PyTorch versions elsewhere (CPU). Inside ``torch.compile``d blocks the conv and the split + rotary are the
+Triton kernels as custom ops (``HMSCALE_COMPILED_GLUE=triton``, the default; ``inductor``: inductor fuses the plain
+versions instead); the gate stays inductor's.
 
 - `split_qkv_rotary(qkv, n_heads, cos, sin)`  the fused per-head ``[q|k|v]`` projection output ->
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head);
@@ -14,6 +16,8 @@ The Hedgehog feature map makes the same choice in ``feature_map.HedgehogFeatureM
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import kernels
@@ -23,11 +27,22 @@ from .neox_attention import apply_rotary, split_qkv
 __all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate"]
 
 
+def _compiled_glue_on_triton(tensor: torch.Tensor) -> bool:
+    """Inside a compiled block on the Triton backend: the glue kernels as custom ops (``HMSCALE_COMPILED_GLUE=triton``,
+    the default) or inductor's fusion of the plain references (``inductor``)."""
+    if not torch.compiler.is_compiling() or kernels.resolve_backend(tensor) != "triton":
+        return False
+    choice = os.environ.get("HMSCALE_COMPILED_GLUE", "triton").lower()
+    if choice not in ("triton", "inductor"):
+        raise ValueError(f"HMSCALE_COMPILED_GLUE must be triton or inductor, got {choice!r}")
+    return choice == "triton"
+
+
 def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor):
     """(b, l, 3*h*p) with per-head [q|k|v] -> q, k rotated on their first r = cos.shape[-1] dims, and v,
     each (b, l, h, p); cos/sin (b or 1, l, r) in the NeoX layout (the two halves repeat)."""
     r = cos.shape[-1]
-    if r and not r % 2 and kernels.glue_on_triton(qkv):
+    if r and not r % 2 and (kernels.glue_on_triton(qkv) or _compiled_glue_on_triton(qkv)):
         return kernels.split_qkv_rotary_triton(qkv, n_heads, cos, sin)
     q, k, v = split_qkv(qkv, n_heads)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -36,7 +51,7 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
 def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """x (b, l, C), prev (b, W-1, C) (the carried inputs), weight (C, W), bias (C) ->
     (y (b, l, C), the last W-1 inputs (b, W-1, C))."""
-    if kernels.glue_on_triton(x):
+    if kernels.glue_on_triton(x) or _compiled_glue_on_triton(x):
         return kernels.causal_depthwise_conv_triton(x, prev, weight, bias)
     return kernels.causal_depthwise_conv_reference(x, prev, weight, bias)
 

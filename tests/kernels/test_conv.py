@@ -70,3 +70,19 @@ def test_module_uses_the_backend_switch(monkeypatch):
     (y_fused, s_fused), (y_plain, s_plain) = fused_and_plain(monkeypatch, kconv, "causal_depthwise_conv_triton",
                                                              lambda: conv(x))
     assert rel(y_fused, y_plain) <= 1e-5 and torch.equal(s_fused, s_plain)
+
+
+@pytest.mark.parametrize("with_state_grad", [False, True])
+def test_custom_op_matches_the_function(with_state_grad):
+    """The kernels as the custom op a compiled block holds: the autograd Function's outputs and gradients
+    (the same kernels: bitwise), and torch.library.opcheck (schema, fake shapes, autograd, AOT dispatch)."""
+    from kernels.conv import _CausalConvTriton, conv_fwd_op
+
+    x, prev, w, bias, gy, gs = _inputs(2, 45, 200, 4, torch.float32)
+    y, state, grads = _run(conv_fwd_op, x, prev, w, bias, gy, gs, with_state_grad)
+    y_ref, state_ref, grads_ref = _run(_CausalConvTriton.apply, x, prev, w, bias, gy, gs, with_state_grad)
+    assert torch.equal(y, y_ref) and torch.equal(state, state_ref)
+    for g, gr in zip(grads, grads_ref):
+        assert torch.equal(g, gr)
+    leaves = [t.clone().requires_grad_() for t in (x, prev, w, bias)]
+    torch.library.opcheck(conv_fwd_op, tuple(leaves))

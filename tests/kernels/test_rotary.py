@@ -64,3 +64,17 @@ def test_model_split_uses_the_backend_switch(monkeypatch):
                                    lambda: split_qkv_rotary(qkv, 2, cos, sin))
     for a, e in zip(fused, plain):
         assert rel(a, e) <= 1e-6
+
+
+def test_custom_op_matches_the_function():
+    """The kernels as the custom op a compiled block holds: the autograd Function's outputs and qkv gradient
+    (the same kernels: bitwise), and torch.library.opcheck."""
+    from kernels.rotary import _SplitQKVRotaryTriton, split_rotary_fwd_op
+
+    qkv, cos, sin, grads = _case(2, 19, 3, 16, 4, True, torch.float32)
+    out, g = _run(lambda x, h, c, s: split_rotary_fwd_op(x, c, s, h), qkv, 3, cos, sin, grads)
+    ref, g_ref = _run(lambda x, h, c, s: _SplitQKVRotaryTriton.apply(x, c, s, h), qkv, 3, cos, sin, grads)
+    for a, e in zip(out, ref):
+        assert torch.equal(a, e)
+    assert torch.equal(g, g_ref)
+    torch.library.opcheck(split_rotary_fwd_op, (qkv.clone().requires_grad_(), cos, sin, 3))

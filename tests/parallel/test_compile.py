@@ -68,8 +68,15 @@ def test_compiled_blocks_match_eager():
 def _compare_fullgraph_triton_with_eager(device: str = "cpu"):
     """With the Triton backend (on CPU under TRITON_INTERPRET=1; on a GPU the compiled kernels): every block
     compiles as ONE graph (fullgraph=True fails on any graph break: the SSD scan is a custom op inside it),
-    with the eager model's loss and gradients (eager: the Triton SSD and glue kernels; compiled: the SSD op,
-    inductor's fusion of the glue)."""
+    with the eager model's loss and gradients (eager: the Triton SSD and glue kernels; compiled: the SSD, conv and
+    split + rotary custom ops, inductor's fusion of the rest)."""
+    import kernels.conv as kconv
+    import kernels.rotary as krot
+
+    calls = {"conv": 0, "rotary": 0}
+    for mod, key in ((kconv, "conv"), (krot, "rotary")):  # count the kernels' runs, eager and compiled
+        real = mod._forward
+        mod._forward = lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1) or _real(*a)
     torch.backends.cuda.matmul.allow_tf32 = False
     eager = _model().to(device)
     compiled = copy.deepcopy(eager)
@@ -77,11 +84,16 @@ def _compare_fullgraph_triton_with_eager(device: str = "cpu"):
         block.compile(fullgraph=True, dynamic=False)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     losses, grads = [], []
+    runs = []
     for m in (eager, compiled):
+        before = dict(calls)
         out = m(input_ids=ids, labels=ids)
         out.loss.backward()
         losses.append(out.loss.detach())
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        runs.append({k: calls[k] - before[k] for k in calls})
+    # the glue ran as the Triton kernels both times (two blocks): as custom ops inside the compiled graphs
+    assert runs == [{"conv": 2, "rotary": 2}] * 2, runs
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     assert grads[0].keys() == grads[1].keys() and any("A_log" in n or "dt_proj" in n for n in grads[0])
     for name, g in grads[0].items():
