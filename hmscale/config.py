@@ -207,7 +207,7 @@ class ParallelConfig(_Section):
     bf16: bool = False
     compile: bool = False  # torch.compile each student block in stage 2 (GPU; the first steps pay the compile)
     # torch.compile's mode for those blocks; reduce-overhead replays each block's graphs as CUDA graphs
-    # (torch's CUDA-graph trees; GPU, tp=1, ZeRO 0-2)
+    # (torch's CUDA-graph trees; GPU, tp=1, ZeRO 0-2; in stage 2 not yet verified on a GPU: README, GPU settings)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     cuda_graphs: bool = False  # capture each student block's forward + backward as CUDA graphs in stage 2 (GPU)
     checkpoint_every: int = Field(100, gt=0)

@@ -14,8 +14,9 @@ compiled static (``dynamic=False``): a training run feeds one micro-batch shape.
 backward graphs as CUDA graphs (torch's CUDA-graph trees). Unlike ``parallel.cuda_graphs`` (one capture around
 each whole block, refused under ZeRO-1/2) it runs under DeepSpeed's ZeRO-1/2 optimizers, whose gradient hooks
 run outside the graphs: on one H200 the compiled 410m student's step went from 206.9 to 174.0 ms with the same
-loss after 9 steps (BENCHMARKS.md, "Student training"); tests/train/test_compile_mode.py compares stage 2's losses
-step for step with the default mode on a GPU.
+loss after 9 steps (BENCHMARKS.md, "Student training"). In stage 2 (gradient accumulation, validation) its GPU test,
+tests/train/test_compile_mode.py, failed once (a replayed graph's output overwritten); stage 2 now marks each
+forward's start for the CUDA-graph trees, not yet re-run on a GPU.
 """
 
 from __future__ import annotations

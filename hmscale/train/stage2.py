@@ -269,6 +269,13 @@ def build_stage2_model(cfg, run_dir, *, teacher=None, student=None):
 
 
 @torch.no_grad()
+def _graph_step_begin() -> None:
+    """Before each forward of the student: with parallel.compile_mode=reduce-overhead torch's CUDA-graph trees must
+    know that a new step starts (the previous micro-batch's or validation's graph outputs may then be reused);
+    elsewhere it does nothing."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, max_sequences: int) -> dict:
     """Mean next-token CE over the first max_sequences validation rows, split over dp ranks."""
     if val_tokens is None or len(val_tokens) == 0:
@@ -284,7 +291,9 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
         from hmscale.parallel.vocab import vocab_gather, vocab_logsumexp
     for i in range(0, len(mine), micro_batch_size):
         x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
-        logits = engine(input_ids=x).logits[:, :-1].float()
+        _graph_step_begin()
+        with torch.no_grad():
+            logits = engine(input_ids=x).logits[:, :-1].float()
         if shard is None:
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
         else:  # this rank's vocabulary slice (vocabulary-parallel LM head)
@@ -409,6 +418,7 @@ def run_stage2(
             t_logits = t_out.logits if _online_kd(s2) else None
             t_hidden = t_out.hidden_states if hidden_weight > 0 else None
         # the flag only when asked for: a plain causal LM given as `model=` need not know it
+        _graph_step_begin()
         out = engine(input_ids=x, output_hidden_states=True) if hidden_weight > 0 else engine(input_ids=x)
         loss, extras = causal_lm_losses(out.logits, x, batch, s2.kd_weight, s2.kd_temperature,
                                         ce_weight=getattr(s2, "ce_weight", 1.0), teacher_logits=t_logits,
