@@ -138,9 +138,10 @@ def _add_state_grad(dx, dprev, dstate, W):
 class _CausalConvTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, prev, weight, bias):
+        x, prev = x.contiguous(), prev.to(x.dtype).contiguous()
         y, state = _forward(x, prev, weight, bias)
         ctx.set_materialize_grads(False)  # an unused state (training) gives None, not a zero tensor
-        ctx.save_for_backward(x.contiguous(), prev.to(x.dtype).contiguous(), weight)
+        ctx.save_for_backward(x, prev, weight)
         ctx.meta = (bias.dtype, ctx.needs_input_grad[1])
         return y, state
 

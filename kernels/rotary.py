@@ -113,9 +113,10 @@ def _backward(gq, gk, gv, cos, sin, n_heads, dtype):
     return dqkv
 
 
-def _zeros_like_heads(qkv, n_heads):
-    b, l, three_d = qkv.shape
-    return qkv.new_zeros(b, l, n_heads, three_d // (3 * n_heads))
+def _fill_missing(gq, gk, gv):
+    """Autograd passes None for an unused output's gradient: zeros in its place."""
+    like = next(g for g in (gq, gk, gv) if g is not None)
+    return tuple(g if g is not None else torch.zeros_like(like) for g in (gq, gk, gv))
 
 
 class _SplitQKVRotaryTriton(torch.autograd.Function):
@@ -129,9 +130,7 @@ class _SplitQKVRotaryTriton(torch.autograd.Function):
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
         n_heads, dtype = ctx.meta
-        like = next(g for g in (gq, gk, gv) if g is not None)
-        gq, gk, gv = (g if g is not None else torch.zeros_like(like) for g in (gq, gk, gv))
-        return _backward(gq, gk, gv, cos, sin, n_heads, dtype), None, None, None
+        return _backward(*_fill_missing(gq, gk, gv), cos, sin, n_heads, dtype), None, None, None
 
 
 # The same kernels as torch.library custom ops, kept opaque by torch.compile (see kernels.conv)
@@ -143,7 +142,8 @@ def split_rotary_fwd_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 @split_rotary_fwd_op.register_fake
 def _(qkv, cos, sin, n_heads):
-    q = _zeros_like_heads(qkv, n_heads)
+    b, l, three_d = qkv.shape
+    q = qkv.new_empty(b, l, n_heads, three_d // (3 * n_heads))
     return q, torch.empty_like(q), torch.empty_like(q)
 
 
@@ -162,14 +162,12 @@ def _(gq, gk, gv, cos, sin, n_heads, dtype):
 def _op_setup_context(ctx, inputs, output):
     qkv, cos, sin, n_heads = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.n_heads, ctx.dtype, ctx.shape = n_heads, qkv.dtype, tuple(qkv.shape)
+    ctx.n_heads, ctx.dtype = n_heads, qkv.dtype
 
 
 def _op_backward(ctx, gq, gk, gv):
     cos, sin = ctx.saved_tensors
-    like = next(g for g in (gq, gk, gv) if g is not None)
-    gq, gk, gv = (g if g is not None else torch.zeros_like(like) for g in (gq, gk, gv))
-    return split_rotary_bwd_op(gq, gk, gv, cos, sin, ctx.n_heads, ctx.dtype), None, None, None
+    return split_rotary_bwd_op(*_fill_missing(gq, gk, gv), cos, sin, ctx.n_heads, ctx.dtype), None, None, None
 
 
 split_rotary_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -268,7 +268,6 @@ def build_stage2_model(cfg, run_dir, *, teacher=None, student=None):
     return student
 
 
-@torch.no_grad()
 def _graph_step_begin() -> None:
     """Before each forward of the student: with parallel.compile_mode=reduce-overhead torch's CUDA-graph trees must
     know that a new step starts (the previous micro-batch's or validation's graph outputs may then be reused);
@@ -276,6 +275,7 @@ def _graph_step_begin() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
+@torch.no_grad()
 def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, max_sequences: int) -> dict:
     """Mean next-token CE over the first max_sequences validation rows, split over dp ranks."""
     if val_tokens is None or len(val_tokens) == 0:
@@ -292,8 +292,7 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
     for i in range(0, len(mine), micro_batch_size):
         x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
         _graph_step_begin()
-        with torch.no_grad():
-            logits = engine(input_ids=x).logits[:, :-1].float()
+        logits = engine(input_ids=x).logits[:, :-1].float()
         if shard is None:
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
         else:  # this rank's vocabulary slice (vocabulary-parallel LM head)

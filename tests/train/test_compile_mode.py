@@ -35,7 +35,7 @@ def test_accepted_compile_modes():
     assert cfg.parallel.compile_mode == "max-autotune-no-cudagraphs"
 
 
-def _stage2(tmp_path, name, overrides, monkeypatch=None):
+def _stage2(tmp_path, name, overrides):
     from hmscale.models.convert import to_hedgehog
     from hmscale.teacher.flavors import neox_config
     from hmscale.train.data import ArraySource
