@@ -1,7 +1,7 @@
 """Parallelism applied from outside the (plain PyTorch) model code: dp x tp mesh, parallel linears,
 tensor-parallel sharding of HedgeMamba (and of its LM head by vocabulary), and the mpu object DeepSpeed takes."""
 
-from .compile import apply_compile
+from .compile import apply_compile, keep_gradients_out_of_graph_pool
 from .cuda_graphs import apply_cuda_graphs
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import ParallelMesh, build_mesh, trivial_mesh
@@ -11,6 +11,7 @@ from .vocab import VocabShard, shard_lm_head
 
 __all__ = [
     "apply_compile",
+    "keep_gradients_out_of_graph_pool",
     "apply_cuda_graphs",
     "ColumnParallelLinear",
     "RowParallelLinear",

@@ -14,16 +14,20 @@ compiled static (``dynamic=False``): a training run feeds one micro-batch shape.
 backward graphs as CUDA graphs (torch's CUDA-graph trees). Unlike ``parallel.cuda_graphs`` (one capture around
 each whole block, refused under ZeRO-1/2) it runs under DeepSpeed's ZeRO-1/2 optimizers, whose gradient hooks
 run outside the graphs: on one H200 the compiled 410m student's step went from 206.9 to 174.0 ms with the same
-loss after 9 steps (BENCHMARKS.md, "Student training"). In stage 2 (gradient accumulation, validation) its GPU test,
-tests/train/test_compile_mode.py, failed once (a replayed graph's output overwritten); stage 2 now marks each
-forward's start for the CUDA-graph trees, not yet re-run on a GPU.
+loss after 9 steps (BENCHMARKS.md, "Student training").
+
+Two rules make it safe in a training loop (stage 2 follows both): mark the start of each forward
+(``torch.compiler.cudagraph_mark_step_begin``), and never keep a graph's output past the next replay. Parameter
+gradients are such outputs: where they accumulate in ``param.grad`` over micro-batches (no ZeRO, ZeRO-1) the next
+backward replay overwrites the stored gradient; :func:`keep_gradients_out_of_graph_pool` copies each incoming
+gradient out of the pool first. (ZeRO-2 copies them into its own buckets as they arrive.)
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["apply_compile", "compile_targets"]
+__all__ = ["apply_compile", "compile_targets", "keep_gradients_out_of_graph_pool"]
 
 
 def compile_targets(model: nn.Module) -> list[nn.Module]:
@@ -42,3 +46,20 @@ def apply_compile(model: nn.Module, *, mode: str | None = None) -> int:
     for block in blocks:
         block.compile(mode=mode, dynamic=False)
     return len(blocks)
+
+
+def _copy_out(grad):
+    return grad.clone()
+
+
+def keep_gradients_out_of_graph_pool(model: nn.Module) -> int:
+    """Under CUDA-graph replay (``mode="reduce-overhead"``) a parameter's gradient is a graph output living in the
+    graphs' memory pool; autograd stores it in ``param.grad`` as it is, and the next micro-batch's replay writes
+    over it before it is accumulated into. A hook on each trainable parameter hands autograd a copy instead (one
+    extra copy of the gradients per backward). Returns how many parameters got the hook."""
+    n = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(_copy_out)
+            n += 1
+    return n

@@ -359,6 +359,10 @@ def run_stage2(
         from hmscale.parallel import apply_compile
 
         apply_compile(model, mode=None if par.compile_mode == "default" else par.compile_mode)
+        if par.compile_mode == "reduce-overhead" and par.zero_stage < 2:
+            from hmscale.parallel import keep_gradients_out_of_graph_pool
+
+            keep_gradients_out_of_graph_pool(model)  # param.grad accumulates over micro-batches there
 
     if source is None:
         source = _source_for(cfg, data, cache_dir)

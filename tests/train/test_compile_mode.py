@@ -2,7 +2,8 @@
 block's graphs as CUDA graphs).
 
 CPU: the config's checks and the mode reaching apply_compile. GPU: stage 2 with reduce-overhead gives the
-default compile's losses step for step (fp32, ZeRO 1 and 2, gradient accumulation 2, validation in between).
+default compile's losses step for step (fp32, ZeRO 0, 1 and 2, gradient accumulation 2, validation in between;
+ZeRO 0/1 accumulate param.grad, which keep_gradients_out_of_graph_pool keeps out of the graphs' pool).
 """
 
 from types import SimpleNamespace
@@ -66,9 +67,26 @@ def test_stage2_passes_the_mode_to_apply_compile(tmp_path, monkeypatch):
         assert seen[-1] == expect
 
 
+def test_gradient_copies_leave_the_gradients_unchanged():
+    from hmscale.parallel import keep_gradients_out_of_graph_pool
+
+    torch.manual_seed(0)
+    ref, model = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    model.load_state_dict(ref.state_dict())
+    model.bias.requires_grad_(False)
+    assert keep_gradients_out_of_graph_pool(model) == 1  # trainable parameters only
+    ref.bias.requires_grad_(False)
+    x = torch.randn(4, 5)
+    for _ in range(2):  # two micro-batches accumulate
+        for m in (ref, model):
+            (m(x) ** 2).sum().backward()
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad, rtol=0, atol=0)
+    assert model.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_reduce_overhead_matches_the_default_compile(tmp_path, monkeypatch, zero):
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     torch.backends.cuda.matmul.allow_tf32 = False
