@@ -209,6 +209,9 @@ class ParallelConfig(_Section):
     # torch.compile's mode for those blocks; reduce-overhead replays each block's graphs as CUDA graphs
     # (torch's CUDA-graph trees; GPU, tp=1, ZeRO 0-2; in stage 2 not yet verified on a GPU: README, GPU settings)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    # which Adam steps the ZeRO partitions: auto = torch's fused AdamW on GPU (unless the optimizer is offloaded),
+    # foreach = torch's Adam as DeepSpeed builds it, deepspeed = DeepSpeed's own (hmscale.train.engine.resolve_adam)
+    adam: Literal["auto", "fused", "foreach", "deepspeed"] = "auto"
     cuda_graphs: bool = False  # capture each student block's forward + backward as CUDA graphs in stage 2 (GPU)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)  # newest complete checkpoints kept per stage

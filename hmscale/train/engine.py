@@ -138,7 +138,8 @@ class OptimSpec:
     zero_stage: int = 2
     bf16: bool = False
     ds_config: str | None = None  # path; None = ds_configs/zero{stage}.json
-    torch_adam: bool = False  # force torch's Adam (always on CPU; on GPU it skips the fused-Adam JIT build)
+    # auto | fused | foreach | deepspeed: which Adam steps the ZeRO partitions (resolve_adam)
+    adam: str = "auto"
 
 
 def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
@@ -165,8 +166,11 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     params = conf["optimizer"].setdefault("params", {})
     params["lr"] = float(spec.lr)
     params["weight_decay"] = float(spec.weight_decay)
-    if spec.torch_adam or not torch.cuda.is_available():
-        params["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA (and a JIT build)
+    adam = resolve_adam(spec, conf)
+    if adam == "foreach":
+        params["torch_adam"] = True  # DeepSpeed builds torch's Adam (foreach kernels)
+    elif adam == "deepspeed":
+        params.pop("torch_adam", None)  # DeepSpeed's own: FusedAdam (a JIT build) on GPU, CPU Adam when offloading
     conf.pop("scheduler", None)  # the schedule comes from the recipe (LambdaLR below)
     conf["bf16"] = {"enabled": bool(spec.bf16)}
     conf.pop("fp16", None)
@@ -181,6 +185,55 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
         if v == "auto":
             raise TrainingError(f"{path.name}: field {k!r} is 'auto'; the engine needs real values")
     return conf
+
+
+ADAM_CHOICES = ("auto", "fused", "foreach", "deepspeed")
+
+
+def _offloads_optimizer(conf: dict) -> bool:
+    off = conf.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return off.get("device", "none") not in ("none", None)
+
+
+def resolve_adam(spec: OptimSpec, conf: dict) -> str:
+    """Which Adam implementation steps the optimizer partitions:
+
+    * ``fused``: torch's ``AdamW(fused=True)``, built here and handed to DeepSpeed (one kernel per step over the
+      flat fp32 partition, no JIT build); on CUDA (and CPU).
+    * ``foreach``: torch's Adam as DeepSpeed builds it from the JSON (``torch_adam``: ~7 elementwise passes).
+    * ``deepspeed``: DeepSpeed's own (FusedAdam, a CUDA JIT build; DeepSpeedCPUAdam when the optimizer is offloaded).
+    * ``auto``: ``fused`` on CUDA unless the ZeRO config offloads the optimizer (then what the JSON says); on CPU
+      ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds)."""
+    if spec.adam not in ADAM_CHOICES:
+        raise TrainingError(f"parallel.adam: {spec.adam!r}; use one of {', '.join(ADAM_CHOICES)}")
+    kind = str(conf.get("optimizer", {}).get("type", "AdamW")).lower()
+    offload = _offloads_optimizer(conf)
+    if spec.adam == "fused":
+        if kind not in ("adam", "adamw"):
+            raise TrainingError(f"parallel.adam=fused: the DeepSpeed JSON's optimizer is {kind!r}, not Adam/AdamW; "
+                                "set parallel.adam=auto")
+        if offload:
+            raise TrainingError("parallel.adam=fused: the ZeRO config offloads the optimizer to the CPU (DeepSpeed's "
+                                "CPU Adam steps it there); set parallel.adam=auto or drop offload_optimizer")
+        return "fused"
+    if spec.adam != "auto":
+        return spec.adam
+    if not torch.cuda.is_available():
+        return "foreach"
+    if kind in ("adam", "adamw") and not offload:
+        return "fused"
+    return "deepspeed" if not conf.get("optimizer", {}).get("params", {}).get("torch_adam") else "foreach"
+
+
+def fused_adam(params, conf: dict, lr: float):
+    """torch's fused AdamW (or Adam without decoupled decay) with the JSON's betas / eps / weight decay."""
+    opt = conf["optimizer"]
+    p = opt.get("params", {})
+    kind = str(opt.get("type", "AdamW")).lower()
+    decoupled = kind == "adamw" or bool(p.get("adam_w_mode", True))
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return cls(params, lr=lr, betas=tuple(p.get("betas", (0.9, 0.999))), eps=float(p.get("eps", 1e-8)),
+               weight_decay=float(p.get("weight_decay", 0.0)), fused=True)
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -214,8 +267,12 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
             optimizer, lambda s: lr_multiplier(s, spec.warmup_steps, spec.total_steps, spec.min_lr_ratio)
         )
 
+    optimizer = None
+    if resolve_adam(spec, conf) == "fused":
+        optimizer = fused_adam(params, conf, spec.lr)
+        del conf["optimizer"]  # DeepSpeed wraps the optimizer given instead of building one
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=params, config=conf, mpu=mpu, lr_scheduler=scheduler
+        model=model, model_parameters=params, optimizer=optimizer, config=conf, mpu=mpu, lr_scheduler=scheduler
     )
     if foreach_grad_checks:
         install_foreach(engine.optimizer)

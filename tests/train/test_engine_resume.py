@@ -72,10 +72,18 @@ def _cfg(extra=()):
                              "parallel.checkpoint_every=3", "parallel.zero_stage=2", *extra])
 
 
-def test_stage2_resume_reproduces_losses(tmp_path):
+@pytest.mark.parametrize("adam, gpu", [
+    ("auto", False),  # torch's foreach Adam on CPU
+    ("fused", False),  # torch's fused AdamW, handed to DeepSpeed (the GPU default)
+    pytest.param("auto", True, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a GPU")]),
+])
+def test_stage2_resume_reproduces_losses(tmp_path, adam, gpu):
     from hmscale.train.stage2 import run_stage2
 
-    cfg = _cfg()
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = _cfg([f"parallel.adam={adam}", f"parallel.use_gpu={str(gpu).lower()}"])
     full = run_stage2(cfg, tmp_path / "full", student=tiny_student()[1], source=ArraySource(toks()), resume=False,
                       export=False)
     part = run_stage2(cfg, tmp_path / "cut", student=tiny_student()[1], source=ArraySource(toks()), stop_at_step=3,
@@ -87,7 +95,8 @@ def test_stage2_resume_reproduces_losses(tmp_path):
     assert rest["start_step"] == 3 and rest["done"]
     resumed = part["losses"] + rest["losses"]
     assert len(resumed) == len(full["losses"]) == 6
-    assert rel_err(resumed, full["losses"]) <= 1e-6, (resumed, full["losses"])
+    # (on a GPU the SSD backward's partial sums may reduce in another order: 1e-5 there)
+    assert rel_err(resumed, full["losses"]) <= (1e-5 if gpu else 1e-6), (resumed, full["losses"])
     # metrics.jsonl of the resumed run reads as one run; the HF export loads
     steps = [r["step"] for r in read_metrics(tmp_path / "cut" / "stage2" / "metrics.jsonl")]
     assert steps == list(range(6))

@@ -32,7 +32,7 @@ def _engine(stage, foreach, seed=0):
     init_distributed()
     torch.manual_seed(seed)
     model = Many()
-    spec = OptimSpec(lr=3e-2, micro_batch_size=4, total_steps=20, zero_stage=stage, grad_clip=0.05, torch_adam=True)
+    spec = OptimSpec(lr=3e-2, micro_batch_size=4, total_steps=20, zero_stage=stage, grad_clip=0.05, adam="foreach")
     return build_engine(model, spec, dp_world=1, foreach_grad_checks=foreach)
 
 
