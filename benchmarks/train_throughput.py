@@ -54,7 +54,8 @@ def teacher_model(flavor: str, vocab: int | None = None):
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
           ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
-          foreach_grad_checks: bool = True, compile_mode: str | None = None) -> dict:
+          foreach_grad_checks: bool = True, compile_mode: str | None = None, adam: str = "auto",
+          fused_ce: bool | None = None) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -66,7 +67,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
 
         apply_compile(model, mode=compile_mode)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
-                     zero_stage=zero_stage, bf16=bf16, torch_adam=True, ds_config=ds_config)
+                     zero_stage=zero_stage, bf16=bf16, adam=adam, ds_config=ds_config)
     engine = build_engine(model, spec, dp_world=1, foreach_grad_checks=foreach_grad_checks)
     if cuda_graphs:  # the student's blocks only (hmscale.parallel.apply_cuda_graphs)
         from hmscale.parallel import apply_cuda_graphs
@@ -78,7 +79,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     def step():
         x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
         # no generation cache in training (HF's DynamicCache would also make compile guard on every layer)
-        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0)
+        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0, fused_ce=fused_ce)
         engine.backward(loss)
         engine.step()
         return loss
@@ -91,7 +92,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
         sync()
         t = [time.perf_counter()]
-        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0)
+        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0, fused_ce=fused_ce)
         sync()
         t.append(time.perf_counter())
         engine.backward(loss)
@@ -196,6 +197,13 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-checks", choices=("foreach", "deepspeed", "both"), default="foreach",
                     help="ZeRO-1/2 gradient norm and overflow check: hmscale.train.zero_foreach (default), DeepSpeed's "
                          "per-tensor loops, or both (each model trained twice, side by side)")
+    ap.add_argument("--adam", default="auto",
+                    help="Adam implementation(s), comma-separated, each model trained once per entry: auto (what "
+                         "stage 2 runs: torch's fused AdamW on a GPU), fused, foreach (torch's Adam as DeepSpeed "
+                         "builds it), deepspeed (hmscale.train.engine.resolve_adam)")
+    ap.add_argument("--ce", choices=("auto", "fused", "rows"), default="auto",
+                    help="the loss: auto (what stage 2 runs: the Triton cross-entropy kernel on a GPU), fused, or rows "
+                         "(F.cross_entropy one sequence at a time under activation checkpointing)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--phases", action="store_true",
@@ -210,7 +218,11 @@ def main(argv=None) -> int:
     if args.cuda_graphs and args.zero_stage != 0:
         ap.error("--cuda-graphs needs --zero-stage 0 (the capture fails under DeepSpeed's ZeRO-1/2 optimizer)")
 
-    from hmscale.train.engine import init_distributed
+    from hmscale.train.engine import ADAM_CHOICES, init_distributed
+
+    adams = args.adam.split(",")
+    if any(a not in ADAM_CHOICES for a in adams):
+        ap.error(f"--adam: {args.adam!r}; use entries of {', '.join(ADAM_CHOICES)}")
 
     if args.smoke:
         flavors, seq, mb, steps, warmup, vocab, bf16 = ["pythia-nano"], 64, 2, 2, 1, 512, False
@@ -232,17 +244,19 @@ def main(argv=None) -> int:
         suffix = (" compiled" + ("" if args.compile_mode == "default" else f" ({args.compile_mode})")) if args.compile else ""
         pairs = [("hedgemamba", student_model)] + ([] if args.no_teacher else [("teacher-sdpa", teacher_model)])
         checks = {"foreach": [True], "deepspeed": [False], "both": [True, False]}[args.grad_checks]
-        for (kind, make), foreach in [(pair, f) for pair in pairs for f in checks]:
+        for (kind, make), foreach, adam in [(pair, f, a) for pair in pairs for f in checks for a in adams]:
             torch.manual_seed(0)
             try:
                 graphs = args.cuda_graphs and kind == "hedgemamba"
                 name = (f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}"
-                        f"{'' if foreach else ' deepspeed-loops'}")
+                        f"{'' if foreach else ' deepspeed-loops'}{'' if adams == ['auto'] else f' adam={adam}'}"
+                        f"{'' if args.ce == 'auto' else f' ce={args.ce}'}")
                 r = bench(name, make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
                           cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
-                          foreach_grad_checks=foreach,
+                          foreach_grad_checks=foreach, adam=adam,
+                          fused_ce={"auto": None, "fused": True, "rows": False}[args.ce],
                           compile_mode=None if args.compile_mode == "default" else args.compile_mode)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()

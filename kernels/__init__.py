@@ -13,6 +13,8 @@ Public API (see DESIGN.md, "Contracts"):
   ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
   ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
   ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
+- The training loss: ``cross_entropy_sum_triton(logits, target)`` and ``next_token_cross_entropy_sum(logits,
+  input_ids)`` (``cross_entropy.py``; ``cross_entropy_reference``).
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -26,14 +28,15 @@ from __future__ import annotations
 import os
 
 from .chunked_torch import ssd_chunked_torch
-from .reference import (causal_depthwise_conv_reference, hedgehog_feature_map_reference, sigmoid_gate_reference,
+from .reference import (causal_depthwise_conv_reference, cross_entropy_reference, hedgehog_feature_map_reference, sigmoid_gate_reference,
                         ssd_recurrent_reference, ssd_reference)
 
 __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend", "glue_on_triton",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
            "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
-           "sigmoid_gate_triton", "sigmoid_gate_reference"]
+           "sigmoid_gate_triton", "sigmoid_gate_reference",
+           "cross_entropy_sum_triton", "next_token_cross_entropy_sum", "cross_entropy_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -87,6 +90,8 @@ _LAZY = {
     "causal_depthwise_conv_triton": "conv",
     "split_qkv_rotary_triton": "rotary",
     "sigmoid_gate_triton": "gate",
+    "cross_entropy_sum_triton": "cross_entropy",
+    "next_token_cross_entropy_sum": "cross_entropy",
 }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ssd_reference", "ssd_recurrent_reference", "doc_ids_from_seq_idx", "expand_groups",
+__all__ = ["cross_entropy_reference", "ssd_reference", "ssd_recurrent_reference", "doc_ids_from_seq_idx", "expand_groups",
            "hedgehog_feature_map_reference", "causal_depthwise_conv_reference", "sigmoid_gate_reference"]
 
 
@@ -157,3 +157,8 @@ def sigmoid_gate_reference(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The mixer's output gate ``y * 2 sigmoid(z)``, plain PyTorch: z (same number of elements) read in y's
     layout; the result in y's shape and dtype. The reference of ``kernels.gate``."""
     return y * (2.0 * torch.sigmoid(z)).view(y.shape).to(y.dtype)
+
+
+def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum over rows of ``-log softmax(logits)[target]`` in fp32 (``ignore_index`` rows skipped)."""
+    return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import kernels
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import Layout, export_hf, seed_everything, setup_layout, stage_dir
 from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
@@ -90,14 +91,18 @@ def _row_losses_vocab_parallel(shard, logits_row, target_row, ids_row, tlp_row, 
 
 def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict, kd_weight: float,
                      temperature: float = 1.0, *, ce_weight: float = 1.0,
-                     teacher_logits: torch.Tensor | None = None, vocab_shard=None) -> tuple[torch.Tensor, dict]:
+                     teacher_logits: torch.Tensor | None = None, vocab_shard=None,
+                     fused_ce: bool | None = None) -> tuple[torch.Tensor, dict]:
     """(ce_weight * ce + kd_weight * kd, {"ce", "kd"}) for next-token prediction, token means, fp32 math.
 
     KD targets: `teacher_logits` (b, l, V) when given (full-vocabulary KL), else the batch's cached
     top-k (`topk_ids`, `topk_logprobs`). Computed one sequence at a time under activation checkpointing:
     only the model's own (bf16) logits stay alive for the backward; the fp32 copy, log-softmax and KD
     terms of a row are recomputed. `vocab_shard`: the logits are this rank's vocabulary slice of a
-    vocabulary-parallel LM head (`hmscale.parallel.vocab.VocabShard`).
+    vocabulary-parallel LM head (`hmscale.parallel.vocab.VocabShard`). Cross-entropy alone (no KD, no
+    vocabulary shard) on the Triton backend (CUDA): `kernels.next_token_cross_entropy_sum`, one kernel each way
+    over all rows, no fp32 copy of the logits (`fused_ce=False` keeps the per-sequence path; `True` asks for
+    the kernel, an error where it cannot apply).
     """
     kd_on = kd_weight > 0
     online = kd_on and teacher_logits is not None
@@ -110,6 +115,13 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
 
     b, l = input_ids.shape
     n = b * (l - 1)
+    kernel_applies = not kd_on and vocab_shard is None
+    if fused_ce and not kernel_applies:
+        raise TrainingError("fused_ce=True: the fused cross-entropy takes neither KD nor a vocabulary-parallel head")
+    if fused_ce or (fused_ce is None and kernel_applies and kernels.resolve_backend(logits) == "triton"):
+        # cross-entropy alone, on the Triton backend: one kernel each way over the whole (b, l, V) logits
+        ce = kernels.next_token_cross_entropy_sum(logits, input_ids) / n
+        return (ce * ce_weight if ce_weight != 1.0 else ce), {"ce": ce.detach()}
     ce_sum = kd_sum = 0.0
     vocab = vocab_shard.vocab_size if vocab_shard is not None else logits.shape[-1]
     row_fn = _row_losses if vocab_shard is None else functools.partial(_row_losses_vocab_parallel, vocab_shard)
