@@ -207,7 +207,7 @@ class ParallelConfig(_Section):
     bf16: bool = False
     compile: bool = False  # torch.compile each student block in stage 2 (GPU; the first steps pay the compile)
     # torch.compile's mode for those blocks; reduce-overhead replays each block's graphs as CUDA graphs
-    # (torch's CUDA-graph trees; GPU, tp=1, ZeRO 0-2; in stage 2 not yet verified on a GPU: README, GPU settings)
+    # (torch's CUDA-graph trees; GPU, tp=1, ZeRO 0-2; verified in stage 2 on an H200: README, GPU settings)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # which Adam steps the ZeRO partitions: auto = torch's fused AdamW on GPU (unless the optimizer is offloaded),
     # foreach = torch's Adam as DeepSpeed builds it, deepspeed = DeepSpeed's own (hmscale.train.engine.resolve_adam)
