@@ -55,7 +55,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
           ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
           foreach_grad_checks: bool = True, compile_mode: str | None = None, adam: str = "auto",
-          fused_ce: bool | None = None) -> dict:
+          fused_ce: bool | None = None, kd_topk: int = 0) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -76,10 +76,18 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuda = device.type == "cuda"
 
+    def kd_batch():  # random cached-teacher top-k at every position (stage 2's KD term, weight 0.5)
+        if not kd_topk:
+            return {}, 0.0
+        ids = torch.randint(0, vocab, (micro_batch, seq, kd_topk), generator=gen).to(device)
+        lp = torch.log_softmax(torch.randn(micro_batch, seq, kd_topk, generator=gen), -1).to(device, torch.bfloat16)
+        return {"topk_ids": ids, "topk_logprobs": lp}, 0.5
+
     def step():
         x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
+        kd, w = kd_batch()
         # no generation cache in training (HF's DynamicCache would also make compile guard on every layer)
-        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0, fused_ce=fused_ce)
+        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, kd, w, fused_ce=fused_ce)
         engine.backward(loss)
         engine.step()
         return loss
@@ -204,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ce", choices=("auto", "fused", "rows"), default="auto",
                     help="the loss: auto (what stage 2 runs: the Triton cross-entropy kernel on a GPU), fused, or rows "
                          "(F.cross_entropy one sequence at a time under activation checkpointing)")
+    ap.add_argument("--kd-topk", type=int, default=0,
+                    help="add stage 2's KD term against k random cached teacher log-probs per position (weight 0.5)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--phases", action="store_true",
@@ -250,13 +260,13 @@ def main(argv=None) -> int:
                 graphs = args.cuda_graphs and kind == "hedgemamba"
                 name = (f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}"
                         f"{'' if foreach else ' deepspeed-loops'}{'' if adams == ['auto'] else f' adam={adam}'}"
-                        f"{'' if args.ce == 'auto' else f' ce={args.ce}'}")
+                        f"{'' if args.ce == 'auto' else f' ce={args.ce}'}{f' kd-top{args.kd_topk}' if args.kd_topk else ''}")
                 r = bench(name, make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
                           cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
                           foreach_grad_checks=foreach, adam=adam,
-                          fused_ce={"auto": None, "fused": True, "rows": False}[args.ce],
+                          fused_ce={"auto": None, "fused": True, "rows": False}[args.ce], kd_topk=args.kd_topk,
                           compile_mode=None if args.compile_mode == "default" else args.compile_mode)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()

@@ -13,8 +13,9 @@ Public API (see DESIGN.md, "Contracts"):
   ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
   ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
   ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
-- The training loss: ``cross_entropy_sum_triton(logits, target)`` and ``next_token_cross_entropy_sum(logits,
-  input_ids)`` (``cross_entropy.py``; ``cross_entropy_reference``).
+- The training loss: ``cross_entropy_sum_triton(logits, target)`` and ``next_token_loss_sums(logits, input_ids,
+  topk_ids=None, topk_logprobs=None, temperature=1.0)`` (cross-entropy and the cached top-k KD term;
+  ``cross_entropy.py``; ``cross_entropy_reference``).
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
@@ -36,7 +37,7 @@ __all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_c
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
            "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
            "sigmoid_gate_triton", "sigmoid_gate_reference",
-           "cross_entropy_sum_triton", "next_token_cross_entropy_sum", "cross_entropy_reference"]
+           "cross_entropy_sum_triton", "next_token_loss_sums", "cross_entropy_reference"]
 
 _BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -91,7 +92,7 @@ _LAZY = {
     "split_qkv_rotary_triton": "rotary",
     "sigmoid_gate_triton": "gate",
     "cross_entropy_sum_triton": "cross_entropy",
-    "next_token_cross_entropy_sum": "cross_entropy",
+    "next_token_loss_sums": "cross_entropy",
 }
 
 

@@ -1,11 +1,17 @@
-"""Next-token cross-entropy straight from the LM head's logits in Triton: one kernel forward (an online
-log-sum-exp over the vocabulary, per row), one backward (``softmax - onehot`` written in the logits' dtype).
+"""Stage 2's loss straight from the LM head's logits in Triton: next-token cross-entropy and, optionally, the KD
+term against cached teacher top-k log-probs at a temperature. One kernel forward (online log-sum-exps over the
+vocabulary, per row: of z, and of z / T for KD), one backward (``softmax - onehot`` and ``T (softmax(z / T) - p)``
+written once, in the logits' dtype; the teacher's k sparse terms are a scatter-add of (rows x k) values).
 
-The plain path (``F.cross_entropy`` on an fp32 copy, one sequence at a time under activation checkpointing, as
-stage 2 did) makes several fp32 passes over the (rows x vocabulary) logits each way, recomputing the forward in
-the backward; this reads the logits once forward and once backward and writes the gradient once. fp32 math;
+The plain path (``F.cross_entropy`` / ``log_softmax`` on an fp32 copy, one sequence at a time under activation
+checkpointing) makes several fp32 passes over the (rows x vocabulary) logits each way and recomputes the forward
+in the backward; this reads the logits once forward and once backward and writes the gradient once. fp32 math;
 logits in any float dtype. Rows whose target is ``ignore_index`` add nothing and get a zero gradient.
-Reference: ``reference.cross_entropy_reference``.
+
+With p = softmax(teacher top-k log-probs / T) (k entries) and lse_T = logsumexp(z / T), a row's KD term is
+``T^2 (lse_T - sum_k p_k z[i_k] / T)`` (= ``-T^2 sum_k p_k log_softmax(z / T)[i_k]``), its gradient
+``T (softmax(z / T) - sum_k p_k onehot(i_k))``. References: ``reference.cross_entropy_reference`` and stage 2's
+per-sequence path.
 """
 
 from __future__ import annotations
@@ -16,93 +22,153 @@ import triton.language as tl
 
 from .launch import launch
 
-__all__ = ["cross_entropy_sum_triton", "next_token_cross_entropy_sum"]
+__all__ = ["cross_entropy_sum_triton", "next_token_loss_sums"]
 
 _BLOCK_V = 2048
 
 
 @triton.jit
-def _ce_fwd(Z, T, LSE, LOSS, V, stride_row, ignore_index, BLOCK_V: tl.constexpr):
+def _online_lse_step(m, s, z):
+    """Per-lane running max m and sum of exp(z - m); lanes still at -inf (the masked tail) stay NaN-free."""
+    m_new = tl.maximum(m, z)
+    s = s * tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new)) + tl.where(z == float("-inf"), 0.0, tl.exp(z - m_new))
+    return m_new, s
+
+
+@triton.jit
+def _merge_lse(m, s):
+    mx = tl.max(m, 0)
+    return mx + tl.log(tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - mx)), 0))
+
+
+@triton.jit
+def _loss_fwd(Z, T, LSE, LSE_T, LOSS, V, stride_row, ignore_index, inv_temp,
+              HAS_KD: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = Z + row * stride_row
     cols = tl.arange(0, BLOCK_V)
-    # per-lane running max and sum of exp, merged once at the end
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_V,), tl.float32)
+    m2 = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    s2 = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, V, BLOCK_V):
         c = start + cols
         z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, z)
-        # lanes still at -inf (masked tail) keep s = 0 without producing NaN
-        s = s * tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new)) + tl.where(z == float("-inf"), 0.0, tl.exp(z - m_new))
-        m = m_new
-    mx = tl.max(m, 0)
-    total = tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - mx)), 0)
-    lse = mx + tl.log(total)
+        m, s = _online_lse_step(m, s, z)
+        if HAS_KD:
+            m2, s2 = _online_lse_step(m2, s2, z * inv_temp)
+    lse = _merge_lse(m, s)
     t = tl.load(T + row)
     keep = t != ignore_index
     zt = tl.load(base + tl.where(keep, t, 0)).to(tl.float32)
     tl.store(LSE + row, lse)
     tl.store(LOSS + row, tl.where(keep, lse - zt, 0.0))
+    if HAS_KD:
+        tl.store(LSE_T + row, _merge_lse(m2, s2))
 
 
 @triton.jit
-def _ce_bwd(Z, T, LSE, G, DZ, V, stride_row, stride_drow, ignore_index, BLOCK_V: tl.constexpr):
+def _loss_bwd(Z, T, LSE, LSE_T, G, DZ, V, stride_row, stride_drow, ignore_index, inv_temp, temp,
+              HAS_KD: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = Z + row * stride_row
     dbase = DZ + row * stride_drow
     cols = tl.arange(0, BLOCK_V)
     t = tl.load(T + row)
-    g = tl.load(G).to(tl.float32) * tl.where(t != ignore_index, 1.0, 0.0)
+    keep = tl.where(t != ignore_index, 1.0, 0.0)
+    g_ce = tl.load(G).to(tl.float32) * keep
     lse = tl.load(LSE + row)
+    g_kd = 0.0
+    lse_t = 0.0
+    if HAS_KD:
+        g_kd = tl.load(G + 1).to(tl.float32) * keep * temp
+        lse_t = tl.load(LSE_T + row)
     for start in range(0, V, BLOCK_V):
         c = start + cols
         mask = c < V
         z = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
-        d = (tl.exp(z - lse) - tl.where(c == t, 1.0, 0.0)) * g
+        d = (tl.exp(z - lse) - tl.where(c == t, 1.0, 0.0)) * g_ce
+        if HAS_KD:
+            d += tl.exp(z * inv_temp - lse_t) * g_kd
         tl.store(dbase + c, d.to(DZ.dtype.element_ty), mask=mask)
 
 
-class _CrossEntropySum(torch.autograd.Function):
+class _LossSums(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index):
+    def forward(ctx, logits, target, topk_ids, p_teacher, temperature, ignore_index):
         rows, V = logits.shape
-        lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
-        loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
+        has_kd = topk_ids is not None
+        dev = logits.device
+        lse = torch.empty(rows, device=dev, dtype=torch.float32)
+        lse_t = torch.empty(rows if has_kd else 1, device=dev, dtype=torch.float32)
+        loss = torch.empty(rows, device=dev, dtype=torch.float32)
         if rows:
-            launch(_ce_fwd, (rows,), logits, target, lse, loss, V, logits.stride(0), ignore_index, BLOCK_V=_BLOCK_V)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.ignore_index = ignore_index
-        return loss.sum()
+            launch(_loss_fwd, (rows,), logits, target, lse, lse_t, loss, V, logits.stride(0), ignore_index,
+                   1.0 / temperature, HAS_KD=has_kd, BLOCK_V=_BLOCK_V)
+        ce_sum = loss.sum()
+        if has_kd:
+            keep = (target != ignore_index).float()
+            z_k = logits.gather(1, topk_ids).float()
+            kd_sum = (temperature * temperature * keep * (lse_t - (p_teacher * z_k).sum(-1) / temperature)).sum()
+        else:
+            keep = None
+            kd_sum = torch.zeros((), device=dev, dtype=torch.float32)
+        ctx.save_for_backward(logits, target, lse, lse_t, topk_ids, p_teacher, keep)
+        ctx.temperature, ctx.ignore_index, ctx.has_kd = temperature, ignore_index, has_kd
+        return ce_sum, kd_sum
 
     @staticmethod
-    def backward(ctx, g):
-        logits, target, lse = ctx.saved_tensors
+    def backward(ctx, g_ce, g_kd):
+        logits, target, lse, lse_t, topk_ids, p_teacher, keep = ctx.saved_tensors
         rows, V = logits.shape
+        T = ctx.temperature
+        zero = torch.zeros((), device=logits.device, dtype=torch.float32)
+        g = torch.stack([(g_ce if g_ce is not None else zero).float().reshape(()),
+                         (g_kd if g_kd is not None else zero).float().reshape(())])
         dz = torch.empty_like(logits, memory_format=torch.contiguous_format)
         if rows:
-            launch(_ce_bwd, (rows,), logits, target, lse, g.reshape(1).float().contiguous(), dz, V,
-                   logits.stride(0), dz.stride(0), ctx.ignore_index, BLOCK_V=_BLOCK_V)
-        return dz, None, None
+            launch(_loss_bwd, (rows,), logits, target, lse, lse_t, g, dz, V, logits.stride(0), dz.stride(0),
+                   ctx.ignore_index, 1.0 / T, T, HAS_KD=ctx.has_kd, BLOCK_V=_BLOCK_V)
+        if ctx.has_kd:  # the teacher's k sparse terms: -T p_k at (row, i_k)
+            dz.scatter_add_(1, topk_ids, (-(g[1] * T) * p_teacher * keep[:, None]).to(dz.dtype))
+        return dz, None, None, None, None, None
 
 
-def cross_entropy_sum_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Sum over rows of ``-log softmax(logits)[target]`` (fp32 scalar); logits (rows, V) with unit stride along V,
-    target (rows,) integers (``ignore_index`` rows skipped). Triton; CUDA tensors, or CPU ones under
-    ``TRITON_INTERPRET=1``."""
+def _check_2d(logits, target):
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy_sum: logits {tuple(logits.shape)} must be (rows, V) and target "
                          f"{tuple(target.shape)} (rows,)")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    return _CrossEntropySum.apply(logits, target.to(torch.int64).contiguous(), int(ignore_index))
+    return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
-def next_token_cross_entropy_sum(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Sum over positions t < l-1 of ``-log softmax(logits[:, t])[input_ids[:, t+1]]`` for (b, l, V) logits: the
-    last position is an ignored row rather than a slice, so the gradient comes back in the logits' own (b, l, V)
-    layout (no zero-filled copy for the slice's backward)."""
+def cross_entropy_sum_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum over rows of ``-log softmax(logits)[target]`` (fp32 scalar); logits (rows, V), target (rows,) integers
+    (``ignore_index`` rows skipped). Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``."""
+    logits = _check_2d(logits, target)
+    return _LossSums.apply(logits, target.to(torch.int64).contiguous(), None, None, 1.0, int(ignore_index))[0]
+
+
+def next_token_loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, topk_ids: torch.Tensor | None = None,
+                         topk_logprobs: torch.Tensor | None = None, temperature: float = 1.0):
+    """(ce_sum, kd_sum) over positions t < l-1 of (b, l, V) logits: ``-log softmax(z_t)[input_ids[t+1]]`` and,
+    given the teacher's top-k at each position (``topk_ids``, ``topk_logprobs``: (b, l, k); the prediction at t is
+    for token t+1), ``-T^2 sum_k softmax(topk_logprobs_t / T)_k log_softmax(z_t / T)[topk_ids_t,k]`` (kd_sum is 0
+    without them). The last position is an ignored row rather than a slice, so the gradient comes back in the
+    logits' own (b, l, V) layout."""
     b, l, V = logits.shape
+    if (topk_ids is None) != (topk_logprobs is None):
+        raise ValueError("next_token_loss_sums: give both topk_ids and topk_logprobs, or neither")
+    if temperature <= 0:
+        raise ValueError(f"next_token_loss_sums: temperature must be > 0, got {temperature}")
     target = torch.full((b, l), -100, dtype=torch.int64, device=input_ids.device)
     target[:, :-1] = input_ids[:, 1:]
-    return cross_entropy_sum_triton(logits.reshape(b * l, V), target.reshape(-1), ignore_index=-100)
+    ids = p = None
+    if topk_ids is not None:
+        if topk_ids.shape[:2] != (b, l) or topk_logprobs.shape != topk_ids.shape:
+            raise ValueError(f"next_token_loss_sums: top-k ids {tuple(topk_ids.shape)} and log-probs "
+                             f"{tuple(topk_logprobs.shape)} must both be (b, l, k) for logits {tuple(logits.shape)}")
+        k = topk_ids.shape[-1]
+        ids = topk_ids.reshape(b * l, k).to(torch.int64).contiguous()
+        p = torch.softmax(topk_logprobs.reshape(b * l, k).float() / temperature, dim=-1).contiguous()
+    z = _check_2d(logits.reshape(b * l, V), target.reshape(-1))
+    return _LossSums.apply(z, target.reshape(-1), ids, p, float(temperature), -100)

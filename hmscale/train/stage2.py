@@ -99,10 +99,10 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
     top-k (`topk_ids`, `topk_logprobs`). Computed one sequence at a time under activation checkpointing:
     only the model's own (bf16) logits stay alive for the backward; the fp32 copy, log-softmax and KD
     terms of a row are recomputed. `vocab_shard`: the logits are this rank's vocabulary slice of a
-    vocabulary-parallel LM head (`hmscale.parallel.vocab.VocabShard`). Cross-entropy alone (no KD, no
-    vocabulary shard) on the Triton backend (CUDA): `kernels.next_token_cross_entropy_sum`, one kernel each way
-    over all rows, no fp32 copy of the logits (`fused_ce=False` keeps the per-sequence path; `True` asks for
-    the kernel, an error where it cannot apply).
+    vocabulary-parallel LM head (`hmscale.parallel.vocab.VocabShard`). On the Triton backend (CUDA), without a
+    vocabulary shard or the live teacher's logits: `kernels.next_token_loss_sums`, cross-entropy and the cached
+    top-k KD term in one kernel each way over all rows, no fp32 copy of the logits (`fused_ce=False` keeps the
+    per-sequence path; `True` asks for the kernel, an error where it cannot apply).
     """
     kd_on = kd_weight > 0
     online = kd_on and teacher_logits is not None
@@ -115,13 +115,23 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
 
     b, l = input_ids.shape
     n = b * (l - 1)
-    kernel_applies = not kd_on and vocab_shard is None
+    kernel_applies = not online and vocab_shard is None
     if fused_ce and not kernel_applies:
-        raise TrainingError("fused_ce=True: the fused cross-entropy takes neither KD nor a vocabulary-parallel head")
+        raise TrainingError("fused_ce=True: the fused loss takes neither the live teacher's logits nor a "
+                            "vocabulary-parallel head")
     if fused_ce or (fused_ce is None and kernel_applies and kernels.resolve_backend(logits) == "triton"):
-        # cross-entropy alone, on the Triton backend: one kernel each way over the whole (b, l, V) logits
-        ce = kernels.next_token_cross_entropy_sum(logits, input_ids) / n
-        return (ce * ce_weight if ce_weight != 1.0 else ce), {"ce": ce.detach()}
+        # one kernel each way over the whole (b, l, V) logits: cross-entropy and the cached top-k KD term
+        ce_sum, kd_sum = kernels.next_token_loss_sums(
+            logits, input_ids, batch["topk_ids"] if kd_on else None, batch["topk_logprobs"] if kd_on else None,
+            temperature)
+        ce = ce_sum / n
+        loss = ce * ce_weight if ce_weight != 1.0 else ce
+        extras = {"ce": ce.detach()}
+        if kd_on:
+            kd = kd_sum / n
+            extras["kd"] = kd.detach()
+            loss = loss + kd_weight * kd
+        return loss, extras
     ce_sum = kd_sum = 0.0
     vocab = vocab_shard.vocab_size if vocab_shard is not None else logits.shape[-1]
     row_fn = _row_losses if vocab_shard is None else functools.partial(_row_losses_vocab_parallel, vocab_shard)

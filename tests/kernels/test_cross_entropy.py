@@ -1,12 +1,13 @@
-"""Triton next-token cross-entropy (under TRITON_INTERPRET=1 on CPU, or on a GPU) vs ``F.cross_entropy`` in fp32:
-loss and logits gradient, fp32 (1e-5 relative) and bf16 logits (loss 1e-5, gradient 1e-2 against the fp32
-reference's gradient cast to bf16), a vocabulary that is not a multiple of the block, ignored rows, large logits."""
+"""Triton next-token loss (under TRITON_INTERPRET=1 on CPU, or on a GPU) vs plain PyTorch: cross-entropy against
+``F.cross_entropy`` in fp32 (loss and logits gradient; fp32 1e-5 relative, bf16 logits 1e-2 for the gradient), a
+vocabulary that is not a multiple of the block, ignored rows, large logits; the cached top-k KD term at two
+temperatures against a float64 log-softmax reference (1e-5)."""
 
 import pytest
 import torch
 
 from kernels import cross_entropy_reference
-from kernels.cross_entropy import _BLOCK_V, cross_entropy_sum_triton, next_token_cross_entropy_sum
+from kernels.cross_entropy import _BLOCK_V, cross_entropy_sum_triton, next_token_loss_sums
 
 from ._helpers import TRITON_DEVICE, needs_triton, rel
 
@@ -46,7 +47,8 @@ def test_next_token_form_equals_the_shifted_reference():
     for use_kernel in (True, False):
         zl = logits.clone().requires_grad_()
         if use_kernel:
-            loss = next_token_cross_entropy_sum(zl, ids)
+            loss, kd = next_token_loss_sums(zl, ids)
+            assert kd == 0
         else:
             loss = cross_entropy_reference(zl[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
         outs.append((loss, torch.autograd.grad(loss, zl)[0]))
@@ -58,3 +60,60 @@ def test_next_token_form_equals_the_shifted_reference():
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match=r"must be \(rows, V\)"):
         cross_entropy_sum_triton(torch.ones(2, 3, 4), torch.zeros(2, dtype=torch.long))
+
+
+def _kd_reference(logits, ids, topk_ids, topk_lp, T):
+    """float64: CE and -T^2 sum_k softmax(tlp / T)_k log_softmax(z / T)[i_k] over positions t < l-1."""
+    z = logits[:, :-1].double()
+    ce = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+    p = torch.softmax(topk_lp[:, :-1].double() / T, -1)
+    s_lp = torch.log_softmax(z / T, -1).gather(-1, topk_ids[:, :-1])
+    return ce, -(p * s_lp).sum() * T * T
+
+
+@pytest.mark.parametrize("T", [1.0, 2.0])
+def test_kd_term_matches_the_reference(T):
+    g = torch.Generator().manual_seed(2)
+    b, l, V, k = 2, 7, _BLOCK_V + 45, 5
+    logits = (torch.randn(b, l, V, generator=g) * 3).to(TRITON_DEVICE)
+    ids = torch.randint(0, V, (b, l), generator=g).to(TRITON_DEVICE)
+    topk_ids = torch.randint(0, V, (b, l, k), generator=g)
+    topk_ids[0, 1, 1] = topk_ids[0, 1, 0]  # a repeated id adds up
+    topk_ids = topk_ids.to(TRITON_DEVICE)
+    topk_lp = torch.log_softmax(torch.randn(b, l, k, generator=g) * 2, -1).to(TRITON_DEVICE)
+    w_ce, w_kd = 0.7, 0.4
+    outs = []
+    for fn in ("kernel", "reference"):
+        zl = logits.clone().double().requires_grad_() if fn == "reference" else logits.clone().requires_grad_()
+        if fn == "kernel":
+            ce, kd = next_token_loss_sums(zl, ids, topk_ids, topk_lp, temperature=T)
+        else:
+            ce, kd = _kd_reference(zl, ids, topk_ids, topk_lp, T)
+        (dz,) = torch.autograd.grad(w_ce * ce + w_kd * kd, zl)
+        outs.append((ce, kd, dz))
+    (ce, kd, dz), (ce_ref, kd_ref, dz_ref) = outs
+    assert rel(ce.double(), ce_ref) <= 1e-5 and rel(kd.double(), kd_ref) <= 1e-5 and kd > 0
+    assert rel(dz.double(), dz_ref) <= 1e-5
+    assert dz[:, -1].abs().max() == 0
+
+
+def test_kd_gradient_alone():
+    """Only the KD output used (the CE output's gradient is None in backward)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 5, 33, generator=g).to(TRITON_DEVICE).requires_grad_()
+    ids = torch.randint(0, 33, (1, 5), generator=g).to(TRITON_DEVICE)
+    tk = torch.randint(0, 33, (1, 5, 3), generator=g).to(TRITON_DEVICE)
+    tlp = torch.log_softmax(torch.randn(1, 5, 3, generator=g), -1).to(TRITON_DEVICE)
+    _, kd = next_token_loss_sums(logits, ids, tk, tlp, temperature=1.5)
+    (dz,) = torch.autograd.grad(kd, logits)
+    ref = logits.detach().double().requires_grad_()
+    (dz_ref,) = torch.autograd.grad(_kd_reference(ref, ids, tk, tlp, 1.5)[1], ref)
+    assert rel(dz.double(), dz_ref) <= 1e-5
+
+
+def test_topk_shape_errors_are_clear():
+    z, ids = torch.ones(1, 4, 8), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="both topk_ids and topk_logprobs"):
+        next_token_loss_sums(z, ids, torch.zeros(1, 4, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must both be \(b, l, k\)"):
+        next_token_loss_sums(z, ids, torch.zeros(1, 3, 2, dtype=torch.long), torch.zeros(1, 3, 2))

@@ -1,6 +1,6 @@
-"""Stage 2's cross-entropy on the Triton backend (kernels.next_token_cross_entropy_sum, under TRITON_INTERPRET=1
-on CPU) gives the per-sequence checkpointed path's loss and logits gradient (fp32, 1e-6 / 1e-5 relative); KD
-keeps the per-sequence path."""
+"""Stage 2's loss on the Triton backend (kernels.next_token_loss_sums, under TRITON_INTERPRET=1 on CPU) gives the
+per-sequence checkpointed path's loss, CE, KD and logits gradient (fp32; 1e-6 / 1e-5 relative): cross-entropy
+alone and with the cached top-k KD term at two temperatures; the live teacher's logits keep the per-sequence path."""
 
 import os
 
@@ -8,42 +8,57 @@ import pytest
 import torch
 
 from hmscale.train import stage2
+from hmscale.train.engine import TrainingError
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a GPU")
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
-def _loss_and_grad(monkeypatch, backend, ce_weight=1.0, kd_weight=0.0):
-    monkeypatch.setenv("HMSCALE_SSD_BACKEND", backend)
-    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+def _inputs(kd):
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 11, 40, generator=g) * 3).to(dev).requires_grad_()
-    ids = torch.randint(0, 40, (3, 11), generator=g).to(dev)
+    logits = (torch.randn(3, 11, 40, generator=g) * 3).to(DEV)
+    ids = torch.randint(0, 40, (3, 11), generator=g).to(DEV)
     batch = {}
-    if kd_weight:
-        batch = {"topk_ids": torch.randint(0, 40, (3, 11, 4), generator=g).to(dev),
-                 "topk_logprobs": torch.log_softmax(torch.randn(3, 11, 4, generator=g), -1).to(dev)}
-    loss, extras = stage2.causal_lm_losses(logits, ids, batch, kd_weight, ce_weight=ce_weight)
+    if kd:
+        batch = {"topk_ids": torch.randint(0, 40, (3, 11, 4), generator=g).to(DEV),
+                 "topk_logprobs": torch.log_softmax(torch.randn(3, 11, 4, generator=g), -1).to(DEV)}
+    return logits, ids, batch
+
+
+def _loss_and_grad(monkeypatch, backend, ce_weight=1.0, kd_weight=0.0, temperature=1.0, **kw):
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", backend)
+    logits, ids, batch = _inputs(kd_weight > 0)
+    logits.requires_grad_()
+    loss, extras = stage2.causal_lm_losses(logits, ids, batch, kd_weight, temperature, ce_weight=ce_weight, **kw)
     (grad,) = torch.autograd.grad(loss, logits)
-    return loss.detach(), extras["ce"], grad
+    return loss.detach(), extras, grad
 
 
-@pytest.mark.parametrize("ce_weight", [1.0, 0.5])
-def test_kernel_path_equals_the_per_sequence_path(monkeypatch, ce_weight):
+@pytest.mark.parametrize("ce_weight, kd_weight, temperature", [(1.0, 0.0, 1.0), (0.5, 0.0, 1.0), (1.0, 0.5, 1.0),
+                                                                 (0.9, 0.3, 2.0)])
+def test_kernel_path_equals_the_per_sequence_path(monkeypatch, ce_weight, kd_weight, temperature):
     calls = []
-    real = stage2.kernels.next_token_cross_entropy_sum
-    monkeypatch.setattr(stage2.kernels, "next_token_cross_entropy_sum", lambda *a: calls.append(1) or real(*a))
-    loss, ce, grad = _loss_and_grad(monkeypatch, "triton", ce_weight)
+    real = stage2.kernels.next_token_loss_sums
+    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a: calls.append(1) or real(*a))
+    loss, extras, grad = _loss_and_grad(monkeypatch, "triton", ce_weight, kd_weight, temperature)
     assert calls == [1]
-    loss_ref, ce_ref, grad_ref = _loss_and_grad(monkeypatch, "torch", ce_weight)
+    loss_ref, extras_ref, grad_ref = _loss_and_grad(monkeypatch, "torch", ce_weight, kd_weight, temperature)
     assert calls == [1]  # the torch backend kept the per-sequence path
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
-    torch.testing.assert_close(ce, ce_ref, rtol=1e-6, atol=0)
+    assert extras.keys() == extras_ref.keys() == ({"ce", "kd"} if kd_weight else {"ce"})
+    for k in extras:
+        torch.testing.assert_close(extras[k], extras_ref[k], rtol=1e-6, atol=0)
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-8)
     assert grad[:, -1].abs().max() == 0 and grad.abs().sum() > 0
 
 
-def test_kd_keeps_the_per_sequence_path(monkeypatch):
-    monkeypatch.setattr(stage2.kernels, "next_token_cross_entropy_sum", lambda *a: pytest.fail("kernel used with KD"))
-    loss, _, _ = _loss_and_grad(monkeypatch, "triton", kd_weight=0.5)
-    assert torch.isfinite(loss)
+def test_live_teacher_keeps_the_per_sequence_path(monkeypatch):
+    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a: pytest.fail("kernel used"))
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
+    logits, ids, _ = _inputs(False)
+    teacher = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4)).to(DEV)
+    loss, extras = stage2.causal_lm_losses(logits, ids, {}, 0.5, teacher_logits=teacher)
+    assert torch.isfinite(loss) and "kd" in extras
+    with pytest.raises(TrainingError, match="live teacher"):
+        stage2.causal_lm_losses(logits, ids, {}, 0.5, teacher_logits=teacher, fused_ce=True)
