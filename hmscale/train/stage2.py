@@ -314,10 +314,14 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
     for i in range(0, len(mine), micro_batch_size):
         x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
         _graph_step_begin()
-        logits = engine(input_ids=x).logits[:, :-1].float()
-        if shard is None:
+        logits = engine(input_ids=x).logits
+        if shard is None and kernels.resolve_backend(logits) == "triton":  # no fp32 copy of the logits
+            nll = kernels.next_token_loss_sums(logits, x)[0]
+        elif shard is None:
+            logits = logits[:, :-1].float()
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
-        else:  # this rank's vocabulary slice (vocabulary-parallel LM head)
+        else:
+            logits = logits[:, :-1].float()  # this rank's vocabulary slice (vocabulary-parallel LM head)
             nll = (vocab_logsumexp(logits, shard) - vocab_gather(logits, x[:, 1:, None], shard)[..., 0]).sum()
         total += torch.tensor([nll.item(), x[:, 1:].numel()], dtype=torch.float64)
     if was_training:

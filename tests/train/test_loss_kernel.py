@@ -62,3 +62,26 @@ def test_live_teacher_keeps_the_per_sequence_path(monkeypatch):
     assert torch.isfinite(loss) and "kd" in extras
     with pytest.raises(TrainingError, match="live teacher"):
         stage2.causal_lm_losses(logits, ids, {}, 0.5, teacher_logits=teacher, fused_ce=True)
+
+
+def test_validation_loss_equal_on_both_paths(monkeypatch):
+    from types import SimpleNamespace
+
+    lm = torch.nn.Sequential(torch.nn.Embedding(40, 16), torch.nn.Linear(16, 40)).to(DEV)
+
+    def engine(input_ids):
+        return SimpleNamespace(logits=lm(input_ids))
+
+    engine.module = lm
+    layout = SimpleNamespace(dp_size=1, dp_rank=0, tp_size=1, device=DEV)
+    val = torch.randint(0, 40, (5, 9), generator=torch.Generator().manual_seed(5)).numpy()
+    calls = []
+    real = stage2.kernels.next_token_loss_sums
+    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a: calls.append(1) or real(*a))
+    got = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("HMSCALE_SSD_BACKEND", backend)
+        got[backend] = stage2.validation_loss(engine, val, layout, micro_batch_size=2, max_sequences=5)
+    assert calls == [1, 1, 1]  # three validation batches on the Triton backend
+    assert got["triton"]["val_loss"] == pytest.approx(got["torch"]["val_loss"], rel=1e-6)
+    assert lm.training  # restored
