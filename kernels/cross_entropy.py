@@ -1,5 +1,5 @@
 """Stage 2's loss straight from the LM head's logits in Triton: next-token cross-entropy and, optionally, the KD
-term against cached teacher top-k log-probs at a temperature. One kernel forward (online log-sum-exps over the
+term at a temperature, against cached teacher top-k log-probs or the live teacher's full logits. One kernel forward (online log-sum-exps over the
 vocabulary, per row: of z, and of z / T for KD), one backward (``softmax - onehot`` and ``T (softmax(z / T) - p)``
 written once, in the logits' dtype; the teacher's k sparse terms are a scatter-add of (rows x k) values).
 
@@ -41,9 +41,11 @@ def _merge_lse(m, s):
     return mx + tl.log(tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - mx)), 0))
 
 
+# KD_MODE: 0 none, 1 the cached teacher top-k (dense part in the kernels, k sparse terms outside), 2 the live
+# teacher's full logits TZ (read in both kernels)
 @triton.jit
-def _loss_fwd(Z, T, LSE, LSE_T, LOSS, V, stride_row, ignore_index, inv_temp,
-              HAS_KD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _loss_fwd(Z, T, LSE, LSE_T, LOSS, TZ, LSE_TEACH, KD_ROW, V, stride_row, stride_trow, ignore_index, inv_temp,
+              temp, KD_MODE: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = Z + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -51,25 +53,47 @@ def _loss_fwd(Z, T, LSE, LSE_T, LOSS, V, stride_row, ignore_index, inv_temp,
     s = tl.zeros((BLOCK_V,), tl.float32)
     m2 = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     s2 = tl.zeros((BLOCK_V,), tl.float32)
+    mt = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # teacher: running max of u = tz / T,
+    st = tl.zeros((BLOCK_V,), tl.float32)  # sum of exp(u - mt),
+    at = tl.zeros((BLOCK_V,), tl.float32)  # and sum of exp(u - mt) (u - z / T)
     for start in range(0, V, BLOCK_V):
         c = start + cols
-        z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        mask = c < V
+        z = tl.load(base + c, mask=mask, other=float("-inf")).to(tl.float32)
         m, s = _online_lse_step(m, s, z)
-        if HAS_KD:
+        if KD_MODE > 0:
             m2, s2 = _online_lse_step(m2, s2, z * inv_temp)
+        if KD_MODE == 2:
+            u = tl.load(TZ + row * stride_trow + c, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+            mt_new = tl.maximum(mt, u)
+            scale = tl.where(mt_new == float("-inf"), 0.0, tl.exp(mt - mt_new))
+            e = tl.where(mask, tl.exp(u - mt_new), 0.0)
+            st = st * scale + e
+            at = at * scale + e * tl.where(mask, u - z * inv_temp, 0.0)
+            mt = mt_new
     lse = _merge_lse(m, s)
     t = tl.load(T + row)
     keep = t != ignore_index
     zt = tl.load(base + tl.where(keep, t, 0)).to(tl.float32)
     tl.store(LSE + row, lse)
     tl.store(LOSS + row, tl.where(keep, lse - zt, 0.0))
-    if HAS_KD:
-        tl.store(LSE_T + row, _merge_lse(m2, s2))
+    if KD_MODE > 0:
+        lse_s = _merge_lse(m2, s2)
+        tl.store(LSE_T + row, lse_s)
+    if KD_MODE == 2:
+        mx = tl.max(mt, 0)
+        w = tl.where(mt == float("-inf"), 0.0, tl.exp(mt - mx))
+        tot = tl.sum(st * w, 0)
+        lse_teach = mx + tl.log(tot)
+        # KL(p_teacher || p_student) at T = sum_j p_j (u_j - z_j / T) - lse_teacher + lse_student
+        kl = tl.sum(at * w, 0) / tot - lse_teach + lse_s
+        tl.store(LSE_TEACH + row, lse_teach)
+        tl.store(KD_ROW + row, tl.where(keep, kl * temp * temp, 0.0))
 
 
 @triton.jit
-def _loss_bwd(Z, T, LSE, LSE_T, G, DZ, V, stride_row, stride_drow, ignore_index, inv_temp, temp,
-              HAS_KD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _loss_bwd(Z, T, LSE, LSE_T, TZ, LSE_TEACH, G, DZ, V, stride_row, stride_trow, stride_drow, ignore_index,
+              inv_temp, temp, KD_MODE: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = Z + row * stride_row
     dbase = DZ + row * stride_drow
@@ -80,58 +104,72 @@ def _loss_bwd(Z, T, LSE, LSE_T, G, DZ, V, stride_row, stride_drow, ignore_index,
     lse = tl.load(LSE + row)
     g_kd = 0.0
     lse_t = 0.0
-    if HAS_KD:
+    lse_teach = 0.0
+    if KD_MODE > 0:
         g_kd = tl.load(G + 1).to(tl.float32) * keep * temp
         lse_t = tl.load(LSE_T + row)
+    if KD_MODE == 2:
+        lse_teach = tl.load(LSE_TEACH + row)
     for start in range(0, V, BLOCK_V):
         c = start + cols
         mask = c < V
         z = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
         d = (tl.exp(z - lse) - tl.where(c == t, 1.0, 0.0)) * g_ce
-        if HAS_KD:
+        if KD_MODE == 1:
             d += tl.exp(z * inv_temp - lse_t) * g_kd
+        if KD_MODE == 2:
+            u = tl.load(TZ + row * stride_trow + c, mask=mask, other=0.0).to(tl.float32) * inv_temp
+            d += (tl.exp(z * inv_temp - lse_t) - tl.exp(u - lse_teach)) * g_kd
         tl.store(dbase + c, d.to(DZ.dtype.element_ty), mask=mask)
 
 
 class _LossSums(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, topk_ids, p_teacher, temperature, ignore_index):
+    def forward(ctx, logits, target, topk_ids, p_teacher, teacher_logits, temperature, ignore_index):
         rows, V = logits.shape
-        has_kd = topk_ids is not None
+        mode = 2 if teacher_logits is not None else 1 if topk_ids is not None else 0
         dev = logits.device
-        lse = torch.empty(rows, device=dev, dtype=torch.float32)
-        lse_t = torch.empty(rows if has_kd else 1, device=dev, dtype=torch.float32)
-        loss = torch.empty(rows, device=dev, dtype=torch.float32)
+        f32 = dict(device=dev, dtype=torch.float32)
+        lse = torch.empty(rows, **f32)
+        lse_t = torch.empty(rows if mode else 1, **f32)
+        loss = torch.empty(rows, **f32)
+        lse_teach = torch.empty(rows if mode == 2 else 1, **f32)
+        kd_row = torch.empty(rows if mode == 2 else 1, **f32)
+        tz = teacher_logits if mode == 2 else logits  # (a placeholder pointer when there is no teacher)
         if rows:
-            launch(_loss_fwd, (rows,), logits, target, lse, lse_t, loss, V, logits.stride(0), ignore_index,
-                   1.0 / temperature, HAS_KD=has_kd, BLOCK_V=_BLOCK_V)
+            launch(_loss_fwd, (rows,), logits, target, lse, lse_t, loss, tz, lse_teach, kd_row, V, logits.stride(0),
+                   tz.stride(0), ignore_index, 1.0 / temperature, float(temperature), KD_MODE=mode, BLOCK_V=_BLOCK_V)
         ce_sum = loss.sum()
-        if has_kd:
+        keep = None
+        if mode == 1:
             keep = (target != ignore_index).float()
             z_k = logits.gather(1, topk_ids).float()
             kd_sum = (temperature * temperature * keep * (lse_t - (p_teacher * z_k).sum(-1) / temperature)).sum()
+        elif mode == 2:
+            kd_sum = kd_row.sum()
         else:
-            keep = None
-            kd_sum = torch.zeros((), device=dev, dtype=torch.float32)
-        ctx.save_for_backward(logits, target, lse, lse_t, topk_ids, p_teacher, keep)
-        ctx.temperature, ctx.ignore_index, ctx.has_kd = temperature, ignore_index, has_kd
+            kd_sum = torch.zeros((), **f32)
+        ctx.save_for_backward(logits, target, lse, lse_t, topk_ids, p_teacher, keep,
+                              teacher_logits if mode == 2 else None, lse_teach)
+        ctx.temperature, ctx.ignore_index, ctx.mode = temperature, ignore_index, mode
         return ce_sum, kd_sum
 
     @staticmethod
     def backward(ctx, g_ce, g_kd):
-        logits, target, lse, lse_t, topk_ids, p_teacher, keep = ctx.saved_tensors
+        logits, target, lse, lse_t, topk_ids, p_teacher, keep, teacher_logits, lse_teach = ctx.saved_tensors
         rows, V = logits.shape
         T = ctx.temperature
         zero = torch.zeros((), device=logits.device, dtype=torch.float32)
         g = torch.stack([(g_ce if g_ce is not None else zero).float().reshape(()),
                          (g_kd if g_kd is not None else zero).float().reshape(())])
         dz = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        tz = teacher_logits if ctx.mode == 2 else logits
         if rows:
-            launch(_loss_bwd, (rows,), logits, target, lse, lse_t, g, dz, V, logits.stride(0), dz.stride(0),
-                   ctx.ignore_index, 1.0 / T, T, HAS_KD=ctx.has_kd, BLOCK_V=_BLOCK_V)
-        if ctx.has_kd:  # the teacher's k sparse terms: -T p_k at (row, i_k)
+            launch(_loss_bwd, (rows,), logits, target, lse, lse_t, tz, lse_teach, g, dz, V, logits.stride(0),
+                   tz.stride(0), dz.stride(0), ctx.ignore_index, 1.0 / T, float(T), KD_MODE=ctx.mode, BLOCK_V=_BLOCK_V)
+        if ctx.mode == 1:  # the teacher's k sparse terms: -T p_k at (row, i_k)
             dz.scatter_add_(1, topk_ids, (-(g[1] * T) * p_teacher * keep[:, None]).to(dz.dtype))
-        return dz, None, None, None, None, None
+        return dz, None, None, None, None, None, None
 
 
 def _check_2d(logits, target):
@@ -145,21 +183,33 @@ def cross_entropy_sum_triton(logits: torch.Tensor, target: torch.Tensor, ignore_
     """Sum over rows of ``-log softmax(logits)[target]`` (fp32 scalar); logits (rows, V), target (rows,) integers
     (``ignore_index`` rows skipped). Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``."""
     logits = _check_2d(logits, target)
-    return _LossSums.apply(logits, target.to(torch.int64).contiguous(), None, None, 1.0, int(ignore_index))[0]
+    return _LossSums.apply(logits, target.to(torch.int64).contiguous(), None, None, None, 1.0, int(ignore_index))[0]
 
 
 def next_token_loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, topk_ids: torch.Tensor | None = None,
-                         topk_logprobs: torch.Tensor | None = None, temperature: float = 1.0):
+                         topk_logprobs: torch.Tensor | None = None, temperature: float = 1.0,
+                         teacher_logits: torch.Tensor | None = None):
     """(ce_sum, kd_sum) over positions t < l-1 of (b, l, V) logits: ``-log softmax(z_t)[input_ids[t+1]]`` and,
     given the teacher's top-k at each position (``topk_ids``, ``topk_logprobs``: (b, l, k); the prediction at t is
     for token t+1), ``-T^2 sum_k softmax(topk_logprobs_t / T)_k log_softmax(z_t / T)[topk_ids_t,k]`` (kd_sum is 0
-    without them). The last position is an ignored row rather than a slice, so the gradient comes back in the
-    logits' own (b, l, V) layout."""
+    without them); or, given the live teacher's ``teacher_logits`` (b, l, V' >= V; its first V columns are read),
+    the full-vocabulary ``T^2 KL(softmax(teacher / T) || softmax(z / T))``. The last position is an ignored row
+    rather than a slice, so the gradient comes back in the logits' own (b, l, V) layout."""
     b, l, V = logits.shape
     if (topk_ids is None) != (topk_logprobs is None):
         raise ValueError("next_token_loss_sums: give both topk_ids and topk_logprobs, or neither")
     if temperature <= 0:
         raise ValueError(f"next_token_loss_sums: temperature must be > 0, got {temperature}")
+    if teacher_logits is not None:
+        if topk_ids is not None:
+            raise ValueError("next_token_loss_sums: give the teacher's top-k or its full logits, not both")
+        if teacher_logits.shape[:2] != (b, l) or teacher_logits.shape[-1] < V:
+            raise ValueError(f"next_token_loss_sums: teacher logits {tuple(teacher_logits.shape)} must be (b, l, >= V) "
+                             f"for logits {tuple(logits.shape)}")
+        # a view (rows strided by the teacher's V') whenever (b, l) merge, which they do for a whole logits tensor
+        teacher_logits = teacher_logits[..., :V].reshape(b * l, V)
+        if teacher_logits.stride(1) != 1:
+            teacher_logits = teacher_logits.contiguous()
     target = torch.full((b, l), -100, dtype=torch.int64, device=input_ids.device)
     target[:, :-1] = input_ids[:, 1:]
     ids = p = None
@@ -171,4 +221,4 @@ def next_token_loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, topk_ids
         ids = topk_ids.reshape(b * l, k).to(torch.int64).contiguous()
         p = torch.softmax(topk_logprobs.reshape(b * l, k).float() / temperature, dim=-1).contiguous()
     z = _check_2d(logits.reshape(b * l, V), target.reshape(-1))
-    return _LossSums.apply(z, target.reshape(-1), ids, p, float(temperature), -100)
+    return _LossSums.apply(z, target.reshape(-1), ids, p, teacher_logits, float(temperature), -100)

@@ -100,9 +100,9 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
     only the model's own (bf16) logits stay alive for the backward; the fp32 copy, log-softmax and KD
     terms of a row are recomputed. `vocab_shard`: the logits are this rank's vocabulary slice of a
     vocabulary-parallel LM head (`hmscale.parallel.vocab.VocabShard`). On the Triton backend (CUDA), without a
-    vocabulary shard or the live teacher's logits: `kernels.next_token_loss_sums`, cross-entropy and the cached
-    top-k KD term in one kernel each way over all rows, no fp32 copy of the logits (`fused_ce=False` keeps the
-    per-sequence path; `True` asks for the kernel, an error where it cannot apply).
+    vocabulary shard: `kernels.next_token_loss_sums`, cross-entropy and the KD term (cached top-k or the live
+    teacher's logits) in one kernel each way over all rows, no fp32 copy of the logits (`fused_ce=False` keeps
+    the per-sequence path; `True` asks for the kernel, an error where it cannot apply).
     """
     kd_on = kd_weight > 0
     online = kd_on and teacher_logits is not None
@@ -115,15 +115,15 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
 
     b, l = input_ids.shape
     n = b * (l - 1)
-    kernel_applies = not online and vocab_shard is None
+    kernel_applies = vocab_shard is None
     if fused_ce and not kernel_applies:
-        raise TrainingError("fused_ce=True: the fused loss takes neither the live teacher's logits nor a "
-                            "vocabulary-parallel head")
+        raise TrainingError("fused_ce=True: the fused loss does not take a vocabulary-parallel head")
     if fused_ce or (fused_ce is None and kernel_applies and kernels.resolve_backend(logits) == "triton"):
-        # one kernel each way over the whole (b, l, V) logits: cross-entropy and the cached top-k KD term
+        # one kernel each way over the whole (b, l, V) logits: cross-entropy and the KD term
+        cached = kd_on and not online
         ce_sum, kd_sum = kernels.next_token_loss_sums(
-            logits, input_ids, batch["topk_ids"] if kd_on else None, batch["topk_logprobs"] if kd_on else None,
-            temperature)
+            logits, input_ids, batch["topk_ids"] if cached else None, batch["topk_logprobs"] if cached else None,
+            temperature, teacher_logits=teacher_logits if online else None)
         ce = ce_sum / n
         loss = ce * ce_weight if ce_weight != 1.0 else ce
         extras = {"ce": ce.detach()}

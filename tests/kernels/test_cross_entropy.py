@@ -117,3 +117,50 @@ def test_topk_shape_errors_are_clear():
         next_token_loss_sums(z, ids, torch.zeros(1, 4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"must both be \(b, l, k\)"):
         next_token_loss_sums(z, ids, torch.zeros(1, 3, 2, dtype=torch.long), torch.zeros(1, 3, 2))
+
+
+def _online_reference(logits, ids, teacher, T):
+    z = logits[:, :-1].double()
+    V = z.shape[-1]
+    ce = torch.nn.functional.cross_entropy(z.reshape(-1, V), ids[:, 1:].reshape(-1), reduction="sum")
+    t_lp = torch.log_softmax(teacher[:, :-1, :V].double() / T, -1)
+    s_lp = torch.log_softmax(z / T, -1)
+    return ce, (t_lp.exp() * (t_lp - s_lp)).sum() * T * T
+
+
+@pytest.mark.parametrize("T", [1.0, 2.0])
+def test_live_teacher_kl_matches_the_reference(T):
+    """Full-vocabulary KL against the live teacher's logits, a teacher vocabulary wider than the student's (its
+    first V columns read in place), in bf16 like the teacher's forward."""
+    g = torch.Generator().manual_seed(6)
+    b, l, V = 2, 6, _BLOCK_V + 77
+    logits = (torch.randn(b, l, V, generator=g) * 3).to(TRITON_DEVICE)
+    ids = torch.randint(0, V, (b, l), generator=g).to(TRITON_DEVICE)
+    teacher = (torch.randn(b, l, V + 9, generator=g) * 3).to(torch.bfloat16).to(TRITON_DEVICE)
+    w_ce, w_kd = 0.6, 0.8
+    zl = logits.clone().requires_grad_()
+    ce, kd = next_token_loss_sums(zl, ids, teacher_logits=teacher, temperature=T)
+    (dz,) = torch.autograd.grad(w_ce * ce + w_kd * kd, zl)
+    ref = logits.double().requires_grad_()
+    ce_ref, kd_ref = _online_reference(ref, ids, teacher, T)
+    (dz_ref,) = torch.autograd.grad(w_ce * ce_ref + w_kd * kd_ref, ref)
+    assert rel(ce.double(), ce_ref) <= 1e-5 and rel(kd.double(), kd_ref) <= 1e-4 and kd > 0
+    assert rel(dz.double(), dz_ref) <= 1e-5
+    assert dz[:, -1].abs().max() == 0
+
+
+def test_kl_of_a_teacher_equal_to_the_student_is_zero():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 4, 50, generator=g).to(TRITON_DEVICE).requires_grad_()
+    ids = torch.randint(0, 50, (1, 4), generator=g).to(TRITON_DEVICE)
+    _, kd = next_token_loss_sums(logits, ids, teacher_logits=logits.detach(), temperature=1.3)
+    (dz,) = torch.autograd.grad(kd, logits)
+    assert abs(float(kd)) < 1e-5 and dz.abs().max() < 1e-6
+
+
+def test_teacher_errors_are_clear():
+    z, ids = torch.ones(1, 4, 8), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="not both"):
+        next_token_loss_sums(z, ids, torch.zeros(1, 4, 2, dtype=torch.long), torch.zeros(1, 4, 2), teacher_logits=z)
+    with pytest.raises(ValueError, match=r"must be \(b, l, >= V\)"):
+        next_token_loss_sums(z, ids, teacher_logits=torch.ones(1, 4, 7))

@@ -1,6 +1,7 @@
 """Stage 2's loss on the Triton backend (kernels.next_token_loss_sums, under TRITON_INTERPRET=1 on CPU) gives the
 per-sequence checkpointed path's loss, CE, KD and logits gradient (fp32; 1e-6 / 1e-5 relative): cross-entropy
-alone and with the cached top-k KD term at two temperatures; the live teacher's logits keep the per-sequence path."""
+alone, with the cached top-k KD term and with the live teacher's logits, at two temperatures; validation on both
+paths; a vocabulary-parallel head refuses the kernel."""
 
 import os
 
@@ -40,7 +41,7 @@ def _loss_and_grad(monkeypatch, backend, ce_weight=1.0, kd_weight=0.0, temperatu
 def test_kernel_path_equals_the_per_sequence_path(monkeypatch, ce_weight, kd_weight, temperature):
     calls = []
     real = stage2.kernels.next_token_loss_sums
-    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
     loss, extras, grad = _loss_and_grad(monkeypatch, "triton", ce_weight, kd_weight, temperature)
     assert calls == [1]
     loss_ref, extras_ref, grad_ref = _loss_and_grad(monkeypatch, "torch", ce_weight, kd_weight, temperature)
@@ -53,15 +54,30 @@ def test_kernel_path_equals_the_per_sequence_path(monkeypatch, ce_weight, kd_wei
     assert grad[:, -1].abs().max() == 0 and grad.abs().sum() > 0
 
 
-def test_live_teacher_keeps_the_per_sequence_path(monkeypatch):
-    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a: pytest.fail("kernel used"))
-    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_live_teacher_kd_equals_the_per_sequence_path(monkeypatch, temperature):
+    calls = []
+    real = stage2.kernels.next_token_loss_sums
+    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
     logits, ids, _ = _inputs(False)
-    teacher = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4)).to(DEV)
-    loss, extras = stage2.causal_lm_losses(logits, ids, {}, 0.5, teacher_logits=teacher)
-    assert torch.isfinite(loss) and "kd" in extras
-    with pytest.raises(TrainingError, match="live teacher"):
-        stage2.causal_lm_losses(logits, ids, {}, 0.5, teacher_logits=teacher, fused_ce=True)
+    teacher = (torch.randn(3, 11, 44, generator=torch.Generator().manual_seed(4)) * 2).to(DEV)  # wider vocabulary
+    got = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("HMSCALE_SSD_BACKEND", backend)
+        z = logits.clone().requires_grad_()
+        loss, extras = stage2.causal_lm_losses(z, ids, {}, 0.5, temperature, teacher_logits=teacher)
+        got[backend] = (loss.detach(), extras, torch.autograd.grad(loss, z)[0])
+    assert calls == [1]
+    (loss, extras, grad), (loss_ref, extras_ref, grad_ref) = got["triton"], got["torch"]
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(extras["kd"], extras_ref["kd"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-8)
+
+
+def test_vocab_parallel_head_refuses_the_kernel():
+    logits, ids, _ = _inputs(False)
+    with pytest.raises(TrainingError, match="vocabulary-parallel"):
+        stage2.causal_lm_losses(logits, ids, {}, 0.0, vocab_shard=object(), fused_ce=True)
 
 
 def test_validation_loss_equal_on_both_paths(monkeypatch):
@@ -77,7 +93,7 @@ def test_validation_loss_equal_on_both_paths(monkeypatch):
     val = torch.randint(0, 40, (5, 9), generator=torch.Generator().manual_seed(5)).numpy()
     calls = []
     real = stage2.kernels.next_token_loss_sums
-    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(stage2.kernels, "next_token_loss_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("HMSCALE_SSD_BACKEND", backend)
