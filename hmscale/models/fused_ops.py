@@ -2,7 +2,8 @@
 the plain PyTorch versions elsewhere (CPU). Inside ``torch.compile``d blocks inductor fuses the plain versions
 (``HMSCALE_COMPILED_GLUE=inductor``, the default: the path the training benchmarks measured) or the conv and the
 split + rotary run as the Triton kernels' custom ops (``triton``: 0.621 against 0.801 ms fwd+bwd per 410m layer
-in isolation, not yet timed in a training step); the gate stays inductor's.
+in isolation, but no faster in the compiled 410m training step: BENCHMARKS.md, 2026-12-03); the gate stays
+inductor's.
 
 - `split_qkv_rotary(qkv, n_heads, cos, sin)`  the fused per-head ``[q|k|v]`` projection output ->
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head);

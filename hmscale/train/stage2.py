@@ -111,32 +111,38 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
                             "teacher), or cache.capture.topk > 0 and rebuild the cache, or set stage2.kd_weight=0")
     if online and teacher_logits.shape[:2] != logits.shape[:2]:
         raise TrainingError(f"teacher logits {tuple(teacher_logits.shape)} do not match the student's {tuple(logits.shape)}")
-    from torch.utils.checkpoint import checkpoint
-
     b, l = input_ids.shape
     n = b * (l - 1)
+    cached = kd_on and not online
     kernel_applies = vocab_shard is None
     if fused_ce and not kernel_applies:
         raise TrainingError("fused_ce=True: the fused loss does not take a vocabulary-parallel head")
     if fused_ce or (fused_ce is None and kernel_applies and kernels.resolve_backend(logits) == "triton"):
         # one kernel each way over the whole (b, l, V) logits: cross-entropy and the KD term
-        cached = kd_on and not online
         ce_sum, kd_sum = kernels.next_token_loss_sums(
             logits, input_ids, batch["topk_ids"] if cached else None, batch["topk_logprobs"] if cached else None,
             temperature, teacher_logits=teacher_logits if online else None)
-        ce = ce_sum / n
-        loss = ce * ce_weight if ce_weight != 1.0 else ce
-        extras = {"ce": ce.detach()}
-        if kd_on:
-            kd = kd_sum / n
-            extras["kd"] = kd.detach()
-            loss = loss + kd_weight * kd
-        return loss, extras
+    else:
+        ce_sum, kd_sum = _per_sequence_loss_sums(logits, input_ids, batch, cached, online, temperature,
+                                                 teacher_logits, vocab_shard)
+    ce = ce_sum / n
+    extras = {"ce": ce.detach()}
+    loss = ce * ce_weight if ce_weight != 1.0 else ce
+    if kd_on:
+        kd = kd_sum / n
+        extras["kd"] = kd.detach()
+        loss = loss + kd_weight * kd
+    return loss, extras
+
+
+def _per_sequence_loss_sums(logits, input_ids, batch, cached, online, temperature, teacher_logits, vocab_shard):
+    """(ce_sum, kd_sum) one sequence at a time, each under activation checkpointing (fp32 math per row)."""
+    from torch.utils.checkpoint import checkpoint
+
     ce_sum = kd_sum = 0.0
     vocab = vocab_shard.vocab_size if vocab_shard is not None else logits.shape[-1]
     row_fn = _row_losses if vocab_shard is None else functools.partial(_row_losses_vocab_parallel, vocab_shard)
-    for i in range(b):
-        cached = kd_on and not online
+    for i in range(input_ids.shape[0]):
         args = (logits[i, :-1], input_ids[i, 1:],
                 batch["topk_ids"][i, :-1] if cached else None,  # the teacher's prediction at t is for token t+1
                 batch["topk_logprobs"][i, :-1] if cached else None, temperature,
@@ -147,14 +153,7 @@ def causal_lm_losses(logits: torch.Tensor, input_ids: torch.Tensor, batch: dict,
             ce_i, kd_i = row_fn(*args)
         ce_sum = ce_sum + ce_i
         kd_sum = kd_sum + kd_i
-    ce = ce_sum / n
-    extras = {"ce": ce.detach()}
-    loss = ce * ce_weight if ce_weight != 1.0 else ce
-    if kd_on:
-        kd = kd_sum / n
-        extras["kd"] = kd.detach()
-        loss = loss + kd_weight * kd
-    return loss, extras
+    return ce_sum, kd_sum
 
 
 def hidden_alignment(student_hidden, teacher_hidden) -> torch.Tensor:
