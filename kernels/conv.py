@@ -8,12 +8,15 @@ The plain version (``reference.causal_depthwise_conv_reference``) is W multiply-
 a tensor as wide as the qkv projection. Here:
 
 - forward: one kernel; each (rows x channels) tile reads its W shifted input rows and writes y once;
-- backward: one kernel gathers ``dxp[i] = sum_j w[:, j] * dy[i - j]`` straight into dx and dprev, one kernel
-  writes per-tile partial sums of ``xp * dy`` (dw) and ``dy`` (db), summed over tiles by torch
-  (deterministic, no atomics). All sums in fp32.
+- backward: one kernel; each program walks a group of rows of one channel tile, gathers
+  ``dxp[i] = sum_j w[:, j] * dy[i - j]`` straight into dx (and dprev), and keeps the weight and bias gradients'
+  products in fp32 tile accumulators reduced once per program: (W + 1, C) partial sums per row group, summed
+  over groups by torch (deterministic, no atomics). All sums in fp32.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -24,7 +27,8 @@ from .launch import launch
 
 __all__ = ["causal_depthwise_conv_triton"]
 
-_BL, _BC = 32, 128  # rows x channels per tile
+# (rows, channels, warps) per forward tile; (rows, channels, warps, rows per program) for the backward
+_DEFAULT_CFG = {"fwd": (32, 128, 4), "bwd": (16, 128, 4, 512)}  # swept on the H200, 2026-12-03
 
 
 @triton.jit
@@ -52,46 +56,114 @@ def _conv_fwd(X, PREV, WT, BIAS, Y, L, C, W: tl.constexpr, BL: tl.constexpr, BC:
 
 
 @triton.jit
-def _conv_bwd_dx(DY, WT, DX, DPREV, L, C, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
-    """dxp[i] = sum_j w[:, j] dy[i - j] for xp rows i in [0, W-1+L): rows < W-1 go to dprev, the rest to dx."""
-    bi = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BL + tl.arange(0, BL)
-    cols = tl.program_id(2) * BC + tl.arange(0, BC)
-    cmask = cols < C
-    acc = tl.zeros((BL, BC), dtype=tl.float32)
-    for j in tl.static_range(W):
-        t = i - j
-        ok = (t >= 0) & (t < L)
-        dy = tl.load(DY + (bi * L + t)[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
-        wj = tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
-        acc += dy.to(tl.float32) * wj[None, :]
-    W1 = W - 1
-    to_prev = (i < W1)[:, None] & cmask[None, :]
-    to_x = ((i >= W1) & (i < W1 + L))[:, None] & cmask[None, :]
-    tl.store(DPREV + (bi * W1 + i)[:, None] * C + cols[None, :], acc.to(DPREV.dtype.element_ty), mask=to_prev)
-    tl.store(DX + (bi * L + i - W1)[:, None] * C + cols[None, :], acc.to(DX.dtype.element_ty), mask=to_x)
+def _w(WT, cols, cmask, j, W: tl.constexpr):
+    return tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
-def _conv_bwd_dw(X, PREV, DY, PART, L, C, NT, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
-    """PART[bi * NT + tile, j, c] = sum over the tile's rows t of xp[t + j, c] dy[t, c]; PART[..., W, c] = sum dy."""
-    bi = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    t = tile * BL + tl.arange(0, BL)
-    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+def _conv_bwd(X, PREV, DY, WT, DX, DPREV, PART, L, C, G, R, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
+              BIG: tl.constexpr):
+    """One program per (batch, group of R rows, channel tile). With ``dy_j[s] = dy[s + W-1 - j]`` (tap j's view
+    of x row s), each tile of x rows s needs one load of x and the W shifted loads of dy:
+    ``dx[s] = sum_j w[:, j] dy_j[s]`` (written) and the weight gradient's ``x[s] dy_j[s]`` added into (BL x BC)
+    fp32 accumulators (the bias gradient's is ``dy_{W-1} = dy``), reduced over rows once at the end:
+    PART[bi * G + g] = (W + 1, C) partial sums. The W-1 carried rows (their dprev and their weight-gradient terms)
+    are the first group's. Taps go four at a time (one walk over the rows per four taps; the first also writes
+    dx), so any W works and the usual W <= 4 reads x and dy once from memory. Offsets within one sequence are
+    int32 from per-sequence base pointers (int64 tiles double the registers) unless L x C needs more (BIG)."""
+    pid = tl.program_id(0)
+    bi = (pid // G).to(tl.int64)
+    g = pid % G
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
-    ok = t < L
-    dy = tl.load(DY + (bi * L + t)[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
-    dy = dy.to(tl.float32)
-    base = PART + ((bi * NT + tile) * (W + 1)) * C
-    for j in tl.static_range(W):
-        xj = _xp_tile(X, PREV, bi, t + j, cols, L, C, W - 1, cmask)
-        tl.store(base + j * C + cols, tl.sum(xj * dy, axis=0), mask=cmask)
-    tl.store(base + W * C + cols, tl.sum(dy, axis=0), mask=cmask)
+    base = PART + ((bi * G + g) * (W + 1)) * C
+    X += bi * L * C
+    DY += bi * L * C
+    DX += bi * L * C
+    PREV += bi * (W - 1) * C
+    DPREV += bi * (W - 1) * C
+    for j0 in tl.static_range(0, W, 4):
+        a0 = tl.zeros((BL, BC), dtype=tl.float32)
+        a1 = tl.zeros((BL, BC), dtype=tl.float32)
+        a2 = tl.zeros((BL, BC), dtype=tl.float32)
+        a3 = tl.zeros((BL, BC), dtype=tl.float32)
+        ab = tl.zeros((BL, BC), dtype=tl.float32)
+        if g == 0:  # the carried rows i < W-1: dprev[i] = sum_j w_j dy[i - j], weight terms prev[i] dy[i - j]
+            i = tl.arange(0, BL)
+            pm = (i < W - 1)[:, None] & cmask[None, :]
+            pv = tl.load(PREV + i[:, None] * C + cols[None, :], mask=pm, other=0.0).to(tl.float32)
+            dp = tl.zeros((BL, BC), dtype=tl.float32)
+            for j in tl.static_range(W):
+                t = i - j
+                ok = (t >= 0) & (t < L) & (i < W - 1)
+                dyj = tl.load(DY + t[:, None] * C + cols[None, :], mask=ok[:, None] & cmask[None, :],
+                              other=0.0).to(tl.float32)
+                if j0 == 0:
+                    dp += dyj * _w(WT, cols, cmask, j, W)
+                if j == j0:
+                    a0 += pv * dyj
+                if j == j0 + 1:
+                    a1 += pv * dyj
+                if j == j0 + 2:
+                    a2 += pv * dyj
+                if j == j0 + 3:
+                    a3 += pv * dyj
+            if j0 == 0:
+                tl.store(DPREV + i[:, None] * C + cols[None, :], dp.to(DPREV.dtype.element_ty), mask=pm)
+        for r in range(0, R, BL):
+            s = g * R + r + tl.arange(0, BL)
+            if BIG:
+                s = s.to(tl.int64)
+            ok = s < L
+            tile = s[:, None] * C + cols[None, :]
+            xs = tl.load(X + tile, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            dx = tl.zeros((BL, BC), dtype=tl.float32)
+            for j in tl.static_range(W):
+                if (j0 == 0) | ((j >= j0) & (j < j0 + 4)):
+                    tt = s + (W - 1 - j)
+                    dyj = tl.load(DY + tt[:, None] * C + cols[None, :],
+                                  mask=(tt < L)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                    if j0 == 0:
+                        dx += dyj * _w(WT, cols, cmask, j, W)
+                    if (j0 == 0) & (j == W - 1):
+                        ab += dyj
+                    if j == j0:
+                        a0 += xs * dyj
+                    if j == j0 + 1:
+                        a1 += xs * dyj
+                    if j == j0 + 2:
+                        a2 += xs * dyj
+                    if j == j0 + 3:
+                        a3 += xs * dyj
+            if j0 == 0:
+                tl.store(DX + tile, dx.to(DX.dtype.element_ty), mask=ok[:, None] & cmask[None, :])
+        tl.store(base + j0 * C + cols, tl.sum(a0, axis=0), mask=cmask)
+        if j0 + 1 < W:
+            tl.store(base + (j0 + 1) * C + cols, tl.sum(a1, axis=0), mask=cmask)
+        if j0 + 2 < W:
+            tl.store(base + (j0 + 2) * C + cols, tl.sum(a2, axis=0), mask=cmask)
+        if j0 + 3 < W:
+            tl.store(base + (j0 + 3) * C + cols, tl.sum(a3, axis=0), mask=cmask)
+        if j0 == 0:
+            tl.store(base + W * C + cols, tl.sum(ab, axis=0), mask=cmask)
 
 
-def _grid(b: int, rows: int, C: int):
-    return (b, cdiv(rows, _BL), cdiv(C, _BC))
+def _tiles() -> dict:
+    """Tile sizes: ``HMSCALE_CONV_CFG="fwd=BL,BC,warps;bwd=BL,BC,warps,rows"`` overrides the defaults (tuning runs)."""
+    cfg = dict(_DEFAULT_CFG)
+    spec = os.environ.get("HMSCALE_CONV_CFG", "")
+    for item in filter(None, spec.split(";")):
+        name, _, vals = item.partition("=")
+        parts = vals.split(",")
+        if name not in cfg or len(parts) != len(cfg[name]) or not all(v.strip().isdigit() for v in parts):
+            raise ValueError(f"HMSCALE_CONV_CFG: {item!r} is not fwd=BL,BC,warps or bwd=BL,BC,warps,rows (integers)")
+        cfg[name] = tuple(int(v) for v in parts)
+    if any(v & (v - 1) for name in cfg for v in cfg[name][:2]):
+        raise ValueError(f"HMSCALE_CONV_CFG: the tile sizes BL, BC must be powers of two, got {cfg}")
+    bl, _, _, rows = cfg["bwd"]
+    if rows % bl:
+        raise ValueError(f"HMSCALE_CONV_CFG: bwd rows {rows} must be a multiple of BL {bl}")
+    return cfg
 
 
 def _forward(x, prev, weight, bias):
@@ -101,8 +173,9 @@ def _forward(x, prev, weight, bias):
     prev = prev.to(x.dtype).contiguous()
     y = torch.empty_like(x)
     if b and l:
-        launch(_conv_fwd, _grid(b, l, c), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
-               W=W, BL=_BL, BC=_BC)
+        bl, bc, warps = _tiles()["fwd"]
+        launch(_conv_fwd, (b, cdiv(l, bl), cdiv(c, bc)), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
+               W=W, BL=bl, BC=bc, num_warps=warps)
     state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
     return y, state
 
@@ -114,11 +187,14 @@ def _backward(dy, x, prev, weight, bias_dtype):
     dy = dy.contiguous()
     dx = torch.empty_like(x)
     dprev = torch.empty_like(prev)
-    nt = cdiv(l, _BL)
-    part = torch.empty(b * nt, W + 1, c, dtype=torch.float32, device=x.device)
+    bl, bc, warps, rows = _tiles()["bwd"]
+    bl = max(bl, triton.next_power_of_2(W - 1))  # the carried rows fit one tile
+    rows = max(rows, bl) // bl * bl
+    groups = cdiv(l, rows)
+    part = torch.empty(b * groups, W + 1, c, dtype=torch.float32, device=x.device)
     if b and l:
-        launch(_conv_bwd_dx, _grid(b, W - 1 + l, c), dy, weight.contiguous(), dx, dprev, l, c, W=W, BL=_BL, BC=_BC)
-        launch(_conv_bwd_dw, _grid(b, l, c), x, prev, dy, part, l, c, nt, W=W, BL=_BL, BC=_BC)
+        launch(_conv_bwd, (b * groups, cdiv(c, bc)), x, prev, dy, weight.contiguous(), dx, dprev, part, l, c, groups,
+               rows, W=W, BL=bl, BC=bc, BIG=l * c >= 2**31 - 2**24, num_warps=warps)
     else:
         dx.zero_()
         dprev.zero_()
