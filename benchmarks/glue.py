@@ -2,7 +2,7 @@
 references (what a compiled training step runs by default), forward and forward+backward, with a floor.
 
     python3 benchmarks/glue.py                       # conv and feature map, pythia-160m and -410m shapes
-    python3 benchmarks/glue.py --op conv --conv-cfg "bwd=32,128,8,256" --conv-cfg "bwd=16,128,4,512"
+    python3 benchmarks/glue.py --op conv --conv-cfg "" --conv-cfg "bwd=16,128,4,256"   # '' = the defaults
 
 Shapes: micro batch 8 x seq 2048 (16K tokens), bf16, the mixer's conv over the 3 d qkv channels (width 4) and the
 Hedgehog feature map of one of q / k (h heads, P = F = 64). The floor is the bytes each way must move (inputs read
@@ -104,7 +104,7 @@ def run_op(op, shape, variants, bw, profile, b=8, l=2048):
     else:
         ins, gy, nbytes = fm_case(d, h, b, l)
         ref, ours = hedgehog_feature_map_reference, hedgehog_feature_map
-        env = None
+        env = "HMSCALE_FM_CFG"
     rows = []
     compiled = torch.compile(ref)
     cands = [("inductor", compiled, None)] + [(f"triton {v or 'default'}", ours, v) for v in variants]
@@ -145,6 +145,8 @@ def main():
     ap.add_argument("--shapes", default="160m,410m")
     ap.add_argument("--conv-cfg", action="append", default=None,
                     help="HMSCALE_CONV_CFG variants to time (repeatable; '' = the defaults)")
+    ap.add_argument("--fm-cfg", action="append", default=None,
+                    help="HMSCALE_FM_CFG variants of the feature map to time (repeatable)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -156,7 +158,7 @@ def main():
         if args.op in ("conv", "all"):
             run_op("conv", shape, args.conv_cfg or [""], bw, args.profile)
         if args.op in ("fm", "all"):
-            run_op("fm", shape, [""], bw, args.profile)
+            run_op("fm", shape, args.fm_cfg or [""], bw, args.profile)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,17 @@ def test_row_groups_and_tap_groups(monkeypatch, cfg, b, l, c, W):
         assert rel(a, r) <= 1e-5, (name, rel(a, r))
 
 
+def test_int64_offsets_give_the_same_result(monkeypatch):
+    """Sequences too long for int32 offsets take the int64 variant of both kernels (forced here by a low limit)."""
+    import kernels.conv as kconv
+
+    ins = _inputs(2, 45, 200, 4, torch.float32)
+    y32, _, g32 = _run(causal_depthwise_conv_triton, *ins, True)
+    monkeypatch.setattr(kconv, "_INT32_OFFSETS", 0)
+    y64, _, g64 = _run(causal_depthwise_conv_triton, *ins, True)
+    assert torch.equal(y32, y64) and all(torch.equal(a, b) for a, b in zip(g32, g64))
+
+
 @pytest.mark.parametrize("cfg", ["bwd=16,64,4,24", "fwd=16,64", "fwd=24,64,4", "bwd=a,b,c,d", "nope=1,2,3"])
 def test_bad_tile_config_is_a_clear_error(monkeypatch, cfg):
     monkeypatch.setenv("HMSCALE_CONV_CFG", cfg)
