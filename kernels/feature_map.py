@@ -1,108 +1,259 @@
 """The Hedgehog feature map ``phi(u) = softmax([W u + b, -(W u + b)])`` per head, fused for the GPU.
 
-The projection ``z = W u`` (a small matrix per head) stays a cuBLAS batched matmul in u's dtype; what the
-plain version spends around it (an fp32 cast, the bias add, the negated copy, the concatenation, the
-fp32 softmax and the cast back, with the fp32 softmax output kept for the backward) is one Triton kernel
-each way here:
+u (..., h, P), weight (h, F, P), bias (h, F) -> phi (..., h, 2F) in u's dtype. The plain version
+(``reference.hedgehog_feature_map_reference``) is a batched matmul (with permutes around it), an fp32 cast, the
+bias add, the negated copy, the concatenation, the fp32 softmax and the cast back; its backward as many again plus
+two matmuls. Here it is one Triton kernel each way, the projection included, and ``z = W u`` never goes to memory:
 
-- forward: ``phi = softmax([z + b, -(z + b)])`` per row, fp32 math, written in u's dtype;
-- backward: ``dz = phi_+ (g_+ - s) - phi_- (g_- - s)``, ``s = sum(phi * g)`` per row, fp32, from the saved
-  ``phi`` (the only activation kept besides u), then ``du``, ``dW`` by matmuls and ``db`` by a sum.
+- forward (``_fm_fwd``): one program per (tile of ``BLOCK_R`` rows, head). It reads the rows' (BLOCK_R x P) slice
+  of u in place (row r, head hh at ``(r h + hh) P``: no permute) and the head's W (cast to u's dtype, as the
+  reference does), computes ``z = u W^T`` with ``tl.dot`` (fp32 accumulation; exact fp32 products for fp32
+  inputs), then ``phi = softmax([z + b, -(z + b)])`` in fp32 (``max |z + b|`` as the stabiliser), written in u's
+  dtype. P and F are padded (masked) to powers of two >= 16 for ``tl.dot``.
+- backward (``_fm_bwd``): one program per (group of ``rows`` rows, head), walking its rows in tiles of BLOCK_R.
+  From the saved ``phi`` (the only activation kept besides u) and the upstream gradient g:
+  ``dz = phi_+ (g_+ - s) - phi_- (g_- - s)``, ``s = sum(phi g)`` per row, in fp32; then ``du = dz W`` (dz cast to
+  u's dtype, as the reference's autograd does; written in u's dtype), and in fp32 accumulators
+  ``dW += dz^T u`` (F x P) and ``db += sum(dz)`` over the group's rows. Each program writes its partial sums to its
+  row of one fp32 buffer, (groups, h F P + h F), that one torch reduction sums over groups (deterministic, no
+  atomics).
+  ``du`` and ``dW`` are skipped when autograd does not need them (stage 1: u, the teacher's q and k, has no grad).
 
-``hedgehog_feature_map_reference`` (``reference.py``) is the plain PyTorch version (``models.feature_map``
-uses it on CPU and inside compiled graphs); the tests compare the two, forward and backward, under
-``TRITON_INTERPRET=1``.
+Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults (tuning runs).
+Row offsets are int64 (rows x h x 2F may pass 2^31).
+
+The kernels are also torch.library custom ops (``hmscale::hedgehog_fm_fwd`` / ``hmscale::hedgehog_fm_bwd``), which
+a ``torch.compile``d block holds as opaque ops (``HMSCALE_COMPILED_GLUE=triton``, ``models.fused_ops``).
+``hedgehog_feature_map_reference`` is the plain PyTorch version (``models.feature_map`` uses it on CPU and, by
+default, inside compiled graphs); the tests compare the two, forward and backward, under ``TRITON_INTERPRET=1``.
+One difference from the reference: z stays fp32 (the reference rounds the bf16/fp16 matmul's output to u's dtype
+before the bias and softmax), so half-precision results differ from it by about that rounding.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_pow2
+from .host_math import cdiv
 from .launch import launch
 
 
 __all__ = ["hedgehog_feature_map"]
 
+# (BLOCK_R, warps) for the forward; (BLOCK_R, warps, rows per program) for the backward. From a small H200 sweep
+# (Triton 3.6, u (8, 2048, 16, 64) bf16, min of do_bench, noisy machine): forward 39 us, backward 68 us with du
+# (60 us without), the reduction of the partial sums included; (32, 2, 512-1024) backward about the same.
+_DEFAULT_CFG = {"fwd": (64, 4), "bwd": (64, 4, 1024)}
+
 
 @triton.jit
-def _fm_fwd(Z, BIAS, OUT, R, H, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows x 2F may pass 2^31
-    cols = tl.arange(0, BLOCK_F)
-    mask = (rows < R)[:, None] & (cols < F)[None, :]
-    z = tl.load(Z + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    heads = rows % H
-    z += tl.load(BIAS + heads[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    m = tl.max(tl.where(mask, tl.abs(z), float("-inf")), axis=1)  # the max of [z, -z]
-    m = tl.where(rows < R, m, 0.0)
-    e_pos = tl.where(mask, tl.exp(z - m[:, None]), 0.0)
-    e_neg = tl.where(mask, tl.exp(-z - m[:, None]), 0.0)
-    inv = 1.0 / tl.where(rows < R, tl.sum(e_pos + e_neg, axis=1), 1.0)
-    out = OUT + rows[:, None] * (2 * F) + cols[None, :]
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, fp32 accumulation; exact fp32 products (no tf32) when IEEE."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fm_fwd(U, WT, BIAS, OUT, R, H, P, F, BLOCK_R: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
+            IEEE: tl.constexpr):
+    hh = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows x h x 2F may pass 2^31
+    pc = tl.arange(0, BP)
+    fc = tl.arange(0, BF)
+    rmask = rows < R
+    pmask = pc < P
+    fmask = fc < F
+    base = rows * H + hh  # (row, head) index
+    u = tl.load(U + base[:, None] * P + pc[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
+    # W_h^T as a (P x F) tile, in u's dtype (the reference casts the weight too)
+    wt = tl.load(WT + hh * F * P + fc[None, :] * P + pc[:, None], mask=pmask[:, None] & fmask[None, :], other=0.0)
+    z = _mm(u, wt.to(U.dtype.element_ty), tl.zeros((BLOCK_R, BF), dtype=tl.float32), IEEE)
+    z += tl.load(BIAS + hh * F + fc, mask=fmask, other=0.0).to(tl.float32)[None, :]
+    m = tl.max(tl.where(fmask[None, :], tl.abs(z), float("-inf")), axis=1)  # the max of [z, -z]
+    e_pos = tl.where(fmask[None, :], tl.exp(z - m[:, None]), 0.0)
+    e_neg = tl.where(fmask[None, :], tl.exp(-z - m[:, None]), 0.0)
+    inv = 1.0 / tl.sum(e_pos + e_neg, axis=1)
+    out = OUT + base[:, None] * (2 * F) + fc[None, :]
+    mask = rmask[:, None] & fmask[None, :]
     tl.store(out, (e_pos * inv[:, None]).to(OUT.dtype.element_ty), mask=mask)
     tl.store(out + F, (e_neg * inv[:, None]).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _fm_bwd(PHI, G, DZ, R, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_F)
-    mask = (rows < R)[:, None] & (cols < F)[None, :]
-    off = rows[:, None] * (2 * F) + cols[None, :]
-    p_pos = tl.load(PHI + off, mask=mask, other=0.0).to(tl.float32)
-    p_neg = tl.load(PHI + off + F, mask=mask, other=0.0).to(tl.float32)
-    g_pos = tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
-    g_neg = tl.load(G + off + F, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sum(p_pos * g_pos + p_neg * g_neg, axis=1)
-    dz = p_pos * (g_pos - s[:, None]) - p_neg * (g_neg - s[:, None])
-    tl.store(DZ + rows[:, None] * F + cols[None, :], dz, mask=mask)
+def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.constexpr, BP: tl.constexpr,
+            BF: tl.constexpr, NEED_U: tl.constexpr, NEED_W: tl.constexpr, IEEE: tl.constexpr):
+    """Program (group gi, head hh): rows [gi ROWS, (gi + 1) ROWS) of head hh, in tiles of BLOCK_R (ROWS a multiple
+    of BLOCK_R). Writes du for those rows and the group's sums of dz^T u (F x P) and of dz (F) into row gi of PART
+    (groups, STRIDE): [the h (F x P) weight partials (if NEED_W), then the h (F) bias partials]."""
+    gi = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)
+    pc = tl.arange(0, BP)
+    fc = tl.arange(0, BF)
+    pmask = pc < P
+    fmask = fc < F
+    acc_w = tl.zeros((BF, BP), dtype=tl.float32)
+    acc_b = tl.zeros((BF,), dtype=tl.float32)
+    w = tl.load(WT + hh * F * P + fc[:, None] * P + pc[None, :], mask=fmask[:, None] & pmask[None, :],
+                other=0.0).to(U.dtype.element_ty)  # (F x P), for du
+    for r in range(0, ROWS, BLOCK_R):
+        rows = gi * ROWS + r + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        base = rows * H + hh
+        mask = rmask[:, None] & fmask[None, :]
+        off = base[:, None] * (2 * F) + fc[None, :]
+        p_pos = tl.load(PHI + off, mask=mask, other=0.0).to(tl.float32)
+        p_neg = tl.load(PHI + off + F, mask=mask, other=0.0).to(tl.float32)
+        g_pos = tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
+        g_neg = tl.load(G + off + F, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sum(p_pos * g_pos + p_neg * g_neg, axis=1)
+        dz = p_pos * (g_pos - s[:, None]) - p_neg * (g_neg - s[:, None])  # 0 outside the rows and F (phi = 0)
+        acc_b += tl.sum(dz, axis=0)
+        dzc = dz.to(U.dtype.element_ty)  # as the reference's autograd: the matmuls' gradients in u's dtype
+        umask = rmask[:, None] & pmask[None, :]
+        if NEED_U:
+            du = _mm(dzc, w, tl.zeros((BLOCK_R, BP), dtype=tl.float32), IEEE)
+            tl.store(DU + base[:, None] * P + pc[None, :], du.to(DU.dtype.element_ty), mask=umask)
+        if NEED_W:
+            u = tl.load(U + base[:, None] * P + pc[None, :], mask=umask, other=0.0)
+            acc_w = _mm(tl.trans(dzc), u, acc_w, IEEE)
+    part = PART + gi * STRIDE
+    if NEED_W:
+        tl.store(part + (hh * F + fc[:, None]) * P + pc[None, :], acc_w, mask=fmask[:, None] & pmask[None, :])
+        part += H * F * P
+    tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
-def _block_rows(F: int) -> int:
-    return max(1, min(64, 4096 // next_pow2(F)))
+def _pow2(v: int) -> bool:
+    return v > 0 and not v & (v - 1)
+
+
+def _tiles() -> dict:
+    """Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults."""
+    cfg = dict(_DEFAULT_CFG)
+    spec = os.environ.get("HMSCALE_FM_CFG", "")
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        name, _, vals = item.partition("=")
+        name, parts = name.strip(), vals.split(",")
+        if name not in cfg or len(parts) != len(cfg[name]) or not all(v.strip().isdigit() for v in parts):
+            raise ValueError(f"HMSCALE_FM_CFG: {item!r} is not fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows (integers)")
+        cfg[name] = tuple(int(v) for v in parts)
+    for name, (block_r, warps, *_) in cfg.items():
+        if not _pow2(block_r) or block_r < 16 or not _pow2(warps):
+            raise ValueError(f"HMSCALE_FM_CFG: {name} BLOCK_R must be a power of two >= 16 and warps a power of two, "
+                             f"got BLOCK_R={block_r}, warps={warps}")
+    block_r, _, rows = cfg["bwd"]
+    if rows <= 0 or rows % block_r:
+        raise ValueError(f"HMSCALE_FM_CFG: bwd rows {rows} must be a positive multiple of BLOCK_R {block_r}")
+    return cfg
+
+
+def _pad(n: int) -> int:
+    """n padded to a power of two >= 16 (tl.dot's smallest tile)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _forward(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    h, F, P = weight.shape
+    u = u.contiguous()
+    R = u.numel() // (h * P)
+    out = u.new_empty(*u.shape[:-1], 2 * F)
+    if R:
+        block_r, warps = _tiles()["fwd"]
+        launch(_fm_fwd, (cdiv(R, block_r), h), u, weight.contiguous(), bias.contiguous(), out, R, h, P, F,
+               BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), IEEE=u.dtype == torch.float32, num_warps=warps)
+    return out
+
+
+def _backward(g, u, weight, phi, bias_dtype, need_u: bool, need_w: bool):
+    """(du or an empty tensor, dW or an empty tensor, db) for the output gradient g; du in u's dtype, dW, db in the
+    weight's and bias_dtype."""
+    h, F, P = weight.shape
+    u, g = u.contiguous(), g.to(phi.dtype).contiguous()
+    R = u.numel() // (h * P)
+    block_r, warps, rows = _tiles()["bwd"]
+    groups = cdiv(R, rows)
+    du = torch.empty_like(u) if need_u else u.new_empty(0)
+    nw = h * F * P if need_w else 0
+    part = torch.empty(groups, nw + h * F, dtype=torch.float32, device=u.device)  # one reduction for dW and db
+    if R:
+        launch(_fm_bwd, (groups, h), u, weight.contiguous(), phi.contiguous(), g, du, part, R, h, P, F, rows,
+               part.shape[1], BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), NEED_U=need_u, NEED_W=need_w,
+               IEEE=u.dtype == torch.float32, num_warps=warps)
+    sums = part.sum(0)
+    dw = sums[:nw].view(h, F, P).to(weight.dtype) if need_w else weight.new_empty(0)
+    # separate storage for db (a custom op's outputs must not alias each other)
+    return du, dw, sums[nw:].view(h, F).to(bias_dtype, copy=True)
 
 
 class _HedgehogFeatureMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, weight, bias):
-        h, F, P = weight.shape
-        w = weight.to(u.dtype)
-        z = torch.einsum("...hp,hfp->...hf", u, w).contiguous()
-        R = z.numel() // F
-        out = torch.empty(*z.shape[:-1], 2 * F, dtype=u.dtype, device=u.device)
-        br = _block_rows(F)
-        if R:
-            launch(_fm_fwd, (cdiv(R, br),), z, bias.contiguous(), out, R, h, F, BLOCK_R=br,
-                   BLOCK_F=next_pow2(F))
-        ctx.save_for_backward(u, w, out)
-        ctx.dtypes = (weight.dtype, bias.dtype)
+        u = u.contiguous()
+        out = _forward(u, weight, bias)
+        ctx.save_for_backward(u, weight, out)
+        ctx.bias_dtype = bias.dtype
         return out
 
     @staticmethod
     def backward(ctx, g):
-        u, w, phi = ctx.saved_tensors
-        h, F, _ = w.shape
-        R = phi.numel() // (2 * F)
-        dz = torch.empty(*phi.shape[:-1], F, dtype=torch.float32, device=phi.device)
-        br = _block_rows(F)
-        if R:
-            launch(_fm_bwd, (cdiv(R, br),), phi, g.contiguous(), dz, R, F, BLOCK_R=br,
-                   BLOCK_F=next_pow2(F))
+        u, weight, phi = ctx.saved_tensors
         need_u, need_w, need_b = ctx.needs_input_grad
-        w_dtype, b_dtype = ctx.dtypes
-        dz_u = dz.to(u.dtype)
-        du = torch.einsum("...hf,hfp->...hp", dz_u, w) if need_u else None  # stage 1: q, k carry no grad
-        dw = torch.einsum("...hf,...hp->hfp", dz_u, u).to(w_dtype) if need_w else None
-        db = dz.reshape(-1, h, F).sum(0).to(b_dtype) if need_b else None
-        return du, dw, db
+        du, dw, db = _backward(g, u, weight, phi, ctx.bias_dtype, need_u, need_w)
+        return (du if need_u else None), (dw if need_w else None), (db if need_b else None)
+
+
+# The same kernels as torch.library custom ops, for torch.compile: a compiled block keeps them as opaque ops
+# (HMSCALE_COMPILED_GLUE=triton) instead of tracing the reference.
+@torch.library.custom_op("hmscale::hedgehog_fm_fwd", mutates_args=())
+def fm_fwd_op(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return _forward(u, weight, bias)
+
+
+@fm_fwd_op.register_fake
+def _(u, weight, bias):
+    return u.new_empty(*u.shape[:-1], 2 * weight.shape[1])
+
+
+@torch.library.custom_op("hmscale::hedgehog_fm_bwd", mutates_args=())
+def fm_bwd_op(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, phi: torch.Tensor, bias_dtype: torch.dtype,
+              need_u: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(g, u, weight, phi, bias_dtype, need_u, need_w)
+
+
+@fm_bwd_op.register_fake
+def _(g, u, weight, phi, bias_dtype, need_u, need_w):
+    return (torch.empty_like(u) if need_u else u.new_empty(0), torch.empty_like(weight) if need_w else
+            weight.new_empty(0), weight.new_empty(weight.shape[:2], dtype=bias_dtype))
+
+
+def _op_setup_context(ctx, inputs, output):
+    u, weight, bias = inputs
+    ctx.save_for_backward(u, weight, output)
+    ctx.bias_dtype = bias.dtype
+
+
+def _op_backward(ctx, g):
+    u, weight, phi = ctx.saved_tensors
+    need_u, need_w, need_b = ctx.needs_input_grad
+    du, dw, db = fm_bwd_op(g, u, weight, phi, ctx.bias_dtype, need_u, need_w)
+    return (du if need_u else None), (dw if need_w else None), (db if need_b else None)
+
+
+fm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The fused feature map (Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); the same contract
-    as ``hedgehog_feature_map_reference``."""
+    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op."""
     if u.shape[-2:] != (weight.shape[0], weight.shape[2]) or bias.shape != weight.shape[:2]:
         raise ValueError(f"hedgehog_feature_map: u {tuple(u.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not match ((..., h, P), (h, F, P), (h, F))")
+    if torch.compiler.is_compiling():
+        return fm_fwd_op(u, weight, bias)
     return _HedgehogFeatureMap.apply(u, weight, bias)

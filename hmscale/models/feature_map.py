@@ -15,6 +15,8 @@ from torch import nn
 
 import kernels
 
+from .fused_ops import compiled_glue_on_triton
+
 __all__ = ["HedgehogFeatureMap", "feature_map_init"]
 
 
@@ -55,11 +57,13 @@ class HedgehogFeatureMap(nn.Module):
         """u (..., h, P) -> phi(u) (..., h, 2F), returned in u's dtype.
 
         The projection runs in u's dtype (a bf16 model gets a bf16 tensor-core matmul with fp32
-        accumulation, not an fp32 one); the bias add and the softmax run in fp32. On CUDA the elementwise
-        part is one Triton kernel each way (``kernels.hedgehog_feature_map``); on CPU, inside compiled
-        graphs (where inductor fuses it) and with ``HMSCALE_SSD_BACKEND=torch`` the plain version.
+        accumulation, not an fp32 one); the bias add and the softmax run in fp32. On CUDA the whole map,
+        projection included, is one Triton kernel each way (``kernels.hedgehog_feature_map``), inside compiled
+        graphs too (as its custom op) with ``HMSCALE_COMPILED_GLUE=triton`` (``fused_ops.compiled_glue_on_triton``,
+        the switch of the mixer's other glue). The plain version on CPU, with ``HMSCALE_SSD_BACKEND=torch`` and
+        inside compiled graphs by default (where inductor fuses it).
         """
-        if kernels.glue_on_triton(u):
+        if kernels.glue_on_triton(u) or compiled_glue_on_triton(u):
             return kernels.hedgehog_feature_map(u, self.weight, self.bias)
         return kernels.hedgehog_feature_map_reference(u, self.weight, self.bias)
 

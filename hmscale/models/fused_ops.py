@@ -1,9 +1,10 @@
 """The mixer's glue around the SSD kernel: the Triton kernels where the kernels' backend is Triton (CUDA),
 the plain PyTorch versions elsewhere (CPU). Inside ``torch.compile``d blocks inductor fuses the plain versions
-(``HMSCALE_COMPILED_GLUE=inductor``, the default: the path the training benchmarks measured) or the conv and the
-split + rotary run as the Triton kernels' custom ops (``triton``: 0.621 against 0.801 ms fwd+bwd per 410m layer
-in isolation, but no faster in the compiled 410m training step: BENCHMARKS.md, 2026-12-03); the gate stays
-inductor's.
+(``HMSCALE_COMPILED_GLUE=inductor``, the default: the path the training benchmarks measured) or the conv, the
+split + rotary and the Hedgehog feature map run as the Triton kernels' custom ops (``triton``; the switch is
+``compiled_glue_on_triton``; for the conv and split + rotary: 0.621 against 0.801 ms fwd+bwd per 410m layer in
+isolation, but no faster in the compiled 410m training step: BENCHMARKS.md, 2026-12-03; the feature map's single
+kernel each way, projection included, is not timed there yet); the gate stays inductor's.
 
 - `split_qkv_rotary(qkv, n_heads, cos, sin)`  the fused per-head ``[q|k|v]`` projection output ->
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head);
@@ -13,7 +14,8 @@ inductor's.
   ``kernels.causal_depthwise_conv_triton`` or ``kernels.causal_depthwise_conv_reference``.
 - `sigmoid_gate(y, z)`  ``y * 2 sigmoid(z)``; ``kernels.sigmoid_gate_triton`` or ``kernels.sigmoid_gate_reference``.
 
-The Hedgehog feature map makes the same choice in ``feature_map.HedgehogFeatureMap``.
+The Hedgehog feature map makes the same choice (``compiled_glue_on_triton`` included) in
+``feature_map.HedgehogFeatureMap``.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import kernels
 
 from .neox_attention import apply_rotary, split_qkv
 
-__all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate"]
+__all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate", "compiled_glue_on_triton"]
 
 
-def _compiled_glue_on_triton(tensor: torch.Tensor) -> bool:
-    """Inside a compiled block on the Triton backend: the glue kernels as custom ops (``HMSCALE_COMPILED_GLUE=triton``)
-    or inductor's fusion of the plain references (``inductor``, the default)."""
+def compiled_glue_on_triton(tensor: torch.Tensor) -> bool:
+    """Inside a compiled block on the Triton backend: the glue kernels (conv, split + rotary, Hedgehog feature map) as
+    custom ops (``HMSCALE_COMPILED_GLUE=triton``) or inductor's fusion of the plain references (``inductor``, the
+    default). False outside compiled blocks (there ``kernels.glue_on_triton`` decides)."""
     if not torch.compiler.is_compiling() or kernels.resolve_backend(tensor) != "triton":
         return False
     choice = os.environ.get("HMSCALE_COMPILED_GLUE", "inductor").lower()
@@ -44,7 +47,7 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
     """(b, l, 3*h*p) with per-head [q|k|v] -> q, k rotated on their first r = cos.shape[-1] dims, and v,
     each (b, l, h, p); cos/sin (b or 1, l, r) in the NeoX layout (the two halves repeat)."""
     r = cos.shape[-1]
-    if r and not r % 2 and (kernels.glue_on_triton(qkv) or _compiled_glue_on_triton(qkv)):
+    if r and not r % 2 and (kernels.glue_on_triton(qkv) or compiled_glue_on_triton(qkv)):
         return kernels.split_qkv_rotary_triton(qkv, n_heads, cos, sin)
     q, k, v = split_qkv(qkv, n_heads)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -53,7 +56,7 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
 def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """x (b, l, C), prev (b, W-1, C) (the carried inputs), weight (C, W), bias (C) ->
     (y (b, l, C), the last W-1 inputs (b, W-1, C))."""
-    if kernels.glue_on_triton(x) or _compiled_glue_on_triton(x):
+    if kernels.glue_on_triton(x) or compiled_glue_on_triton(x):
         return kernels.causal_depthwise_conv_triton(x, prev, weight, bias)
     return kernels.causal_depthwise_conv_reference(x, prev, weight, bias)
 

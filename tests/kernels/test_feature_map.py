@@ -1,6 +1,8 @@
 """Fused Hedgehog feature map (Triton; under TRITON_INTERPRET=1 on CPU) vs its plain-PyTorch reference:
 output and the gradients of u, W and b on random inputs, fp32 (1e-5 relative) and bf16 (2e-2), with a head
-count, feature size and head dim that are not powers of two."""
+count, feature size and head dim that are not powers of two (and below tl.dot's 16), over several backward row
+groups (small tiles through HMSCALE_FM_CFG); stage 1 (u without grad); the custom ops (opcheck) and a compiled
+HedgehogFeatureMap holding them; the tile config's errors."""
 
 import pytest
 import torch
@@ -85,3 +87,111 @@ def test_module_uses_the_backend_switch(monkeypatch):
     fused, plain = fused_and_plain(monkeypatch, kfm, "hedgehog_feature_map", lambda: fm(u))
     assert rel(fused, plain) <= 1e-5
 
+
+
+SMALL_TILES = "fwd=16,4;bwd=16,4,32"  # R = 75 rows: 5 forward tiles, 3 backward row groups (the last one partial)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("h,P,F", [(2, 8, 8), (2, 20, 8), (3, 16, 24)])
+def test_several_row_groups_and_padded_sizes(monkeypatch, dtype, tol, h, P, F):
+    """P and F below 16 or not powers of two (padded for tl.dot), rows not a multiple of BLOCK_R and spread over
+    several backward programs whose partial sums torch adds."""
+    monkeypatch.setenv("HMSCALE_FM_CFG", SMALL_TILES)
+    u, w, b, gy = _inputs((3, 25), h, P, F, dtype)
+    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    assert y.dtype == dtype and rel(y, y_ref) <= tol
+    for name, a, r in zip(("u", "W", "b"), g, g_ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert rel(a, r) <= tol, (name, rel(a, r))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_stage1_without_the_input_gradient(monkeypatch, dtype, tol):
+    """u without requires_grad (stage 1: the teacher's q, k): the kernel skips du; W and b get the reference's
+    gradients, over several row groups."""
+    monkeypatch.setenv("HMSCALE_FM_CFG", SMALL_TILES)
+    u, w, b, gy = _inputs((5, 13), 2, 20, 12, dtype)
+    got, ref = [], []
+    for fn, out in ((hedgehog_feature_map, got), (hedgehog_feature_map_reference, ref)):
+        wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+        (fn(u, wl, bl).float() * gy.float()).sum().backward()
+        out += [wl.grad, bl.grad]
+    for a, r in zip(got, ref):
+        assert rel(a, r) <= tol
+    # only the weight (the bias frozen), only the input
+    wl = w.clone().requires_grad_()
+    (dw,) = torch.autograd.grad((hedgehog_feature_map(u, wl, b).float() * gy.float()).sum(), [wl])
+    assert rel(dw, got[0]) <= tol
+    ul = u.clone().requires_grad_()
+    (du,) = torch.autograd.grad((hedgehog_feature_map(ul, w, b).float() * gy.float()).sum(), [ul])
+    _, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    assert rel(du, g_ref[0]) <= tol
+
+
+def _run_op(fn, u, w, b, gy):
+    leaves = [t.clone().requires_grad_() for t in (u, w, b)]
+    y = fn(*leaves)
+    return y, torch.autograd.grad((y.float() * gy.float()).sum(), leaves)
+
+
+def test_custom_op_matches_the_function(monkeypatch):
+    """The kernels as the custom ops a compiled block holds: the autograd Function's outputs and gradients (the
+    same kernels: bitwise), and torch.library.opcheck (schema, fake shapes, autograd, AOT dispatch)."""
+    from kernels.feature_map import _HedgehogFeatureMap, fm_bwd_op, fm_fwd_op
+
+    monkeypatch.setenv("HMSCALE_FM_CFG", SMALL_TILES)
+    u, w, b, gy = _inputs((2, 21), 3, 20, 8, torch.float32)
+    y, grads = _run_op(fm_fwd_op, u, w, b, gy)
+    y_ref, grads_ref = _run_op(_HedgehogFeatureMap.apply, u, w, b, gy)
+    assert torch.equal(y, y_ref)
+    for g, gr in zip(grads, grads_ref):
+        assert torch.equal(g, gr)
+    torch.library.opcheck(fm_fwd_op, tuple(t.clone().requires_grad_() for t in (u, w, b)))
+    torch.library.opcheck(fm_fwd_op, (u, w.clone().requires_grad_(), b.clone().requires_grad_()))  # stage 1
+    phi = fm_fwd_op(u, w, b)
+    for need_u, need_w in ((True, True), (False, True), (True, False)):
+        torch.library.opcheck(fm_bwd_op, (gy, u, w, phi, b.dtype, need_u, need_w),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch):
+    """HMSCALE_COMPILED_GLUE=triton on the Triton backend: a compiled HedgehogFeatureMap runs the kernels (as the
+    custom op), forward and backward, with the eager module's output and gradients."""
+    import kernels.feature_map as kfm
+    from hmscale.models.feature_map import HedgehogFeatureMap
+
+    calls = {"fwd": 0, "bwd": 0}
+    for name, key in (("_forward", "fwd"), ("_backward", "bwd")):
+        real = getattr(kfm, name)
+        monkeypatch.setattr(kfm, name, lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1)
+                            or _real(*a))
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
+    monkeypatch.setenv("HMSCALE_COMPILED_GLUE", "triton")
+    fm = HedgehogFeatureMap(2, 8, 12).to(DEVICE)
+    with torch.no_grad():
+        fm.bias.normal_()
+        fm.weight.add_(0.1 * torch.randn_like(fm.weight))
+    u, _, _, gy = _inputs((3, 5), 2, 8, 12, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(fm, backend="aot_eager", fullgraph=True)
+    outs = []
+    for m in (fm, compiled):
+        fm.zero_grad(set_to_none=True)
+        ul = u.clone().requires_grad_()
+        y = m(ul)
+        (y * gy).sum().backward()
+        outs.append((y.detach(), ul.grad, fm.weight.grad, fm.bias.grad))
+    assert calls == {"fwd": 2, "bwd": 2}, calls
+    for a, r in zip(*outs):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", ["fwd=64", "fwd=a,4", "fwd=48,4", "fwd=8,4", "fwd=64,3", "bwd=16,4,40",
+                                  "bwd=16,4,0", "bwd=64,8", "side=1,2", "bwd=16,4,32;fwd=64,4,1"])
+def test_bad_tile_config_is_a_clear_error(monkeypatch, spec):
+    monkeypatch.setenv("HMSCALE_FM_CFG", spec)
+    u, w, b, _ = _inputs((2,), 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="HMSCALE_FM_CFG"):
+        hedgehog_feature_map(u, w, b)
