@@ -32,33 +32,27 @@ _DEFAULT_CFG = {"fwd": (32, 128, 4), "bwd": (16, 128, 4, 512)}  # swept on the H
 
 
 @triton.jit
-def _conv_fwd(X, PREV, WT, BIAS, Y, L, C, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
-    """y[t] = b + sum_j w[:, j] xp[t + j] for one (BL x BC) tile; xp[t + j] = x[t + j - (W-1)] past the carried
-    rows. Tiles whose taps all fall in x (every tile but the first of a sequence) load each shifted x tile once;
-    the first also reads prev. int32 offsets within the sequence unless L x C needs more (BIG)."""
+def _xp_tile(X, PREV, bi, i, cols, L, C, W1, cmask):
+    """Rows i (index into xp = [prev, x]) of batch bi, fp32; zero outside [0, W1 + L)."""
+    in_prev = (i >= 0) & (i < W1)
+    in_x = (i >= W1) & (i < W1 + L)
+    pv = tl.load(PREV + (bi * W1 + i)[:, None] * C + cols[None, :], mask=in_prev[:, None] & cmask[None, :], other=0.0)
+    xv = tl.load(X + (bi * L + i - W1)[:, None] * C + cols[None, :], mask=in_x[:, None] & cmask[None, :], other=0.0)
+    return pv.to(tl.float32) + xv.to(tl.float32)
+
+
+@triton.jit
+def _conv_fwd(X, PREV, WT, BIAS, Y, L, C, W: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
     bi = tl.program_id(0).to(tl.int64)
-    t0 = tl.program_id(1) * BL
-    t = t0 + tl.arange(0, BL)
-    if BIG:
-        t = t.to(tl.int64)
+    t = tl.program_id(1) * BL + tl.arange(0, BL)
     cols = tl.program_id(2) * BC + tl.arange(0, BC)
     cmask = cols < C
-    X += bi * L * C
-    Y += bi * L * C
-    PREV += bi * (W - 1) * C
     acc = tl.zeros((BL, BC), dtype=tl.float32) + tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(W):
-        wj = tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        s = t + (j - (W - 1))  # the x row of tap j (negative: a carried row)
-        xv = tl.load(X + s[:, None] * C + cols[None, :], mask=((s >= 0) & (s < L))[:, None] & cmask[None, :],
-                     other=0.0).to(tl.float32)
-        if t0 < W - 1:
-            pr = s + (W - 1)
-            xv += tl.load(PREV + pr[:, None] * C + cols[None, :], mask=((pr >= 0) & (s < 0))[:, None] & cmask[None, :],
-                          other=0.0).to(tl.float32)
-        acc += xv * wj
+        wj = tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += _xp_tile(X, PREV, bi, t + j, cols, L, C, W - 1, cmask) * wj[None, :]
     mask = (t < L)[:, None] & cmask[None, :]
-    tl.store(Y + t[:, None] * C + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + (bi * L + t)[:, None] * C + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -189,7 +183,7 @@ def _forward(x, prev, weight, bias):
     if b and l:
         bl, bc, warps = _tiles()["fwd"]
         launch(_conv_fwd, (b, cdiv(l, bl), cdiv(c, bc)), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
-               W=W, BL=bl, BC=bc, BIG=_big(l, c), num_warps=warps)
+               W=W, BL=bl, BC=bc, num_warps=warps)
     state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
     return y, state
 

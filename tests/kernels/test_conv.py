@@ -65,7 +65,7 @@ def test_row_groups_and_tap_groups(monkeypatch, cfg, b, l, c, W):
 
 
 def test_int64_offsets_give_the_same_result(monkeypatch):
-    """Sequences too long for int32 offsets take the int64 variant of both kernels (forced here by a low limit)."""
+    """Sequences too long for int32 offsets take the backward's int64 variant (forced here by a low limit)."""
     import kernels.conv as kconv
 
     ins = _inputs(2, 45, 200, 4, torch.float32)
