@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of every SSD kernel launch, compiled for an H100/H200 (sm_90) on a CPU.
+"""Registers, spills and shared memory of every SSD (or glue, ``--op``) kernel launch, compiled for an H100/H200 (sm_90) on a CPU.
 
 Tuning aid that costs no GPU time: it runs ``kernels.ssd`` forward and backward on CPU tensors with the Triton
 launches intercepted, compiles each intercepted launch ahead of time for ``--arch`` with the same arguments,
@@ -7,6 +7,7 @@ of the cubin (cuobjdump, bundled with Triton). A tiling that spills here spills 
 was predicted this way); one that does not may still be slow, so timings stay on the GPU (``ssd.py --sweep``).
 
     python benchmarks/ssd_registers.py --shape 1.4b_2k --chunk 128
+    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # the mixer's glue: conv | fm
     HMSCALE_SSD_CFG="scan=64,64,8" HMSCALE_SSD_DBC_CFG="16,32,3,8" python benchmarks/ssd_registers.py --chunk 128
 
 Shapes are those of ``ssd.py --sweep`` (at a shorter L: registers do not depend on it). bf16 unless ``--dtype``.
@@ -123,8 +124,30 @@ def record_launches(H, G, P, N, norm, chunk, dtype, L, b=1):
     return rec.launches
 
 
+def record_glue_launches(op, dtype, L, b=1):
+    """The Triton launches of one fwd+bwd call of a glue kernel at the 410m training widths (the conv over 3 x 1024
+    channels, width 4; the feature map over 16 heads of 64), on CPU tensors, without running them."""
+    import kernels.conv as kc  # decorated as real JIT functions before the flag below
+    import kernels.feature_map as kf
+    os.environ["TRITON_INTERPRET"] = "1"
+    g = torch.Generator().manual_seed(0)
+    with Recorder() as rec:
+        if op == "conv":
+            x = torch.randn(b, L, 3072, generator=g).to(dtype).requires_grad_()
+            w = torch.randn(3072, 4, generator=g, requires_grad=True)
+            bias = torch.zeros(3072, requires_grad=True)
+            y, _ = kc._CausalConvTriton.apply(x, torch.zeros(b, 3, 3072, dtype=dtype), w, bias)
+        else:
+            u = torch.randn(b, L, 16, 64, generator=g).to(dtype).requires_grad_()
+            y = kf._HedgehogFeatureMap.apply(u, torch.randn(16, 64, 64, requires_grad=True),
+                                             torch.zeros(16, 64, requires_grad=True))
+        y.backward(torch.randn_like(y))
+    return rec.launches
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm"), help="the SSD's kernels or a glue op's")
     ap.add_argument("--shape", default="1.4b", choices=sorted(SHAPES))
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -135,12 +158,16 @@ def main():
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     H, G, P, N, norm = SHAPES[args.shape]
-    launches = record_launches(H, G, P, N, norm, args.chunk, dtype, args.seq, args.batch)
+    if args.op == "ssd":
+        launches = record_launches(H, G, P, N, norm, args.chunk, dtype, args.seq, args.batch)
+    else:
+        launches = record_glue_launches(args.op, dtype, args.seq)
     cap = int(args.arch[3:5])
     target = GPUTarget("cuda", cap, 32)
     backend = triton.compiler.make_backend(target)
-    print(f"# {args.shape} (H={H}, G={G}, P={P}, N={N}{', normalize' if norm else ''}), chunk {args.chunk}, "
-          f"{args.dtype}, {args.arch}")
+    what = (f"{args.shape} (H={H}, G={G}, P={P}, N={N}{', normalize' if norm else ''}), chunk {args.chunk}"
+            if args.op == "ssd" else f"{args.op} at the 410m widths")
+    print(f"# {what}, {args.dtype}, {args.arch}")
     print("| kernel | warps | stages | tiles | registers | stack (spill) bytes | shared KiB |")
     print("|---|---|---|---|---|---|---|")
     only = [t for t in args.only.split(",") if t]
@@ -154,7 +181,8 @@ def main():
             ck = triton.compile(src, target=target, options=backend.parse_options(opts).__dict__)
             rep = resource_usage(ck.asm["cubin"])
             smem = ck.metadata.shared / 1024
-            tiles = ",".join(f"{k}={const[k]}" for k in ("Q", "BP", "BN", "BLOCK") if k in const)
+            tiles = ",".join(f"{k}={const[k]}" for k in ("Q", "BP", "BN", "BLOCK", "BL", "BC", "BLOCK_R", "BF")
+                             if k in const)
             print(f"| {fn.__name__} | {ck.metadata.num_warps} | {ck.metadata.num_stages} | {tiles} | {rep['regs']} "
                   f"| {rep['stack']} | {smem:.0f} |", flush=True)
         except Exception as e:  # report and go on: one tiling that does not compile should not hide the rest

@@ -57,3 +57,20 @@ def test_ssd_registers_reports_every_kernel(tmp_path):
         regs, stack = int(cols[5]), int(cols[6])
         assert 16 <= regs <= 255 and stack >= 0, cols
     assert "Q=64,BP=32,BN=64" in "".join(rows["_chunk_bwd_dbc"])  # the launch's real tiles (the v2 default)
+
+
+def test_ssd_registers_reports_the_glue_kernels(tmp_path):
+    """--op conv / fm: the glue's launches compiled for sm_90 with the tiles HMSCALE_*_CFG gives them."""
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="1", HMSCALE_CONV_CFG="bwd=32,64,4,512")
+    for op, names in (("conv", {"_conv_fwd", "_conv_bwd"}), ("fm", {"_fm_fwd", "_fm_bwd"})):
+        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_registers.py"), "--op", op, "--seq", "64"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = {r.split("|")[1].strip(): r.split("|") for r in proc.stdout.splitlines() if r.startswith("| _")}
+        assert set(rows) == names, proc.stdout
+        for cols in rows.values():
+            assert "ERROR" not in "".join(cols) and 16 <= int(cols[5]) <= 255, cols
+        if op == "conv":  # the environment's tiles, not the defaults
+            assert "BL=32,BC=64" in rows["_conv_bwd"][4] and rows["_conv_bwd"][2].strip() == "4", rows["_conv_bwd"]

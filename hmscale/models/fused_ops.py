@@ -1,10 +1,9 @@
 """The mixer's glue around the SSD kernel: the Triton kernels where the kernels' backend is Triton (CUDA),
 the plain PyTorch versions elsewhere (CPU). Inside ``torch.compile``d blocks inductor fuses the plain versions
-(``HMSCALE_COMPILED_GLUE=inductor``, the default: the path the training benchmarks measured) or the conv, the
-split + rotary and the Hedgehog feature map run as the Triton kernels' custom ops (``triton``; the switch is
-``compiled_glue_on_triton``; for the conv and split + rotary: 0.621 against 0.801 ms fwd+bwd per 410m layer in
-isolation, but no faster in the compiled 410m training step: BENCHMARKS.md, 2026-12-03; the feature map's single
-kernel each way, projection included, is not timed there yet); the gate stays inductor's.
+(``HMSCALE_COMPILED_GLUE=inductor``, the default) or the conv, the split + rotary and the Hedgehog feature map run as
+the Triton kernels' custom ops (``triton``; the switch is ``compiled_glue_on_triton``). In the compiled 410m step on
+one H200 the custom ops took 143.5 -> 135.0 ms (BENCHMARKS.md, 2026-12-03 pm); the default stays inductor's until
+the 160m step has been compared in the same run. The gate stays inductor's.
 
 - `split_qkv_rotary(qkv, n_heads, cos, sin)`  the fused per-head ``[q|k|v]`` projection output ->
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head);
