@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import causal_depthwise_conv_reference, hedgehog_feature_map_reference  # noqa: E402
 from kernels.conv import causal_depthwise_conv_triton  # noqa: E402
 from kernels.feature_map import hedgehog_feature_map  # noqa: E402
+from ssd import kernel_times  # noqa: E402  (benchmarks/ssd.py, beside this script)
 
 SHAPES = {"160m": (768, 12), "410m": (1024, 16)}  # hidden size, heads
 
@@ -77,24 +78,6 @@ def fwd_bwd(fn, ins, gy):
     return fwd, step
 
 
-def kernel_times(fn, iters=5):
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t > 0 and not e.key.startswith("ProfilerStep"):
-            out[e.key[:60]] = t / iters
-    return out
-
-
 def run_op(op, shape, variants, bw, profile, b=8, l=2048):
     d, h = SHAPES[shape]
     if op == "conv":
@@ -119,7 +102,7 @@ def run_op(op, shape, variants, bw, profile, b=8, l=2048):
         ms_f, ms_fb = bench(fwd), bench(step)
         row = {"op": op, "shape": shape, "variant": name, "fwd_ms": ms_f, "fwd_bwd_ms": ms_fb, "first_s": first}
         if profile:
-            row["kernels"] = kernel_times(step)
+            row["kernels"] = kernel_times(step, label=lambda key: key[:60])
         rows.append(row)
     if env:
         os.environ.pop(env, None)

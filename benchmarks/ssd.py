@@ -203,8 +203,10 @@ KERNEL_SHORT = {"_chunk_state_fwd": "state", "_state_pass_fwd": "pass", "_chunk_
                 "_state_fused_fwd": "fstate", "_dstate_fused_bwd": "fdstate", "_chunk_bwd_fused": "fbwd"}
 
 
-def kernel_times(fn, iters=5):
-    """Per-kernel CUDA time (us per call) of fn, by torch.profiler; everything not ours summed as 'torch'."""
+def kernel_times(fn, iters=5, label=None):
+    """Per-kernel CUDA time (us per call) of fn, by torch.profiler, summed by ``label(kernel name)`` (default: our
+    kernels' short names, everything else as 'torch')."""
+    label = label or (lambda key: KERNEL_SHORT.get(key, "torch"))
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -220,7 +222,7 @@ def kernel_times(fn, iters=5):
             t = getattr(e, "self_cuda_time_total", 0)
         if t <= 0 or e.key.startswith("ProfilerStep"):
             continue
-        k = KERNEL_SHORT.get(e.key, "torch")
+        k = label(e.key)
         out[k] = out.get(k, 0.0) + t / iters
     return out
 
