@@ -16,14 +16,13 @@ a tensor as wide as the qkv projection. Here:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv
+from .host_math import cdiv, is_pow2
 from .launch import launch
+from .settings import tile_config
 
 __all__ = ["causal_depthwise_conv_triton"]
 
@@ -57,7 +56,22 @@ def _conv_fwd(X, PREV, WT, BIAS, Y, L, C, W: tl.constexpr, BL: tl.constexpr, BC:
 
 @triton.jit
 def _w(WT, cols, cmask, j, W: tl.constexpr):
+    """Tap j's weights for the channel tile, fp32, as a (1, BC) row."""
     return tl.load(WT + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _add_tap(a0, a1, a2, a3, prod, j: tl.constexpr, j0: tl.constexpr):
+    """Tap j's product into the accumulator of its slot in this walk's four taps j0..j0+3 (none if outside)."""
+    if j == j0:
+        a0 += prod
+    if j == j0 + 1:
+        a1 += prod
+    if j == j0 + 2:
+        a2 += prod
+    if j == j0 + 3:
+        a3 += prod
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -70,7 +84,7 @@ def _conv_bwd(X, PREV, DY, WT, DX, DPREV, PART, L, C, G, R, W: tl.constexpr, BL:
     PART[bi * G + g] = (W + 1, C) partial sums. The W-1 carried rows (their dprev and their weight-gradient terms)
     are the first group's. Taps go four at a time (one walk over the rows per four taps; the first also writes
     dx), so any W works and the usual W <= 4 reads x and dy once from memory. Offsets within one sequence are
-    int32 from per-sequence base pointers (int64 tiles double the registers) unless L x C needs more (BIG)."""
+    int32 from per-sequence base pointers unless L x C needs more (BIG)."""
     pid = tl.program_id(0)
     bi = (pid // G).to(tl.int64)
     g = pid % G
@@ -100,14 +114,7 @@ def _conv_bwd(X, PREV, DY, WT, DX, DPREV, PART, L, C, G, R, W: tl.constexpr, BL:
                               other=0.0).to(tl.float32)
                 if j0 == 0:
                     dp += dyj * _w(WT, cols, cmask, j, W)
-                if j == j0:
-                    a0 += pv * dyj
-                if j == j0 + 1:
-                    a1 += pv * dyj
-                if j == j0 + 2:
-                    a2 += pv * dyj
-                if j == j0 + 3:
-                    a3 += pv * dyj
+                a0, a1, a2, a3 = _add_tap(a0, a1, a2, a3, pv * dyj, j, j0)
             if j0 == 0:
                 tl.store(DPREV + i[:, None] * C + cols[None, :], dp.to(DPREV.dtype.element_ty), mask=pm)
         for r in range(0, R, BL):
@@ -127,14 +134,7 @@ def _conv_bwd(X, PREV, DY, WT, DX, DPREV, PART, L, C, G, R, W: tl.constexpr, BL:
                         dx += dyj * _w(WT, cols, cmask, j, W)
                     if (j0 == 0) & (j == W - 1):
                         ab += dyj
-                    if j == j0:
-                        a0 += xs * dyj
-                    if j == j0 + 1:
-                        a1 += xs * dyj
-                    if j == j0 + 2:
-                        a2 += xs * dyj
-                    if j == j0 + 3:
-                        a3 += xs * dyj
+                    a0, a1, a2, a3 = _add_tap(a0, a1, a2, a3, xs * dyj, j, j0)
             if j0 == 0:
                 tl.store(DX + tile, dx.to(DX.dtype.element_ty), mask=ok[:, None] & cmask[None, :])
         tl.store(base + j0 * C + cols, tl.sum(a0, axis=0), mask=cmask)
@@ -158,16 +158,9 @@ def _big(l: int, c: int) -> bool:
 
 def _tiles() -> dict:
     """Tile sizes: ``HMSCALE_CONV_CFG="fwd=BL,BC,warps;bwd=BL,BC,warps,rows"`` overrides the defaults (tuning runs)."""
-    cfg = dict(_DEFAULT_CFG)
-    spec = os.environ.get("HMSCALE_CONV_CFG", "")
-    for item in filter(None, spec.split(";")):
-        name, _, vals = item.partition("=")
-        parts = vals.split(",")
-        if name not in cfg or len(parts) != len(cfg[name]) or not all(v.strip().isdigit() for v in parts):
-            raise ValueError(f"HMSCALE_CONV_CFG: {item!r} is not fwd=BL,BC,warps or bwd=BL,BC,warps,rows (integers)")
-        cfg[name] = tuple(int(v) for v in parts)
-    if any(v & (v - 1) for name in cfg for v in cfg[name][:2]):
-        raise ValueError(f"HMSCALE_CONV_CFG: the tile sizes BL, BC must be powers of two, got {cfg}")
+    cfg = tile_config("HMSCALE_CONV_CFG", _DEFAULT_CFG, "fwd=BL,BC,warps or bwd=BL,BC,warps,rows")
+    if not all(is_pow2(v) for name in cfg for v in cfg[name][:3]):
+        raise ValueError(f"HMSCALE_CONV_CFG: the tile sizes BL, BC and the warps must be powers of two, got {cfg}")
     bl, _, _, rows = cfg["bwd"]
     if rows % bl:
         raise ValueError(f"HMSCALE_CONV_CFG: bwd rows {rows} must be a multiple of BL {bl}")

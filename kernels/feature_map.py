@@ -32,14 +32,13 @@ before the bias and softmax), so half-precision results differ from it by about 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv
+from .host_math import cdiv, is_pow2
 from .launch import launch
+from .settings import tile_config
 
 
 __all__ = ["hedgehog_feature_map"]
@@ -129,22 +128,11 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.const
     tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and not v & (v - 1)
-
-
 def _tiles() -> dict:
     """Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults."""
-    cfg = dict(_DEFAULT_CFG)
-    spec = os.environ.get("HMSCALE_FM_CFG", "")
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
-        name, _, vals = item.partition("=")
-        name, parts = name.strip(), vals.split(",")
-        if name not in cfg or len(parts) != len(cfg[name]) or not all(v.strip().isdigit() for v in parts):
-            raise ValueError(f"HMSCALE_FM_CFG: {item!r} is not fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows (integers)")
-        cfg[name] = tuple(int(v) for v in parts)
+    cfg = tile_config("HMSCALE_FM_CFG", _DEFAULT_CFG, "fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows")
     for name, (block_r, warps, *_) in cfg.items():
-        if not _pow2(block_r) or block_r < 16 or not _pow2(warps):
+        if not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
             raise ValueError(f"HMSCALE_FM_CFG: {name} BLOCK_R must be a power of two >= 16 and warps a power of two, "
                              f"got BLOCK_R={block_r}, warps={warps}")
     block_r, _, rows = cfg["bwd"]

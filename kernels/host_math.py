@@ -16,3 +16,8 @@ def next_pow2(v: int) -> int:
     """The smallest power of two >= v (1 for v <= 1)."""
     v = int(v)
     return 1 if v <= 1 else 1 << (v - 1).bit_length()
+
+
+def is_pow2(v: int) -> bool:
+    """Whether v is a positive power of two."""
+    return v > 0 and not v & (v - 1)

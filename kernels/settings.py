@@ -1,4 +1,5 @@
-"""The kernels' environment switches (``HMSCALE_SSD_*``), read at most once per SSD call.
+"""The kernels' environment switches (``HMSCALE_SSD_*``), read at most once per SSD call, and the glue kernels'
+tile overrides (``tile_config``).
 
 One forward+backward consults ~30 switches (about 23 us of host time when each is an ``os.environ`` lookup). Inside
 ``env_frozen()`` (the SSD entry points open it) each name is looked up once and remembered until the block ends;
@@ -42,3 +43,16 @@ def env_frozen():
         yield
     finally:
         _MEMO.reset(token)
+
+
+def tile_config(var: str, defaults: dict, forms: str) -> dict:
+    """``defaults`` ({name: tuple of ints}) with the entries that ``var="name=v,v,..;name=.."`` gives replaced (each
+    with all its integers); a one-line ValueError naming ``var`` and the ``forms`` it accepts otherwise."""
+    cfg = dict(defaults)
+    for item in filter(None, (s.strip() for s in os.environ.get(var, "").split(";"))):
+        name, _, vals = item.partition("=")
+        name, parts = name.strip(), vals.split(",")
+        if name not in cfg or len(parts) != len(cfg[name]) or not all(v.strip().isdigit() for v in parts):
+            raise ValueError(f"{var}: {item!r} is not {forms} (integers)")
+        cfg[name] = tuple(int(v) for v in parts)
+    return cfg

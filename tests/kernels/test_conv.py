@@ -75,7 +75,8 @@ def test_int64_offsets_give_the_same_result(monkeypatch):
     assert torch.equal(y32, y64) and all(torch.equal(a, b) for a, b in zip(g32, g64))
 
 
-@pytest.mark.parametrize("cfg", ["bwd=16,64,4,24", "fwd=16,64", "fwd=24,64,4", "bwd=a,b,c,d", "nope=1,2,3"])
+@pytest.mark.parametrize("cfg", ["bwd=16,64,4,24", "fwd=16,64", "fwd=24,64,4", "bwd=0,64,4,32", "fwd=16,64,3",
+                                 "bwd=a,b,c,d", "nope=1,2,3"])
 def test_bad_tile_config_is_a_clear_error(monkeypatch, cfg):
     monkeypatch.setenv("HMSCALE_CONV_CFG", cfg)
     ins = _inputs(1, 8, 16, 4, torch.float32)
