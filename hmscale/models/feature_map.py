@@ -59,9 +59,9 @@ class HedgehogFeatureMap(nn.Module):
         The projection runs in u's dtype (a bf16 model gets a bf16 tensor-core matmul with fp32
         accumulation, not an fp32 one); the bias add and the softmax run in fp32. On CUDA the whole map,
         projection included, is one Triton kernel each way (``kernels.hedgehog_feature_map``), inside compiled
-        graphs too (as its custom op) with ``HMSCALE_COMPILED_GLUE=triton`` (``fused_ops.compiled_glue_on_triton``,
-        the switch of the mixer's other glue). The plain version on CPU, with ``HMSCALE_SSD_BACKEND=torch`` and
-        inside compiled graphs by default (where inductor fuses it).
+        graphs too (as its custom op; ``HMSCALE_COMPILED_GLUE=inductor`` hands it to inductor's fusion instead:
+        ``fused_ops.compiled_glue_on_triton``, the switch of the mixer's other glue). The plain version on CPU and
+        with ``HMSCALE_SSD_BACKEND=torch``.
         """
         if kernels.glue_on_triton(u) or compiled_glue_on_triton(u):
             return kernels.hedgehog_feature_map(u, self.weight, self.bias)

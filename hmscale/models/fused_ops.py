@@ -1,9 +1,9 @@
 """The mixer's glue around the SSD kernel: the Triton kernels where the kernels' backend is Triton (CUDA),
-the plain PyTorch versions elsewhere (CPU). Inside ``torch.compile``d blocks inductor fuses the plain versions
-(``HMSCALE_COMPILED_GLUE=inductor``, the default) or the conv, the split + rotary and the Hedgehog feature map run as
-the Triton kernels' custom ops (``triton``; the switch is ``compiled_glue_on_triton``). In the compiled 410m step on
-one H200 the custom ops took 143.5 -> 135.0 ms (BENCHMARKS.md, 2026-12-03 pm); the default stays inductor's until
-the 160m step has been compared in the same run. The gate stays inductor's.
+the plain PyTorch versions elsewhere (CPU). Inside ``torch.compile``d blocks the conv, the split + rotary and the
+Hedgehog feature map run as the Triton kernels' custom ops (``HMSCALE_COMPILED_GLUE=triton``, the default) or as
+the plain versions that inductor fuses (``inductor``); the switch is ``compiled_glue_on_triton``. In the compiled
+410m step on one H200 the custom ops took 144.7 / 147.6 -> 128.2 / 130.4 ms, alternating in one call, and the 160m
+step did not lose (BENCHMARKS.md, 2026-12-03 evening). The gate stays inductor's.
 
 - `split_qkv_rotary(qkv, n_heads, cos, sin)`  the fused per-head ``[q|k|v]`` projection output ->
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head);
@@ -32,11 +32,11 @@ __all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate", "compile
 
 def compiled_glue_on_triton(tensor: torch.Tensor) -> bool:
     """Inside a compiled block on the Triton backend: the glue kernels (conv, split + rotary, Hedgehog feature map) as
-    custom ops (``HMSCALE_COMPILED_GLUE=triton``) or inductor's fusion of the plain references (``inductor``, the
-    default). False outside compiled blocks (there ``kernels.glue_on_triton`` decides)."""
+    custom ops (``HMSCALE_COMPILED_GLUE=triton``, the default) or inductor's fusion of the plain references
+    (``inductor``). False outside compiled blocks (there ``kernels.glue_on_triton`` decides)."""
     if not torch.compiler.is_compiling() or kernels.resolve_backend(tensor) != "triton":
         return False
-    choice = os.environ.get("HMSCALE_COMPILED_GLUE", "inductor").lower()
+    choice = os.environ.get("HMSCALE_COMPILED_GLUE", "triton").lower()
     if choice not in ("triton", "inductor"):
         raise ValueError(f"HMSCALE_COMPILED_GLUE must be triton or inductor, got {choice!r}")
     return choice == "triton"

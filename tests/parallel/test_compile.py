@@ -109,7 +109,7 @@ def test_triton_scan_compiles_inside_the_block_graph():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = dict(os.environ, TRITON_INTERPRET="0" if device == "cuda" else "1", HMSCALE_SSD_BACKEND="triton",
-               HMSCALE_COMPILED_GLUE="triton")  # the glue's custom ops too (the default is inductor's fusion)
+               HMSCALE_COMPILED_GLUE="triton")  # the glue's custom ops too (the default, stated)
     code = (f"import runpy; runpy.run_path({__file__!r})['_compare_fullgraph_triton_with_eager']({device!r}); "
             "print('compare-ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
