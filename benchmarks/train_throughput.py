@@ -55,7 +55,7 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
           ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
           foreach_grad_checks: bool = True, compile_mode: str | None = None, adam: str = "auto",
-          fused_ce: bool | None = None, kd_topk: int = 0) -> dict:
+          fused_ce: bool | None = None, kd_topk: int = 0, gaps: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
 
@@ -144,6 +144,35 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         print(f"\n{name}: {len(seen)} synchronising calls in one step")
         for msg, where in seen[:20]:
             print(f"  {msg} at {' <- '.join(reversed(where))}")
+    if gaps:  # one step traced twice: GPU idle time charged to the host's torch ops, then to its Python frames
+        import tempfile
+
+        from gpu_gaps import load_events, report  # benchmarks/gpu_gaps.py, beside this script
+        from torch.profiler import ProfilerActivity, record_function
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        for with_stack, cats in ((False, ("user_annotation", "cpu_op")), (True, ("user_annotation", "python_function"))):
+            x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
+            if cuda:
+                torch.cuda.synchronize()
+            with torch_profile(activities=acts, with_stack=with_stack) as gap_prof:
+                with record_function("hmscale:forward"):
+                    loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0,
+                                               fused_ce=fused_ce)
+                with record_function("hmscale:backward"):
+                    engine.backward(loss)
+                with record_function("hmscale:step"):
+                    engine.step()
+                if cuda:
+                    torch.cuda.synchronize()
+            with tempfile.TemporaryDirectory() as tmp:
+                trace = Path(tmp) / "trace.json"
+                gap_prof.export_chrome_trace(str(trace))
+                events = load_events(trace)
+            where = "Python frames (traced: host time inflated)" if with_stack else "torch ops"
+            print("\n" + report(events, top=40 if with_stack else 25, cats=cats,
+                                title=f"GPU idle in one step of {name}, charged to {where}"), flush=True)
     if profile and cuda:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -216,6 +245,9 @@ def main(argv=None) -> int:
                     help="add stage 2's KD term against k random cached teacher log-probs per position (weight 0.5)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
+    ap.add_argument("--gaps", action="store_true",
+                    help="trace one step per model and print where the GPU sat idle, charged to the host's torch ops "
+                         "and Python frames running meanwhile (benchmarks/gpu_gaps.py)")
     ap.add_argument("--phases", action="store_true",
                     help="time forward, backward and optimizer step of one extra step, the device drained between them "
                          "(with --profile also a host and device profile of that optimizer step)")
@@ -267,6 +299,7 @@ def main(argv=None) -> int:
                           cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
                           foreach_grad_checks=foreach, adam=adam,
                           fused_ce={"auto": None, "fused": True, "rows": False}[args.ce], kd_topk=args.kd_topk,
+                          gaps=args.gaps,
                           compile_mode=None if args.compile_mode == "default" else args.compile_mode)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
