@@ -71,7 +71,7 @@ def overflow_foreach(self):
     grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return torch.zeros([1], dtype=torch.bool, device=self.device)
-    peak = torch.stack([m.float() for m in torch._foreach_norm(grads, float("inf"))])
+    peak = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))  # no per-tensor casts
     return (~torch.isfinite(peak)).any().reshape(1)
 
 

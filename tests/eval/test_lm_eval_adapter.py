@@ -2,11 +2,13 @@
 
 import json
 
+import pytest
 import torch
 from transformers import GPTNeoXForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hmscale.eval.lm_eval_adapter import HmscaleLM, evaluate_tasks
+pytest.importorskip("lm_eval", reason="lm-eval is in the project's CPU environment (make venv), not on the GPU image")
+from hmscale.eval.lm_eval_adapter import HmscaleLM, evaluate_tasks  # noqa: E402
 from hmscale.teacher.flavors import neox_config
 
 
