@@ -83,13 +83,18 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         lp = torch.log_softmax(torch.randn(micro_batch, seq, kd_topk, generator=gen), -1).to(device, torch.bfloat16)
         return {"topk_ids": ids, "topk_logprobs": lp}, 0.5
 
+    from torch.profiler import record_function  # names the phases in a trace (--gaps); a no-op otherwise
+
     def step():
         x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
         kd, w = kd_batch()
-        # no generation cache in training (HF's DynamicCache would also make compile guard on every layer)
-        loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, kd, w, fused_ce=fused_ce)
-        engine.backward(loss)
-        engine.step()
+        with record_function("hmscale:forward"):
+            # no generation cache in training (HF's DynamicCache would also make compile guard on every layer)
+            loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, kd, w, fused_ce=fused_ce)
+        with record_function("hmscale:backward"):
+            engine.backward(loss)
+        with record_function("hmscale:step"):
+            engine.step()
         return loss
 
     for _ in range(warmup):
@@ -148,22 +153,15 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         import tempfile
 
         from gpu_gaps import load_events, report  # benchmarks/gpu_gaps.py, beside this script
-        from torch.profiler import ProfilerActivity, record_function
+        from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         for with_stack, cats in ((False, ("user_annotation", "cpu_op")), (True, ("user_annotation", "python_function"))):
-            x = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
             if cuda:
                 torch.cuda.synchronize()
             with torch_profile(activities=acts, with_stack=with_stack) as gap_prof:
-                with record_function("hmscale:forward"):
-                    loss, _ = causal_lm_losses(engine(input_ids=x, use_cache=False).logits, x, {}, 0.0,
-                                               fused_ce=fused_ce)
-                with record_function("hmscale:backward"):
-                    engine.backward(loss)
-                with record_function("hmscale:step"):
-                    engine.step()
+                step()
                 if cuda:
                     torch.cuda.synchronize()
             with tempfile.TemporaryDirectory() as tmp:
