@@ -246,14 +246,17 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 
 def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=None, params=None,
-                 foreach_grad_checks: bool = True):
+                 foreach_grad_checks: bool = True, grad_buckets: bool = True):
     """deepspeed.initialize with the recipe's config, schedule and (optionally) an mpu.
 
     ZeRO-1/2 optimizers get the foreach gradient norm and overflow check of ``zero_foreach`` (same results,
-    a few kernel launches instead of ~15 per trainable tensor); ``foreach_grad_checks=False`` keeps DeepSpeed's
-    per-tensor loops (the baseline of benchmarks/train_throughput.py's ``--grad-checks deepspeed``)."""
+    a few kernel launches instead of ~15 per trainable tensor) and the bucketed gradient path of
+    ``zero_buckets`` (the same gradients, a few tensor ops per bucket instead of per tensor);
+    ``foreach_grad_checks=False`` / ``grad_buckets=False`` keep DeepSpeed's per-tensor code (the baselines of
+    benchmarks/train_throughput.py's ``--grad-checks deepspeed`` / ``--grad-buckets deepspeed``)."""
     import deepspeed
 
+    from .zero_buckets import install as install_buckets
     from .zero_foreach import install as install_foreach
 
     conf = ds_config_for(spec, dp_world)
@@ -276,6 +279,8 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
     )
     if foreach_grad_checks:
         install_foreach(engine.optimizer)
+    if grad_buckets:
+        install_buckets(engine.optimizer)
     return engine
 
 
