@@ -172,7 +172,7 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     elif adam == "deepspeed":
         params.pop("torch_adam", None)  # DeepSpeed's own: FusedAdam (a JIT build) on GPU, CPU Adam when offloading
     conf.pop("scheduler", None)  # the schedule comes from the recipe (LambdaLR below)
-    conf["bf16"] = {"enabled": bool(spec.bf16)}
+    conf["bf16"] = {**(conf.get("bf16") or {}), "enabled": bool(spec.bf16)}  # the file's other bf16 keys kept
     conf.pop("fp16", None)
     zero = conf.setdefault("zero_optimization", {})
     if spec.ds_config is None or "stage" not in zero:

@@ -51,6 +51,16 @@ def test_ds_configs_have_real_values(name):
     assert conf["zero_optimization"]["stage"] == json.loads(text)["zero_optimization"]["stage"]
 
 
+def test_the_files_bf16_options_survive_the_recipe(tmp_path):
+    """The recipe sets bf16.enabled; the file's other bf16 keys (e.g. DeepSpeed's check_grad_overflow) are kept."""
+    conf = json.loads((DS_CONFIG_DIR / "zero2.json").read_text())
+    conf["bf16"] = {"enabled": False, "check_grad_overflow": False}
+    path = tmp_path / "zero2_no_overflow_check.json"
+    path.write_text(json.dumps(conf))
+    out = ds_config_for(OptimSpec(lr=1e-3, micro_batch_size=2, bf16=True, ds_config=str(path)), 1)
+    assert out["bf16"] == {"enabled": True, "check_grad_overflow": False}
+
+
 def test_default_config_follows_zero_stage():
     for z in (0, 1, 2, 3):
         assert ds_config_for(OptimSpec(lr=1e-3, micro_batch_size=2, zero_stage=z), 1)["zero_optimization"]["stage"] == z
