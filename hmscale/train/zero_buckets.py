@@ -55,6 +55,9 @@ def record_gradient(self, param, i):
     param_id = self.get_param_id(param)
     if self.params_already_reduced[param_id]:
         raise _already_reduced(param)
+    if grad is None:
+        name = getattr(param, "ds_name", None) or tuple(param.shape)
+        raise RuntimeError(f"ZeRO gradient bucketing: parameter {name}'s gradient hook ran without a gradient")
     if numel > self.reduce_bucket_size:  # alone in its bucket, reduced in place (as DeepSpeed does)
         self.extra_large_param_to_reduce[comm_dtype] = param
     elif not self._hm_identity:  # copied into the bucket at the flush (with one rank: no bucket, see below)
