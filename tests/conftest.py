@@ -7,11 +7,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# one thread per process: `make test` runs two pytest workers on CI's two cores, and the tests' subprocesses (Ray
+# workers, benchmark smokes, multi-rank jobs) inherit this; more busy threads than cores only spin and wait (the
+# fidelity smoke took 164 s beside the Ray tests with two threads, 33 s with one; the suite 14:54 -> 14:13)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
