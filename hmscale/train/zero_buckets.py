@@ -34,10 +34,13 @@ import torch
 __all__ = ["install", "supported"]
 
 
+def _name(param) -> str:
+    return str(getattr(param, "ds_name", None) or tuple(param.shape))
+
+
 def _already_reduced(param) -> RuntimeError:
-    name = getattr(param, "ds_name", None) or tuple(param.shape)
-    return RuntimeError(f"ZeRO gradient bucketing: the gradient of parameter {name} was reduced twice in one "
-                        "backward (DeepSpeed's ZeRO-1/2 supports one gradient per parameter and backward)")
+    return RuntimeError(f"ZeRO gradient bucketing: the gradient of parameter {_name(param)} was reduced twice in "
+                        "one backward (DeepSpeed's ZeRO-1/2 supports one gradient per parameter and backward)")
 
 
 def record_gradient(self, param, i):
@@ -56,8 +59,7 @@ def record_gradient(self, param, i):
     if self.params_already_reduced[param_id]:
         raise _already_reduced(param)
     if grad is None:
-        name = getattr(param, "ds_name", None) or tuple(param.shape)
-        raise RuntimeError(f"ZeRO gradient bucketing: parameter {name}'s gradient hook ran without a gradient")
+        raise RuntimeError(f"ZeRO gradient bucketing: parameter {_name(param)}'s gradient hook ran without a gradient")
     if numel > self.reduce_bucket_size:  # alone in its bucket, reduced in place (as DeepSpeed does)
         self.extra_large_param_to_reduce[comm_dtype] = param
     elif not self._hm_identity:  # copied into the bucket at the flush (with one rank: no bucket, see below)
@@ -107,11 +109,11 @@ def flush_buckets(self, comm_dtype=None):
     dtypes = [comm_dtype] if comm_dtype is not None else sort_dtypes(self.ipg_buckets.keys())
     identity = self._hm_identity
     for dt in dtypes:
-        bucket = self.ipg_buckets[dt]
-        pending = self._hm_pending.pop(dt, [])
-        if identity:  # nothing to reduce: the gradients go straight to the partition buffer below
+        if identity:  # nothing to reduce (and nothing pending): the gradients go straight to the partition buffer
             self.extra_large_param_to_reduce.pop(dt, None)
             continue
+        bucket = self.ipg_buckets[dt]
+        pending = self._hm_pending.pop(dt, [])
         buf = bucket.buffer[bucket.index] if bucket.buffer else None
         _move_into([g for _, g in pending], buf, [off for off, _ in pending])
         if dt in self.extra_large_param_to_reduce:
