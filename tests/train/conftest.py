@@ -19,8 +19,9 @@ def _port():
         return s.getsockname()[1]
 
 
-def launch(spec: dict, world: int, tmp: Path, timeout: int = 110) -> list:
-    """Run tests/train/dist_job.py on `world` processes; returns rank 0's per-run losses."""
+def launch(spec: dict, world: int, tmp: Path, timeout: int = 110, job: Path = JOB):
+    """Run `job` (default tests/train/dist_job.py: rank 0's per-run losses) on `world` processes with `spec`;
+    returns what rank 0 wrote as JSON to `spec["out"]`."""
     spec = dict(spec, out=str(tmp / "losses.json"))
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -31,7 +32,7 @@ def launch(spec: dict, world: int, tmp: Path, timeout: int = 110) -> list:
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HMSCALE_NO_PROGRESS="1")
-        procs.append(subprocess.Popen([sys.executable, str(JOB), str(spec_path)], cwd=str(REPO), env=env,
+        procs.append(subprocess.Popen([sys.executable, str(job), str(spec_path)], cwd=str(REPO), env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     for p in procs:
@@ -48,7 +49,7 @@ def launch(spec: dict, world: int, tmp: Path, timeout: int = 110) -> list:
 
 @pytest.fixture
 def launch_job(tmp_path):
-    return lambda spec, world: launch(spec, world, tmp_path)
+    return lambda spec, world, **kw: launch(spec, world, tmp_path, **kw)
 
 
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -1,9 +1,9 @@
 """The case of tests/train/test_zero_buckets.py: the model, the engines and the comparison. Run as a script it is
-one rank of the two-rank comparison, in a fresh interpreter (a forked pytest process would inherit the one-rank
-process group of earlier tests): ``python zero_buckets_case.py RANK PORT STAGE DS_CONFIG OUT_DIR``."""
+one rank of the two-rank comparison (tests/train/conftest.py's ``launch``, fresh interpreters: a forked pytest
+process would inherit the one-rank process group of earlier tests): ``python zero_buckets_case.py SPEC.json``
+with SPEC {"stage", "config", "out"} and RANK / WORLD_SIZE / MASTER_* in the environment."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -69,20 +69,28 @@ def compare(stage, config, dp_world=1, rank=0):
                 nt=float(theirs.get_global_grad_norm()))
 
 
-def main(rank, port, stage, config, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def main(spec_path):
     import deepspeed
     import torch.distributed as dist
 
+    spec = json.loads(Path(spec_path).read_text())
     deepspeed.init_distributed("gloo", verbose=False)
     try:
-        torch.save(compare(stage, config, dp_world=2, rank=rank), Path(out_dir) / f"rank{rank}.pt")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        r = compare(spec["stage"], spec["config"], dp_world=world, rank=rank)
+        mine = dict(lo=r["lo"], lt=r["lt"], no=r["no"], nt=r["nt"],
+                    same_params=all(torch.equal(a, b) for a, b in zip(r["po"], r["pt"])))
+        rows = [None] * world
+        dist.all_gather_object(rows, mine)
+        flat = torch.cat([p.flatten() for p in r["po"]])
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat)
+        if rank == 0:
+            Path(spec["out"]).write_text(json.dumps(dict(
+                ranks=rows, params_equal_across_ranks=all(torch.equal(every[0], f) for f in every))))
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), a[3], a[4])
+    main(sys.argv[1])
