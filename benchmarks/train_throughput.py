@@ -54,7 +54,7 @@ def teacher_model(flavor: str, vocab: int | None = None):
 def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: int, device, bf16: bool, vocab: int,
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
           ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
-          foreach_grad_checks: bool = True, grad_buckets: bool = True, compile_mode: str | None = None, adam: str = "auto",
+          grad_checks: str = "hmscale", grad_buckets: bool = True, compile_mode: str | None = None, adam: str = "auto",
           fused_ce: bool | None = None, kd_topk: int = 0, gaps: bool = False) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
     from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
@@ -68,7 +68,11 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
         apply_compile(model, mode=compile_mode)
     spec = OptimSpec(lr=1e-4, micro_batch_size=micro_batch, grad_accum=1, warmup_steps=0, total_steps=steps + warmup,
                      zero_stage=zero_stage, bf16=bf16, adam=adam, ds_config=ds_config)
-    engine = build_engine(model, spec, dp_world=1, foreach_grad_checks=foreach_grad_checks, grad_buckets=grad_buckets)
+    engine = build_engine(model, spec, dp_world=1, foreach_grad_checks=grad_checks != "deepspeed",
+                          grad_buckets=grad_buckets)
+    if grad_checks == "two-pass":  # zero_foreach's foreach flag and norm, each read by DeepSpeed's step
+        for name_ in ("has_overflow", "scaled_global_norm"):
+            engine.optimizer.__dict__.pop(name_, None)
     if cuda_graphs:  # the student's blocks only (hmscale.parallel.apply_cuda_graphs)
         from hmscale.parallel import apply_cuda_graphs
 
@@ -229,9 +233,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                     default="default", help="with --compile: torch.compile's mode for both models' blocks "
                     "(reduce-overhead: each block's graphs replayed as CUDA graphs)")
-    ap.add_argument("--grad-checks", choices=("foreach", "deepspeed", "both"), default="foreach",
-                    help="ZeRO-1/2 gradient norm and overflow check: hmscale.train.zero_foreach (default), DeepSpeed's "
-                         "per-tensor loops, or both (each model trained twice, side by side)")
+    ap.add_argument("--grad-checks", default="hmscale",
+                    help="ZeRO-1/2 gradient norm and overflow check, comma-separated, each model trained once per entry "
+                         "in order: hmscale (hmscale.train.zero_foreach: one norm decides the overflow check, one host "
+                         "read per step; the default), two-pass (its foreach overflow flag and foreach norm, each read "
+                         "by DeepSpeed's step: two host reads) or deepspeed (its per-tensor loops)")
     ap.add_argument("--grad-buckets", default="hmscale",
                     help="ZeRO-1/2 gradient bucketing, comma-separated, each model trained once per entry in order "
                          "(e.g. hmscale,deepspeed,hmscale,deepspeed for an alternating A/B): hmscale "
@@ -268,6 +274,9 @@ def main(argv=None) -> int:
     adams = args.adam.split(",")
     if any(a not in ADAM_CHOICES for a in adams):
         ap.error(f"--adam: {args.adam!r}; use entries of {', '.join(ADAM_CHOICES)}")
+    checks = args.grad_checks.split(",")
+    if any(c not in ("hmscale", "two-pass", "deepspeed") for c in checks):
+        ap.error(f"--grad-checks: {args.grad_checks!r}; use entries of hmscale, two-pass, deepspeed")
     buckets = args.grad_buckets.split(",")
     if any(b not in ("hmscale", "deepspeed") for b in buckets):
         ap.error(f"--grad-buckets: {args.grad_buckets!r}; use entries of hmscale, deepspeed")
@@ -291,21 +300,20 @@ def main(argv=None) -> int:
         v = vocab or get_flavor(flavor).vocab_size
         suffix = (" compiled" + ("" if args.compile_mode == "default" else f" ({args.compile_mode})")) if args.compile else ""
         pairs = [("hedgemamba", student_model)] + ([] if args.no_teacher else [("teacher-sdpa", teacher_model)])
-        checks = {"foreach": [True], "deepspeed": [False], "both": [True, False]}[args.grad_checks]
-        runs = [(pair, f, a, b) for pair in pairs for f in checks for a in adams for b in buckets]
-        for (kind, make), foreach, adam, bucket in runs:
+        runs = [(pair, c, a, b) for pair in pairs for c in checks for a in adams for b in buckets]
+        for (kind, make), check, adam, bucket in runs:
             torch.manual_seed(0)
             try:
                 graphs = args.cuda_graphs and kind == "hedgemamba"
                 name = (f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}"
-                        f"{'' if foreach else ' deepspeed-loops'}{'' if bucket == 'hmscale' else ' deepspeed-buckets'}"
+                        f"{'' if check == 'hmscale' else f' checks={check}'}{'' if bucket == 'hmscale' else ' deepspeed-buckets'}"
                         f"{'' if adams == ['auto'] else f' adam={adam}'}"
                         f"{'' if args.ce == 'auto' else f' ce={args.ce}'}{f' kd-top{args.kd_topk}' if args.kd_topk else ''}")
                 r = bench(name, make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
                           cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
-                          foreach_grad_checks=foreach, grad_buckets=bucket == "hmscale", adam=adam,
+                          grad_checks=check, grad_buckets=bucket == "hmscale", adam=adam,
                           fused_ce={"auto": None, "fused": True, "rows": False}[args.ce], kd_topk=args.kd_topk,
                           gaps=args.gaps,
                           compile_mode=None if args.compile_mode == "default" else args.compile_mode)

@@ -29,17 +29,18 @@ def test_cache_throughput_smoke(tmp_path):
 
 
 def test_train_throughput_smoke(tmp_path):
-    out = _run([str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--grad-checks", "both", "--gaps",
+    out = _run([str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--grad-checks", "hmscale,two-pass,deepspeed", "--gaps",
                 "--out", str(tmp_path / "t.json")], tmp_path)
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert [r["model"] for r in rows] == ["pythia-nano hedgemamba", "pythia-nano hedgemamba deepspeed-loops",
-                                          "pythia-nano teacher-sdpa", "pythia-nano teacher-sdpa deepspeed-loops"]
+    assert [r["model"] for r in rows] == [f"pythia-nano {m}{c}" for m in ("hedgemamba", "teacher-sdpa")
+                                          for c in ("", " checks=two-pass", " checks=deepspeed")]
     assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows)
-    for fast, loops in (rows[:2], rows[2:]):  # the foreach gradient checks train exactly as DeepSpeed's loops
-        assert abs(fast["final_loss"] - loops["final_loss"]) <= 1e-5 * loops["final_loss"], (fast, loops)
+    for ours, two_pass, loops in (rows[:3], rows[3:]):  # hmscale's gradient checks train exactly as DeepSpeed's loops
+        for r in (ours, two_pass):
+            assert abs(r["final_loss"] - loops["final_loss"]) <= 1e-5 * loops["final_loss"], (r, loops)
     assert "| pythia-nano hedgemamba |" in out
     # --gaps traced each model's step twice (torch ops, Python frames); a CPU trace has no device events
-    assert out.count("GPU idle in one step of pythia-nano") == 8 and "no device events in the trace" in out
+    assert out.count("GPU idle in one step of pythia-nano") == 12 and "no device events in the trace" in out
 
 
 def test_ssd_registers_reports_every_kernel(tmp_path):
