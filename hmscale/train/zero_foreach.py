@@ -96,7 +96,6 @@ def _all_reduce(opt, tensor, op, group):
 
 def _group_norm(self, kept):
     from deepspeed import comm as dist
-    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
     if kept:
         total_norm = _sum_of_squares(kept).to(self.device)
@@ -104,8 +103,9 @@ def _group_norm(self, kept):
         total_norm = torch.tensor(0.0, dtype=torch.float32, device=self.device)
     _all_reduce(self, total_norm, dist.ReduceOp.SUM, self.dp_process_group)
     total_norm = total_norm.pow(0.5)
-    mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)
-    return total_norm
+    # DeepSpeed's invalid-norm sentinel, as its mask_nan_or_inf_with_val_inplace sets it, but without a device
+    # synchronisation (its masked_fill_ with a tensor value reads that value on the host)
+    return torch.where(torch.isfinite(total_norm), total_norm, torch.full_like(total_norm, -1.0))
 
 
 def grad_norm_foreach(self, gradients, params, norm_type=2):
