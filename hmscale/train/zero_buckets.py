@@ -14,7 +14,9 @@ BENCHMARKS.md, "Student training", 2026-12-03 evening).
 - the flush copies all recorded gradients into the bucket with one ``torch._foreach_copy_``, reduces the bucket
   as DeepSpeed does (``average_tensor``), and copies the partition's gradients into ``grads_in_partition`` with
   one more foreach copy. With one data-parallel rank (the reduction is the identity) the gradients go straight
-  from autograd's tensors to ``grads_in_partition``, one copy instead of DeepSpeed's two.
+  from autograd's tensors to ``grads_in_partition``, one copy instead of DeepSpeed's two, each at its place in the
+  partition's own order, so that the step reads the buffer as the flat gradient partition (one conversion to fp32)
+  instead of concatenating the ~300 gradient views first.
   Each parameter's ``.grad`` then aliases the same storage DeepSpeed's own code would have given it, so the
   epilogue, gradient accumulation, clipping and the step are DeepSpeed's, unchanged.
 
@@ -139,9 +141,55 @@ def flush_buckets(self, comm_dtype=None):
             flat = _partition_buffer(self)
             grads = [self.get_gradient_for_reduction(p) for p in keep]
             start = self.grads_in_partition_offset
-            _move_into(grads, flat.narrow(0, start, flat.numel() - start))
+            if identity:  # in the partition's own order: the step's flat gradient partition is then this buffer
+                offsets = _partition_offsets(self)
+                _move_into(grads, flat, [offsets[self.get_param_id(p)] for p in keep])
+            else:
+                _move_into(grads, flat.narrow(0, start, flat.numel() - start))
             self.grads_in_partition_offset = start + sum(g.numel() for g in grads)
         bucket.clear()
+
+
+def _partition_offsets(self) -> dict:
+    """With one rank, each parameter's offset in ``grads_in_partition`` when the buffer is laid out in the
+    partition's own order (group by group, parameter by parameter: the order of the fp32 master partition)
+    rather than in the order the gradients arrive."""
+    offsets = getattr(self, "_hm_offsets", None)
+    if offsets is None:
+        offsets, at = {}, 0
+        for group in self.params_in_partition:
+            for p in group:
+                offsets[self.get_param_id(p)] = at
+                at += p.numel()
+        self._hm_offsets = offsets
+    return offsets
+
+
+def _in_order_view(tensors):
+    """One 1-d view of the tensors when each starts where the one before it ends, in one storage; else None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != at
+                or t.untyped_storage().data_ptr() != storage):
+            return None
+        at += t.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def preflattened_partition(self, group_idx):
+    """``_get_preflattened_grad_partition``: with one rank, the gradient buffer itself when the group's averaged
+    gradients are its consecutive views and fill the partition, so the step converts it to fp32 directly instead
+    of first concatenating ~300 views into a copy (DeepSpeed's flatten); DeepSpeed's answer otherwise."""
+    flat = type(self)._get_preflattened_grad_partition(self, group_idx)
+    if flat is not None or not self._hm_identity:
+        return flat
+    view = _in_order_view(self.averaged_gradients.get(group_idx) or [])
+    if view is None or view.numel() != int(self.partition_size[group_idx]):
+        return None
+    return view
 
 
 def supported(optimizer) -> bool:
@@ -168,4 +216,5 @@ def install(optimizer) -> bool:
     optimizer._hm_identity = _is_identity(optimizer)
     optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(record_gradient, optimizer)
     optimizer.reduce_ipg_grads = types.MethodType(flush_buckets, optimizer)
+    optimizer._get_preflattened_grad_partition = types.MethodType(preflattened_partition, optimizer)
     return True

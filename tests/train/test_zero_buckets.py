@@ -32,10 +32,11 @@ def _same(r):
         assert all(torch.equal(a, b) for a, b in zip(r["po"], r["pt"]))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_one_rank_trains_exactly_as_deepspeed(stage, tmp_path):
+@pytest.mark.parametrize("tiny", [3, 4])  # an odd element count (a padded partition) and an even one (the step
+@pytest.mark.parametrize("stage", [1, 2])  # then reads the gradient buffer as its flat partition)
+def test_one_rank_trains_exactly_as_deepspeed(stage, tiny, tmp_path):
     init_distributed()
-    _same(compare(stage, ds_config(tmp_path, stage)))
+    _same(compare(stage, ds_config(tmp_path, stage), tiny=tiny))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -54,3 +55,24 @@ def test_other_configurations_keep_deepspeeds_code(tmp_path):
     assert not zero_buckets.supported(eng.optimizer)
     assert eng.optimizer.reduce_ipg_grads.__func__ is type(eng.optimizer).reduce_ipg_grads
     assert not zero_buckets.install(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_step_reads_the_gradient_buffer_as_its_flat_partition(stage, tmp_path):
+    """With one rank the gradients sit in the buffer in the partition's order, so the step's flat partition is a
+    view of the buffer (no concatenated copy) and holds exactly the concatenated gradients. (An even element
+    count: with an odd one DeepSpeed pads the partition with a separate zero tensor, and its flatten is kept.)"""
+    init_distributed()
+    eng = engine(stage, True, ds_config(tmp_path, stage), tiny=4)
+    g = torch.Generator().manual_seed(3)
+    for k in range(eng.gradient_accumulation_steps()):  # up to the boundary's backward, before its step
+        eng.backward(eng(torch.randn(4, 16, generator=g)))
+        if k + 1 < eng.gradient_accumulation_steps():
+            eng.step()  # counts the micro-batch (no optimizer step)
+    opt = eng.optimizer
+    flat = opt._get_preflattened_grad_partition(0)
+    assert flat is not None and flat.numel() == int(opt.partition_size[0])
+    grads = opt.averaged_gradients[0]
+    assert flat.untyped_storage().data_ptr() == grads[0].untyped_storage().data_ptr()  # a view, not a copy
+    assert flat.data_ptr() == grads[0].data_ptr()
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in grads]))
