@@ -18,6 +18,7 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) every test that starts a Ray
     cluster goes to one worker, one at a time: two local clusters at once on a 2-core machine only slow
