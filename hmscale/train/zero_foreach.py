@@ -35,8 +35,7 @@ __all__ = ["install", "grad_norm_foreach", "overflow_foreach", "has_overflow_by_
 
 
 def _norm_inputs(opt, gradients, params):
-    """The gradients DeepSpeed's ``get_grad_norm_direct`` counts, in its order (its generator/zip pairing kept),
-    and whether that is every gradient of the list (nothing left out but alignment padding, which is zeros)."""
+    """The gradients DeepSpeed's ``get_grad_norm_direct`` counts, in its order (its generator/zip pairing kept)."""
     from deepspeed.runtime.constants import PIPE_REPLICATED
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
@@ -48,7 +47,7 @@ def _norm_inputs(opt, gradients, params):
             continue
         if all_mp_rank0 or is_model_parallel_parameter(p):
             kept.append(g)
-    return kept, len(kept) == len(grads)
+    return kept
 
 
 def _one_flat_view(tensors):
@@ -113,7 +112,7 @@ def grad_norm_foreach(self, gradients, params, norm_type=2):
     views of one contiguous buffer; see the module docstring)."""
     if float(norm_type) != 2.0:
         return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
-    return _group_norm(self, _norm_inputs(self, gradients, params)[0])
+    return _group_norm(self, _norm_inputs(self, gradients, params))
 
 
 def overflow_foreach(self):
@@ -151,7 +150,7 @@ def _kept_groups(self) -> list | None:
     kept = []
     for i in range(len(self.bit16_groups)):
         grads = self.averaged_gradients.get(i) or []
-        kept.append(_norm_inputs(self, grads, self.params_in_partition[i])[0])
+        kept.append(_norm_inputs(self, grads, self.params_in_partition[i]))
     return kept
 
 
