@@ -26,6 +26,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("ray") is not None:
             item.add_marker(pytest.mark.xdist_group("ray"))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _group_node_ids(items)
+
+
+def _group_node_ids(items):
+    """xdist (3.8) tells its controller an item's group by renaming it `<nodeid>@<group>` through `item._nodeid`;
+    pytest 9.2 keeps the id in `item._id` (a structured NodeId) instead, so that rename does nothing and every
+    group is scattered over the workers (pytest-dev/pytest-xdist#1386). Where the rename did not take, make it
+    here: the same string id, parsed as pytest parses any string node id."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # an older pytest: xdist's own rename works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if names and isinstance(getattr(item, "_id", None), NodeId) and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # DeepSpeed's CPU all-reduce leaves one /dev/shm file per rank of every multi-process group (tens of MB of
