@@ -1,6 +1,7 @@
 """Suite-wide settings: CPU only, deterministic, small thread pools (CI has 2 cores)."""
 
 import os
+import sys
 
 # Triton kernels run under the interpreter on CPU; this must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,6 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # workers, benchmark smokes, multi-rank jobs) inherit this; more busy threads than cores only spin and wait (the
 # fidelity smoke took 164 s beside the Ray tests with two threads, 33 s with one; the suite 14:54 -> 14:13)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# this environment's bin directory first on PATH, as in an activated venv, for every process of the suite: the Ray job
+# of tests/cli/test_submit.py needs it (its `python`), and then everything must see the same `ninja`. DeepSpeed JIT-builds
+# its CPU all-reduce op into one shared ~/.cache/torch_extensions; the venv's ninja (1.13) and a system one (1.11 here)
+# hash the build log's commands differently, so each takes the other's build for stale and compiles it again (~45 s
+# on both cores, with every DeepSpeed start in the suite waiting on the build lock); that happened 2-4 times a run
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = os.pathsep.join(filter(None, [_BIN, os.environ.get("PATH")]))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
