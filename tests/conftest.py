@@ -54,6 +54,76 @@ def _group_node_ids(items):
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
+# One embedded Ray cluster for each run of consecutive Ray tests (under xdist: the whole "ray" group, on one worker)
+# instead of one per module or test: a cluster start is ~8-12 s of both cores here, and its shutdown ~2 s more. It is
+# started as the product starts its own (hmscale.ray_cluster.connect: dashboard, job API and Ray Train's state API on
+# 127.0.0.1), with 2 CPUs (2 teacher-forward actors, 2 Ray Train workers, 2 sweep sizes at once), and stopped as soon
+# as the next test is not a Ray test, so it never idles beside the rest of the suite. A test that leaves CPUs taken
+# (an actor or placement group it did not release) ends the cluster, and the next test gets a fresh one.
+class _SharedRay:
+    def __init__(self):
+        self.ours = False
+
+    def start(self):
+        import ray
+
+        if not ray.is_initialized():
+            from hmscale.ray_cluster import connect
+
+            saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "HMSCALE_NO_PROGRESS")}
+            os.environ.pop("RAY_ADDRESS", None)  # a cluster of our own (address="local"), never another one on the host
+            os.environ["HMSCALE_NO_PROGRESS"] = "1"  # the cluster's processes inherit the environment they start with
+            try:
+                connect(num_cpus=2, log=lambda *a, **k: None)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            self.ours = True
+        return ray
+
+    def settle(self, timeout: float = 30.0):
+        """After a test: wait for every CPU to come back (Ray releases actors and placement groups asynchronously)."""
+        import time
+
+        import ray
+
+        if not (self.ours and ray.is_initialized()):
+            return
+        total, deadline = ray.cluster_resources().get("CPU", 0), time.time() + timeout
+        while ray.available_resources().get("CPU", 0) < total:
+            if time.time() > deadline:
+                self.stop()
+                return
+            time.sleep(0.2)
+
+    def stop(self):
+        if self.ours and "ray" in sys.modules:
+            sys.modules["ray"].shutdown()
+        self.ours = False
+
+
+_RAY = _SharedRay()
+
+
+@pytest.fixture
+def ray_cluster():
+    """The embedded local Ray cluster (2 CPUs) shared by consecutive Ray tests; yields the `ray` module."""
+    yield _RAY.start()
+    _RAY.settle()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        if _RAY.ours and (nextitem is None or nextitem.get_closest_marker("ray") is None):
+            _RAY.stop()
+
+
 # DeepSpeed's CPU all-reduce leaves one /dev/shm file per rank of every multi-process group (tens of MB of
 # memory each); the product removes its own (hmscale.train.engine.remove_shm_buffers), tests that set up
 # groups by hand would leak theirs: remove what this session created.
@@ -71,6 +141,7 @@ _SHM_AT_START = _shm_buffers()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _RAY.stop()
     for name in _shm_buffers() - _SHM_AT_START:
         try:
             os.unlink(os.path.join(_SHM, name))
