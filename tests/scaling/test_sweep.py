@@ -122,18 +122,6 @@ def test_local_sweep_resumes_and_records_failures(tmp_path, monkeypatch):
     assert json.loads((out / "results.json").read_text())[0]["teacher_ppl"] > 0
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        # address="local": a fresh cluster of our own, never another process's Ray on the same host
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def _check_outputs(out, rows):
     assert [r["size"] for r in rows] == MINIS
     table = read_csv(out / "results.csv")

@@ -3,22 +3,17 @@ a worker is SIGKILLed mid stage 2 and the run finishes through Ray Train's resta
 reported checkpoint. Stage-1 and stage-2 losses fall."""
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def test_two_workers_zero2_cache_kill_and_resume(tmp_path, monkeypatch):
+def test_two_workers_zero2_cache_kill_and_resume(ray_cluster, tmp_path, monkeypatch):
     from hmscale.config import build_config
     from ray_jobs.distill import FAULT_ENV, run_distill
 
@@ -35,14 +30,8 @@ def test_two_workers_zero2_cache_kill_and_resume(tmp_path, monkeypatch):
     ])
     monkeypatch.setenv(FAULT_ENV, "stage2:5:1")  # rank 1 dies at the start of stage-2 step 5 (after the step-3 checkpoint)
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    import ray
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # run_distill starts its own embedded cluster (address="local")
-    try:
-        res = run_distill(cfg, tmp_path / "run", log=lambda *a, **k: None)
-    finally:
-        ray.shutdown()
+    # the suite's embedded cluster (tests/conftest.py), started as run_distill starts its own
+    res = run_distill(cfg, tmp_path / "run", log=lambda *a, **k: None)
     run = tmp_path / "run"
     assert (run / ".fault_stage2_5_1").exists(), "the fault was not injected"
     s1 = json.loads((run / "stage1" / "summary.json").read_text())

@@ -149,21 +149,16 @@ def test_writer_abort_leaves_nothing(tmp_path):
 
 
 @pytest.mark.ray
-def test_ray_actor_with_several_shards_in_flight_dies(tmp_path, teacher, tools, monkeypatch):
-    ray = pytest.importorskip("ray")
+def test_ray_actor_with_several_shards_in_flight_dies(ray_cluster, tmp_path, teacher, tools, monkeypatch):
     from hmscale.teacher.cache.worker import FAULT_ENV
 
     data = tools.make_data(shards=5, per_shard=4)
     marker = tmp_path / "fault-fired"
     monkeypatch.setenv(FAULT_ENV, f"2:{marker}")
     monkeypatch.setenv(WRITERS_ENV, "2")  # each actor writes 2 shards at once: its death loses both
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        logs = []
-        path = build_cache(tools.make_cfg(tmp_path / "cache", **{"cache.workers": 2}), data, teacher, engine="ray",
-                           log=logs.append)
-    finally:
-        ray.shutdown()
+    logs = []  # (both variables reach the actors through their runtime_env, set by the driver)
+    path = build_cache(tools.make_cfg(tmp_path / "cache", **{"cache.workers": 2}), data, teacher, engine="ray",
+                       log=logs.append)
     assert marker.exists()
     assert any("up to 2 shards in flight" in line for line in logs), logs
     assert any("died on shard-000002.tar" in line for line in logs), logs

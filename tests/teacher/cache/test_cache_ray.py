@@ -12,14 +12,7 @@ from hmscale.teacher.capture import capture_layers  # noqa: E402
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_two_ray_workers_cache_equals_live_capture(cluster, tmp_path, teacher, data, tools):
+def test_two_ray_workers_cache_equals_live_capture(ray_cluster, tmp_path, teacher, data, tools):
     cfg = tools.make_cfg(tmp_path, **{"cache.workers": 2, "cache.capture.topk": 3})
     logs = []
     path = build_cache(cfg, data, teacher, engine="ray", log=logs.append)
@@ -28,6 +21,7 @@ def test_two_ray_workers_cache_equals_live_capture(cluster, tmp_path, teacher, d
     assert report.ok and report.samples == 12, report.summary()
 
     reader = CacheReader(path)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the actors run one thread each; same kernels, same bits
     try:
         for shard in range(data.plan.num_shards):
@@ -42,7 +36,7 @@ def test_two_ray_workers_cache_equals_live_capture(cluster, tmp_path, teacher, d
                         assert torch.equal(got["layers"][i]["attn_input"], caps[i].attn_input[j].to(torch.bfloat16))
                         assert torch.equal(got["layers"][i]["attn_output"], caps[i].attn_output[j].to(torch.bfloat16))
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
 
     # the same config again: no actor starts, no teacher forward, same bytes
     before = tools.shard_bytes(path)
@@ -52,7 +46,7 @@ def test_two_ray_workers_cache_equals_live_capture(cluster, tmp_path, teacher, d
     assert tools.shard_bytes(path) == before
 
 
-def test_worker_killed_mid_shard_is_redone_elsewhere(cluster, tmp_path, teacher, tools, monkeypatch):
+def test_worker_killed_mid_shard_is_redone_elsewhere(ray_cluster, tmp_path, teacher, tools, monkeypatch):
     data = tools.make_data(shards=5, per_shard=4)
     marker = tmp_path / "fault-fired"
     monkeypatch.setenv(FAULT_ENV, f"2:{marker}")  # the worker that takes shard 2 dies (os._exit) half-way, once
