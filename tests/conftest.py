@@ -12,6 +12,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # workers, benchmark smokes, multi-rank jobs) inherit this; more busy threads than cores only spin and wait (the
 # fidelity smoke took 164 s beside the Ray tests with two threads, 33 s with one; the suite 14:54 -> 14:13)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray Train (the Ray tests' TorchTrainer runs): its controller takes in one worker report per poll, every 2 s by
+# default, so a short run's checkpoint reports queue up behind it (the kill-and-resume test waited ~20 s on that); and
+# each worker group start adds a preemption-watcher actor (one more Python process), useless on one local node that is
+# never drained. Both settings reach the controller and the workers from the driver's environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # this environment's bin directory first on PATH, as in an activated venv, for every process of the suite: the Ray job
 # of tests/cli/test_submit.py needs it (its `python`), and then everything must see the same `ninja`. DeepSpeed JIT-builds
 # its CPU all-reduce op into one shared ~/.cache/torch_extensions; the venv's ninja (1.13) and a system one (1.11 here)
