@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,28 +51,34 @@ def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
     ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                      "metrics-export-port", "runtime-env-agent-port",
                                                      "ray-client-server-port")]
-    subprocess.run(
-        [str(ray_bin), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats", *ports],
-        env=env, check=True, capture_output=True, timeout=180,
-    )
+    # --block: the head runs in this child and takes its cluster down when the child is terminated (`ray stop`
+    # would end every Ray instance on the host, other tests' and other users' included)
+    head_log = tmp_path / "head.log"
+    with open(head_log, "w") as fh:
+        head = subprocess.Popen(
+            [str(ray_bin), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats",
+             "--block", *ports],
+            env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     out = tmp_path / "run"
     try:
         from ray.job_submission import JobSubmissionClient
 
         from hmscale.submit import find_token
 
-        token = find_token()
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        deadline = time.time() + 120
+        deadline = time.time() + 180
         while True:
+            assert head.poll() is None, f"ray start --head exited {head.returncode}: {head_log.read_text()[-3000:]}"
             try:
+                token = find_token()  # the head writes it (token auth) when it starts
+                headers = {"Authorization": f"Bearer {token}"} if token else None
                 JobSubmissionClient(f"http://127.0.0.1:{dash}", headers=headers).list_jobs()
                 break
             except Exception:
                 if time.time() > deadline:
                     raise
-                time.sleep(2)
+                time.sleep(1)
         overrides = TINY + [f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", f"cache.root={tmp_path / 'tc'}"]
         cmd = [sys.executable, "-m", "hmscale.cli", "submit", "--address", f"http://127.0.0.1:{dash}", "--timeout", "400"]
         for o in overrides:
@@ -82,4 +89,9 @@ def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
         results = json.loads((out / "results.json").read_text())
         assert results["hedgemamba_ppl"] > 1 and results["teacher_ppl"] > 1
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
