@@ -95,3 +95,9 @@ def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+        # what `ray stop` also clears: the head's address, where a bare ray.init() would look for a cluster
+        from ray._common.utils import get_ray_address_file
+
+        current = Path(get_ray_address_file(None))
+        if current.exists() and current.read_text().strip().endswith(f":{gcs}"):
+            current.unlink()
