@@ -10,6 +10,7 @@ job API runs any code it is sent; nothing we start exposes one to the network.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -41,3 +42,19 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     )
     log(f"[ray] embedded local cluster: {ray.cluster_resources()}")
     return True
+
+
+def process_cpus() -> int:
+    """CPU threads for this process's own compute: inside a Ray task or actor, the CPUs Ray granted it (a sweep
+    size's task asks for `cpus_per_size`, and its neighbours on the node use the rest), else every core.
+    Taking all the cores in each of several tasks on one node only makes their threads spin against each other."""
+    cores = os.cpu_count() or 1
+    ray = sys.modules.get("ray")  # a process that never imported Ray is not a Ray worker
+    if ray is not None and ray.is_initialized():
+        try:
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")  # {} in a driver
+        except Exception:
+            cpus = None
+        if cpus:
+            return max(1, min(cores, int(cpus)))
+    return cores

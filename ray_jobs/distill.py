@@ -226,7 +226,10 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
               "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
     if cfg.parallel.engine == "local" and cfg.parallel.num_workers == 1:
-        config["threads"] = 0 if cfg.parallel.use_gpu else os.cpu_count()
+        from hmscale.ray_cluster import process_cpus
+
+        # every core, or the CPUs of the Ray task this runs in (a sweep's size: `scaling.sweep.run_size`)
+        config["threads"] = 0 if cfg.parallel.use_gpu else process_cpus()
         res = train_func(config)
         res = {k: {kk: vv for kk, vv in v.items() if kk != "student_model"} for k, v in res.items()}
     elif cfg.parallel.engine == "local":
