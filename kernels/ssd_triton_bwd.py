@@ -41,9 +41,9 @@ import triton.language as tl
 from .host_math import cdiv
 from .launch import launch
 from .settings import env
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _pow2, _state_tile, _xdot, block_sizes,
-                             bwd_variant, dbc_state_precision, fused_pass_config, kcfg, pass_config, precisions,
-                             state_precision, use_fused_pass)
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
+                             _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
+                             kcfg, pass_config, precisions, state_precision, use_fused_pass)
 
 
 @triton.jit
@@ -69,10 +69,8 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, 
     offs_n = nb * BN + tl.arange(0, BN)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    dy = tl.load((dy_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-    Ct = tl.load((C_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
-                 mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+    dy = _load_rows(dy_ptr + (b * L * H + h) * P, offs_t, mask_t, H * P, offs_p, mask_p)
+    Ct = _load_rows(C_ptr + (b * L * G + grp) * N, offs_t, mask_t, G * N, offs_n, mask_n)
     wy = win
     if DY_SCALE:  # dy holds the output's gradient; the numerator's is dy / den (row scale)
         wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
@@ -160,8 +158,7 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N
     if HAS_DFINAL:
-        dS = tl.load(dfinal_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
-        dSr = tl.load(dfinal_ptr + bh * PN + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
+        dS, dSr = _load_state(dfinal_ptr + bh * PN, soff, smask, offs_n, rmask, P, N, NORM)
     else:
         dS = tl.zeros([BP, BN], dtype=tl.float32)
         dSr = tl.zeros([BN], dtype=tl.float32)
@@ -174,15 +171,11 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
         if HAS_DOC:
             doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
             win = tl.where(doc == doc_prev, win, 0.0)
-        s_base = (bh * NC + c) * PN
-        if NORM:
-            tl.store(dst_ptr + s_base + P * N + offs_n, dSr, mask=rmask)
-        tl.store(dst_ptr + s_base + soff, dS, mask=smask)  # the gradient of the state leaving chunk c
+        # the gradient of the state leaving chunk c
+        _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
         g = tl.load(gdec_ptr + bh * NC + c)
-        dy = tl.load(dy_base + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-                     mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-        Ct = tl.load(c_base + (offs_t[:, None] * (G * N) + offs_n[None, :]),
-                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        dy = _load_rows(dy_base, offs_t, mask_t, H * P, offs_p, mask_p)
+        Ct = _load_rows(c_base, offs_t, mask_t, G * N, offs_n, mask_n)
         wy = win
         if DY_SCALE:
             wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
@@ -192,9 +185,7 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
             dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
             dSr = dSr * g + tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)
     if HAS_DINIT:
-        tl.store(dinit_ptr + bh * PN + soff, dS, mask=smask)
-        if NORM:
-            tl.store(dinit_ptr + bh * PN + P * N + offs_n, dSr, mask=rmask)
+        _store_state(dinit_ptr + bh * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
 
 
 @triton.jit
@@ -234,8 +225,7 @@ def _chunk_bwd_dx(dy_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, dst_ptr, dx_ptr,
         keep = keep & (doc[:, None] == doc[None, :])
         wend = tl.where(doc == doc_end, wend, 0.0)
     decayT = tl.exp(tl.where(keep, cs[None, :] - cs[:, None], float("-inf")))
-    dy = tl.load((dy_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-                 mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(IN_DTYPE)
+    dy = _load_rows(dy_ptr + (b * L * H + h) * P, offs_t, mask_t, H * P, offs_p, mask_p).to(IN_DTYPE)
     dx = tl.dot((accGT * decayT).to(IN_DTYPE), dy, input_precision=PREC)
     dx = dt[:, None] * (dx + wend[:, None] * accZ)
     tl.store((dx_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),

@@ -150,10 +150,8 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
     offs_n = nb * BN + tl.arange(0, BN)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    x = tl.load((x_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-                mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-    Bt = tl.load((B_ptr + (b * L * G + grp) * N) + (offs_t[:, None] * (G * N) + offs_n[None, :]),
-                 mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+    x = _load_rows(x_ptr + (b * L * H + h) * P, offs_t, mask_t, H * P, offs_p, mask_p)
+    Bt = _load_rows(B_ptr + (b * L * G + grp) * N, offs_t, mask_t, G * N, offs_n, mask_n)
     # about fp32 accuracy (PREC): the chunk states feed the decay gradient, which is sensitive to their rounding
     xw = x.to(tl.float32) * w[:, None]
     S = _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
@@ -244,6 +242,33 @@ def _state_tile(bh, pn, H, G, P, N, BP: tl.constexpr, BN: tl.constexpr, NORM: tl
 
 
 @triton.jit
+def _load_rows(base, offs_t, mask_t, stride, offs_c, mask_c):
+    """The (tokens x columns) tile at ``base + t * stride + c`` (zeros outside the masks), in its stored dtype."""
+    return tl.load(base + (offs_t[:, None] * stride + offs_c[None, :]), mask=mask_t[:, None] & mask_c[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _load_state(ptr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexpr):
+    """A fused pass's (BP x BN) state tile and (NORM) its normaliser row's BN entries, in fp32 (zeros outside the
+    masks; the row is zeros without NORM)."""
+    S = tl.load(ptr + soff, mask=smask, other=0.0).to(tl.float32)
+    if NORM:
+        Sr = tl.load(ptr + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
+    else:
+        Sr = (offs_n * 0).to(tl.float32)
+    return S, Sr
+
+
+@triton.jit
+def _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexpr):
+    """Store a fused pass's state tile and (NORM) its normaliser row's entries (``_load_state``'s layout)."""
+    tl.store(ptr + soff, S, mask=smask)
+    if NORM:
+        tl.store(ptr + P * N + offs_n, Sr, mask=rmask)
+
+
+@triton.jit
 def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
                      L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -256,8 +281,7 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N
     if HAS_INIT:
-        S = tl.load(init_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
-        Sr = tl.load(init_ptr + bh * PN + P * N + offs_n, mask=rmask, other=0.0).to(tl.float32)
+        S, Sr = _load_state(init_ptr + bh * PN, soff, smask, offs_n, rmask, P, N, NORM)
     else:
         S = tl.zeros([BP, BN], dtype=tl.float32)
         Sr = tl.zeros([BN], dtype=tl.float32)
@@ -271,25 +295,18 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
             doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
             w = tl.where(doc == doc_end, w, 0.0)
             g = tl.where(doc_end == doc_prev, g, 0.0)
-        s_base = st_ptr + (bh * NC + c) * PN
-        tl.store(s_base + soff, S, mask=smask)  # the state entering chunk c
-        if NORM:
-            tl.store(s_base + P * N + offs_n, Sr, mask=rmask)
+        _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)  # entering c
         if pn == 0:
             tl.store(gdec_ptr + bh * NC + c, g)
-        x = tl.load(x_base + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-                    mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-        Bt = tl.load(b_base + (offs_t[:, None] * (G * N) + offs_n[None, :]),
-                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        x = _load_rows(x_base, offs_t, mask_t, H * P, offs_p, mask_p)
+        Bt = _load_rows(b_base, offs_t, mask_t, G * N, offs_n, mask_n)
         xw = x.to(tl.float32) * w[:, None]
         # the chunk's local state from a zero accumulator, then the carry: the dots do not wait on the running
         # state, so consecutive chunks' dots can overlap (accumulating onto g S would chain them)
         S = g * S + _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
         if NORM:
             Sr = Sr * g + tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
-    tl.store(final_ptr + bh * PN + soff, S, mask=smask)
-    if NORM:
-        tl.store(final_ptr + bh * PN + P * N + offs_n, Sr, mask=rmask)
+    _store_state(final_ptr + bh * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
 
 
 @triton.jit
@@ -333,8 +350,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
-    x = tl.load((x_ptr + (b * L * H + h) * P) + (offs_t[:, None] * (H * P) + offs_p[None, :]),
-                mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+    x = _load_rows(x_ptr + (b * L * H + h) * P, offs_t, mask_t, H * P, offs_p, mask_p)
     if SAVE_YNUM:
         y = _xdot(M, x, accS * win[:, None], YPREC, "b")
     else:
