@@ -447,23 +447,30 @@ DEFAULT_CFG = {
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
 # (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
 DEFAULT_CFG_Q128 = {"scan": (64, 64, 8, 0), "dx": (16, 64, 8, 0), "fpass": (64, 64, 8, 3), "fpass_b": (64, 64, 8, 3)}
+# heads whose tile has 128 or more channels (P > 64; 16-bit inputs, chunk 64): the scan's n steps of 32 (1.4b
+# shape, H200 sweep of 2026-12-03: 338 -> 299 us at L=2048, 357 -> 317 at L=16384; every other kernel's default
+# was already the best there)
+DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
 }
 
 
-def kcfg(name: str, dtype: torch.dtype, Q: int = 64) -> tuple:
+def kcfg(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> tuple:
     """Launch configuration of one kernel; ``HMSCALE_SSD_CFG="state=64,64,4;scan=64,128,8;..."`` overrides it
     (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
     (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps),
     fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages), fbwd (the fused
     dx + dB/dC backward, 16-bit inputs only: BN, warps, stages). ``Q``: the chunk
-    size (chunks of 128 and more have their own defaults for 16-bit inputs)."""
+    size (chunks of 128 and more have their own defaults for 16-bit inputs); ``p``: the head dim, where it matters
+    (heads of 128 channels and more have their own defaults, ``DEFAULT_CFG_WIDE``)."""
     if dtype == torch.float32:
         default = DEFAULT_CFG_FP32[name]
     elif Q >= 128 and name in DEFAULT_CFG_Q128:
         default = DEFAULT_CFG_Q128[name]
+    elif _pow2(p) >= 128 and name in DEFAULT_CFG_WIDE:
+        default = DEFAULT_CFG_WIDE[name]
     else:
         default = DEFAULT_CFG[name]
     cfg = env("HMSCALE_SSD_CFG", "")
@@ -596,7 +603,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         grid2 = (b * h, cdiv(PN, BLOCK))
         launch(_state_pass_fwd, grid2, states, gdec, initial_state if has_init else final, final, nc, PN,
                HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
-    bp, bn, nw, nst = kcfg("scan", x.dtype, Q)
+    bp, bn, nw, nst = kcfg("scan", x.dtype, Q, p)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
     grid3 = (nc, b * h, cdiv(p, bp))

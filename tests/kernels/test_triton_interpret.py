@@ -315,7 +315,7 @@ def test_launch_configs_by_chunk(monkeypatch):
     """16-bit inputs at chunk 128 take the 8-warp tilings (spill-free for sm_90: benchmarks/ssd_registers.py);
     chunk 64 and fp32 inputs keep theirs; HMSCALE_SSD_CFG / HMSCALE_SSD_DBC_CFG still override."""
     from kernels.ssd_triton_bwd import dbc_config
-    from kernels.ssd_triton_fwd import DEFAULT_CFG, DEFAULT_CFG_FP32, DEFAULT_CFG_Q128, kcfg
+    from kernels.ssd_triton_fwd import DEFAULT_CFG, DEFAULT_CFG_FP32, DEFAULT_CFG_Q128, DEFAULT_CFG_WIDE, kcfg
 
     monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
     monkeypatch.delenv("HMSCALE_SSD_DBC_CFG", raising=False)
@@ -324,8 +324,14 @@ def test_launch_configs_by_chunk(monkeypatch):
     assert kcfg("state", bf16, 128) == DEFAULT_CFG["state"]  # no Q x Q tile: unchanged
     assert kcfg("scan", torch.float32, 128) == DEFAULT_CFG_FP32["scan"]
     assert dbc_config(256, bf16, 128) == (16, 32, 3, 8) and dbc_config(256, bf16, 64) == (32, 64, 3, 4)
-    monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=32,32,4")
+    # heads whose tile is 128+ channels (P = 80 too): the scan's own default at chunk 64 (16-bit only); P = 64 not
+    assert kcfg("scan", bf16, 64, 128) == kcfg("scan", bf16, 64, 80) == DEFAULT_CFG_WIDE["scan"]
+    assert DEFAULT_CFG_WIDE["scan"] != DEFAULT_CFG["scan"] == kcfg("scan", bf16, 64, 64)
+    assert kcfg("scan", torch.float32, 64, 256) == DEFAULT_CFG_FP32["scan"]
+    assert kcfg("dx", bf16, 64, 256) == DEFAULT_CFG["dx"]
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=32,32,4;scan=64,64")
     assert kcfg("dx", bf16, 128) == (32, 32, 4, 0)
+    assert kcfg("scan", bf16, 64, 128) == (64, 64) + DEFAULT_CFG_WIDE["scan"][2:]
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]])
