@@ -70,32 +70,29 @@ def cache(
     typer.echo(str(path))
 
 
-@app.command()
-def stage1(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
-    """Stage 1: train the Hedgehog feature maps (attention transfer)."""
+def _run_stages(config, overrides, stages: tuple) -> None:
+    """Run the given distillation stages (parallel.engine: local, one process, or ray, Ray Train workers)."""
     from hmscale.train.engine import TrainingError
     from ray_jobs.distill import run_distill, summary_line
 
     cfg = _config(config, overrides)
     try:
-        res = run_distill(cfg, stages=("stage1",))  # parallel.engine: local (one process) or ray (Ray Train workers)
+        res = run_distill(cfg, stages=stages)
     except TrainingError as err:
         fail(str(err), code=1)
     typer.echo(summary_line(res))
+
+
+@app.command()
+def stage1(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Stage 1: train the Hedgehog feature maps (attention transfer)."""
+    _run_stages(config, overrides, ("stage1",))
 
 
 @app.command()
 def stage2(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """Stage 2: convert to HedgeMamba and fine-tune."""
-    from hmscale.train.engine import TrainingError
-    from ray_jobs.distill import run_distill, summary_line
-
-    cfg = _config(config, overrides)
-    try:
-        res = run_distill(cfg, stages=("stage2",))  # parallel.engine: local (one process) or ray (Ray Train workers)
-    except TrainingError as err:
-        fail(str(err), code=1)
-    typer.echo(summary_line(res))
+    _run_stages(config, overrides, ("stage2",))
 
 
 @app.command("eval")
