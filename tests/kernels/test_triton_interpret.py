@@ -360,3 +360,79 @@ def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
             tol = 1e-4 if k in ("dt", "A") and not opts.get("normalize") else 1e-2
         for save in out:
             assert rel(out[save][k], gr[k]) < tol, (save, k, rel(out[save][k], gr[k]))
+
+
+def _count_walks(monkeypatch):
+    """A list that grows by one each time the one-launch forward (``_scan_walk_fwd``) runs."""
+    import kernels.ssd_triton_fwd as fwd
+
+    launches = []
+    orig = fwd._scan_walk_fwd.run
+    monkeypatch.setattr(fwd._scan_walk_fwd, "run", lambda *a, **k: launches.append(1) or orig(*a, **k))
+    return launches
+
+
+@pytest.mark.parametrize("shape,chunk,opts", CASES)
+def test_walk_forward_matches_reference(shape, chunk, opts, monkeypatch):
+    """The one-launch forward (HMSCALE_SSD_FWD=walk: each (head, p tile) program walks the chunks with its state in
+    registers) hands the backward the same states as the chunked forward: outputs, final state and every gradient
+    within fp32 tolerance of float64, over every option (groups, P not 2^k and over one p tile, l % Q != 0, init,
+    documents, the normaliser, D)."""
+    launches = _count_walks(monkeypatch)
+    monkeypatch.setenv("HMSCALE_SSD_FWD", "walk")
+    ins, seq = make_inputs(**shape, **opts, dtype=torch.float32)
+    y, s, g, gy, gs = _run(_triton, ins, seq, opts, chunk, device=TRITON_DEVICE)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, gy, gs)
+    assert launches, "the walk forward did not run"
+    assert rel(y, yr) < TOL and rel(s, sr) < TOL
+    for k in g:
+        assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_walk_forward_16bit_several_p_tiles(dtype, monkeypatch):
+    """16-bit inputs through the walk with three p tiles of 16 (each carries the normaliser row, the first stores it)
+    and every option: y within the 16-bit limit, the states and the decay gradients (dt, A) near fp32 accuracy."""
+    launches = _count_walks(monkeypatch)
+    monkeypatch.setenv("HMSCALE_SSD_FWD", "walk")
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "walk=16,4,1")
+    opts = dict(normalize=True, D=True, init=True, seq=True)
+    ins, seq = make_inputs(1, 70, 2, 1, 40, 24, dtype=dtype, **opts)
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(1, 70, 2, 40, generator=gen, dtype=torch.float64).to(dtype).double()
+    gs = torch.randn(1, 2, 41, 24, generator=gen, dtype=torch.float64)
+    y, s, g, _, _ = _run(_triton, ins, seq, opts, 32, gy, gs, device=TRITON_DEVICE)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 32, gy, gs)
+    assert launches
+    assert y.dtype == dtype and rel(y, yr) < 1e-2 and rel(s, sr) < 1e-4
+    for k in g:
+        assert torch.isfinite(g[k]).all(), k
+        assert rel(g[k], gr[k]) < 1e-2, (k, rel(g[k], gr[k]))
+    assert rel(g["dt"], gr["dt"]) < 1e-4 and rel(g["A"], gr["A"]) < 1e-4
+
+
+def test_walk_forward_choice(monkeypatch):
+    """HMSCALE_SSD_FWD=auto: the walk on a GPU when its (batch x head x p tile) programs fill the multiprocessors and
+    N fits one register tile; the chunked forward for long single sequences, large N and the interpreter; walk / chunks
+    force it; walk with too large an N and a bad value are one-line errors naming the variable."""
+    from kernels import ssd_triton_fwd as fwd
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fwd, "_sm_count", lambda device: 132 if device.type == "cuda" else None)
+    monkeypatch.delenv("HMSCALE_SSD_FWD", raising=False)
+    monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
+    bf16 = torch.bfloat16
+    assert fwd.walk_config(128, 256, bf16)[:2] == (64, 256)  # 1.4b shape: 2 p tiles of 64 rows
+    assert fwd.use_walk(8, 16, 128, 256, bf16, cuda)  # 256 programs
+    assert not fwd.use_walk(1, 16, 128, 256, bf16, cuda)  # 32 programs
+    assert not fwd.use_walk(8, 16, 64, 512, bf16, cuda)  # N too large for one tile
+    assert not fwd.use_walk(8, 16, 128, 256, bf16, torch.device("cpu"))
+    monkeypatch.setenv("HMSCALE_SSD_FWD", "walk")
+    assert fwd.use_walk(1, 16, 128, 256, bf16, cuda)
+    with pytest.raises(ValueError, match="HMSCALE_SSD_FWD=walk takes d_state N <= 1024"):
+        fwd.use_walk(1, 16, 64, 2048, bf16, cuda)
+    monkeypatch.setenv("HMSCALE_SSD_FWD", "chunks")
+    assert not fwd.use_walk(8, 16, 128, 256, bf16, cuda)
+    monkeypatch.setenv("HMSCALE_SSD_FWD", "fast")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_FWD must be"):
+        fwd.use_walk(8, 16, 128, 256, bf16, cuda)
