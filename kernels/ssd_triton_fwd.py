@@ -371,100 +371,6 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
     tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=ym)
 
 
-@triton.jit
-def _scan_walk_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
-                   y_ptr, den_ptr, ynum_ptr, D_ptr,
-                   L, H, G, P, N, NC,
-                   Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, YPREC: tl.constexpr,
-                   STPREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr, SAVE_YNUM: tl.constexpr,
-                   HAS_D: tl.constexpr, RELOAD_B: tl.constexpr = True):
-    """The whole forward in one launch (``HMSCALE_SSD_FWD=walk``): one program per (batch*head, p tile) holds the
-    (BP x N) state of its head's p rows in registers (all of N in one tile, BN >= N) and walks the chunks in order.
-    At each chunk it stores the entering state (the backward reads it), computes the chunk's y like
-    ``_chunk_scan_fwd`` from that state in registers, and carries the state on like ``_state_fused_fwd``. One state
-    sweep instead of the split forward's two (written by the pass, read by the scan); the price is one serial walk
-    per (head, p tile) and B . C^T formed once per p tile. The normaliser row is carried by every p tile's programs
-    (each divides its own y) and stored by the first."""
-    pid = tl.program_id(0)
-    n_pb = tl.cdiv(P, BP)
-    bh = (pid // n_pb).to(tl.int64)  # the p tiles of one head next to each other: they share the B, C loads in L2
-    pb = pid % n_pb
-    b = bh // H
-    h = bh % H
-    grp = h // (H // G)
-    offs_p = pb * BP + tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
-    soff = offs_p[:, None] * N + offs_n[None, :]
-    smask = mask_p[:, None] & mask_n[None, :]
-    rmask = mask_n & ((offs_n * 0 + pb) == 0)
-    PN = (P + NORM) * N
-    if HAS_INIT:
-        S = tl.load(init_ptr + bh * PN + soff, mask=smask, other=0.0).to(tl.float32)
-        if NORM:
-            Sr = tl.load(init_ptr + bh * PN + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        else:
-            Sr = tl.zeros([BN], dtype=tl.float32)
-    else:
-        S = tl.zeros([BP, BN], dtype=tl.float32)
-        Sr = tl.zeros([BN], dtype=tl.float32)
-    x_base = x_ptr + (b * L * H + h) * P
-    bc_base = (b * L * G + grp) * N
-    if HAS_D:
-        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
-    for c in range(0, NC):
-        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        decay, win, wend = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
-        g = tl.exp(cs_end)
-        if HAS_DOC:
-            _, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
-            g = tl.where(doc_end == doc_prev, g, 0.0)
-        _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)  # entering c
-        if pb == 0:
-            tl.store(gdec_ptr + bh * NC + c, g)
-        bc_off = offs_t[:, None] * (G * N) + offs_n[None, :]
-        bc_mask = mask_t[:, None] & mask_n[None, :]
-        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
-        Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
-        x = _load_rows(x_base, offs_t, mask_t, H * P, offs_p, mask_p)
-        # y of this chunk from the entering state (as _chunk_scan_fwd, with the state from registers)
-        G_cb = tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
-        if SAVE_YNUM:
-            accS = _xdot(Ct, tl.trans(S), tl.zeros([Q, BP], dtype=tl.float32), YPREC, "a")
-        else:
-            accS = _xdot(Ct, tl.trans(S), tl.zeros([Q, BP], dtype=tl.float32), SPREC, "a")
-        M = G_cb * decay * dt[None, :]
-        if SAVE_YNUM:
-            y = _xdot(M, x, accS * win[:, None], YPREC, "b")
-        else:
-            y = tl.dot(M.to(x.dtype), x, input_precision=PREC)
-            y += accS * win[:, None]
-        yo = (b * L * H + h) * P + (offs_t[:, None] * (H * P) + offs_p[None, :])
-        ym = mask_t[:, None] & mask_p[None, :]
-        if SAVE_YNUM:
-            tl.store(ynum_ptr + yo, y, mask=ym)
-        if NORM:
-            den = tl.sum(M, axis=1) + win * tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
-            if pb == 0:
-                tl.store(den_ptr + (b * L * H + h) + offs_t * H, den, mask=mask_t)
-            y = y / tl.where(mask_t, den, 1.0)[:, None]
-        if HAS_D:
-            y += Dv[None, :] * x.to(tl.float32)
-        tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=ym)
-        # the state leaving the chunk (as _state_fused_fwd); B loaded again (an L1/L2 hit) rather than kept live
-        # across the y computation, which holds the most registers
-        if RELOAD_B:
-            Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
-        w = wend * dt
-        xw = x.to(tl.float32) * w[:, None]
-        S = g * S + _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), STPREC, "b")
-        if NORM:
-            Sr = Sr * g + tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
-    _store_state(final_ptr + bh * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
-
-
 def _pow2(v: int, lo: int = 16) -> int:
     return max(lo, next_pow2(int(v)))
 
@@ -536,7 +442,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
-    "fbwd": (32, 4, 2), "walk": (64, 8, 2),
+    "fbwd": (32, 4, 2),
 }
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
 # (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
@@ -548,7 +454,6 @@ DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
-    "walk": (32, 8, 2),
 }
 
 
@@ -557,8 +462,7 @@ def kcfg(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> tuple:
     (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
     (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps),
     fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages), fbwd (the fused
-    dx + dB/dC backward, 16-bit inputs only: BN, warps, stages), walk (the one-launch forward of
-    ``HMSCALE_SSD_FWD=walk``: BP, warps, stages). ``Q``: the chunk
+    dx + dB/dC backward, 16-bit inputs only: BN, warps, stages). ``Q``: the chunk
     size (chunks of 128 and more have their own defaults for 16-bit inputs); ``p``: the head dim, where it matters
     (heads of 128 channels and more have their own defaults, ``DEFAULT_CFG_WIDE``)."""
     if dtype == torch.float32:
@@ -629,58 +533,6 @@ def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q
     return min(bp, _pow2(p)), min(bn, _pow2(n)), nw, st
 
 
-WALK_MAX_STATE = 16384  # fp32 elements of a walk program's (BP x N) state tile: 64 registers a thread at 8 warps
-WALK_AUTO_MAX_N = 256  # the largest d_state auto sends to the walk (the range measured on the H200)
-
-
-def fwd_mode() -> str:
-    """``HMSCALE_SSD_FWD``: how the forward runs. ``chunks``: the state building and pass (fused or split, see
-    ``pass_mode``) then the chunk-parallel scan; ``walk``: ``_scan_walk_fwd``, one launch in which each
-    (batch*head, p tile) program walks the chunks with its state in registers (N up to 256); ``auto`` (default):
-    the walk where it applies and its programs fill the GPU (``use_walk``)."""
-    v = env("HMSCALE_SSD_FWD", "auto").lower()
-    if v not in ("auto", "walk", "chunks"):
-        raise ValueError(f"HMSCALE_SSD_FWD must be auto, walk or chunks, got {v!r}")
-    return v
-
-
-def walk_config(p: int, n: int, dtype: torch.dtype):
-    """(BP, BN, num_warps, num_stages) of ``_scan_walk_fwd``: BN covers all of N; BP is the configured p tile,
-    halved until the state tile fits ``WALK_MAX_STATE``."""
-    bp, nw, st = kcfg("walk", dtype)
-    bn = _pow2(n)
-    bp = min(bp, _pow2(p))
-    while bp > 16 and bp * bn > WALK_MAX_STATE:
-        bp //= 2
-    return bp, bn, nw, st
-
-
-def walk_applies(n: int) -> bool:
-    """Whether ``_scan_walk_fwd`` can take this state size (all of N in one register tile of 16+ rows)."""
-    return 16 * _pow2(n) <= WALK_MAX_STATE
-
-
-def use_walk(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this forward runs as one walk (see ``fwd_mode``). ``walk`` where N allows it (else a clear error),
-    ``chunks`` never; ``auto``: on a GPU, for N <= ``WALK_AUTO_MAX_N`` when its (batch x head x p tile) programs reach
-    the multiprocessor count (one serial walk per program: fewer would leave the GPU idle)."""
-    mode = fwd_mode()
-    if mode == "chunks":
-        return False
-    if not walk_applies(n):
-        if mode == "walk":
-            raise ValueError(f"HMSCALE_SSD_FWD=walk takes d_state N <= {WALK_MAX_STATE // 16}, got {n}: "
-                             "use HMSCALE_SSD_FWD=auto or chunks")
-        return False
-    if mode == "walk":
-        return True
-    sms = _sm_count(device)
-    if sms is None:  # the CPU interpreter: the chunked forward (the walk is tested explicitly)
-        return False
-    bp = walk_config(p, n, dtype)[0]
-    return n <= WALK_AUTO_MAX_N and b * h * cdiv(p, bp) >= sms
-
-
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
     block, nw = kcfg(name, dtype)
     return min(block, _pow2(pn)), nw
@@ -733,15 +585,6 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
-    if use_walk(b, h, p, n, x.dtype, dev):
-        BP, BN, nw, nst = walk_config(p, n, x.dtype)
-        launch(_scan_walk_fwd, (b * h * cdiv(p, BP),), x, dt, A, B, C, doc_arg, states, gdec,
-               initial_state if has_init else final, final, y, den if norm else y, ynum if ynum is not None else y,
-               D if D is not None else dt, l, h, g, p, n, nc,
-               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=prec, SPREC=sprec, YPREC=state_precision(x.dtype),
-               STPREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, SAVE_YNUM=ynum is not None,
-               HAS_D=D is not None, num_warps=nw, num_stages=nst)
-        return y, ynum, den, final, states, gdec
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
