@@ -175,7 +175,7 @@ def main():
         if only and not any(t in fn.__name__ for t in only):
             continue
         sig, const, attrs = _signature(fn, a, kw)
-        opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+        opts = {k: kw[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
         src = ASTSource(fn, sig, const, attrs)
         try:
             ck = triton.compile(src, target=target, options=backend.parse_options(opts).__dict__)

@@ -43,7 +43,8 @@ from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
                              _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
-                             kcfg, pass_config, precisions, state_precision, use_fused_pass)
+                             kcfg, pass_config, precisions, register_cap, state_precision,
+                             use_fused_pass)
 
 
 @triton.jit
@@ -765,13 +766,14 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, num_warps=nw, num_stages=nst)
+               DY_SCALE=dy_scale, num_warps=nw, num_stages=nst,
+               **register_cap("fpass_b", x.dtype, Q, programs=b * h * nblk, device=dev))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_chunk_dstate_bwd, grid1, dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-               DY_SCALE=dy_scale, num_warps=nw)
+               DY_SCALE=dy_scale, num_warps=nw, **register_cap("dstate", x.dtype, Q))
         PN = states.shape[3] * n
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
         launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
@@ -791,7 +793,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
                XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
                IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
-               DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf)
+               DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf, **register_cap("fbwd", x.dtype, Q))
         ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
         return dx, ddt, dA, dB, dC, dinit, dD
     nnb = cdiv(n, BN_dbc)
@@ -812,13 +814,15 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra)
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra,
+               **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
+        one_head = g == h and dbc_one_head()
         launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
-               ONE_HEAD=g == h and dbc_one_head(), **dbc_kw)
+               ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))

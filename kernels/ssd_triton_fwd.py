@@ -440,7 +440,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 # Default launch configurations (BP, BN, warps[, stages]; pass: BLOCK, warps) for 16-bit inputs, chosen from
 # per-kernel profiles of tiling sweeps on the H200 (kernels/NOTES.md); fp32 inputs keep the earlier ones.
 DEFAULT_CFG = {
-    "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 0), "dx": (64, 64, 4, 0),
+    "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 2), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
     "fbwd": (32, 4, 2),
 }
@@ -455,6 +455,43 @@ DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
 }
+
+
+# Register caps (Triton's ``maxnreg``) for 16-bit inputs at chunk 64, by kcfg's kernel names. Every SSD kernel holds
+# 196-255 registers a thread, 2 blocks of 4 warps per multiprocessor (Nsight Compute, kernels/NOTES.md 2026-12-04);
+# a cap of 168 lets 3 blocks share one for a few spilled bytes. H200 sweeps of 2026-12-04
+# (benchmarks/results/sweep_maxnreg*_2026-12-04.md), per-kernel us: dbc (its one-head form) 574 -> 482 at 1.4b
+# L=2048, 596 -> 495 at L=16384, 259 -> 237 / 193 -> 178 at the 410m / 160m training calls; the scan (with 2 pipeline
+# stages, so that 3 blocks' shared memory fits) 131 -> 115 at 410m L=2048, 142 -> 132 / 110 -> 99 at the training
+# calls; fdstate 344 -> 314 at 1.4b L=2048. 128 registers was slower everywhere.
+DEFAULT_MAXNREG = {"dbc": 168, "scan": 168, "fpass_b": 168}
+# heads of 128+ channels: the wide scan tile stays uncapped (2 stages + 168: 300 -> 381 us at 1.4b)
+DEFAULT_MAXNREG_WIDE = {"scan": 0}
+# caps that pay only when more programs wait than fit on the GPU uncapped (2 per multiprocessor): fdstate at 1.4b
+# L=2048 (1024 programs) 344 -> 314 us, at L=8192 (256) 301 -> 312, at the training calls (192-256) 117 -> 147
+_CAP_WHEN_QUEUED = ("fpass_b",)
+
+
+def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0, programs: int = 0,
+                 device: torch.device | None = None) -> dict:
+    """``{"maxnreg": cap}`` for kernel ``name`` (kcfg's names), or ``{}`` for none: ``DEFAULT_MAXNREG`` for 16-bit
+    inputs at chunk 64 (``DEFAULT_MAXNREG_WIDE`` for heads of ``p`` >= 128 channels); the ``_CAP_WHEN_QUEUED``
+    kernels only when their ``programs`` exceed twice the multiprocessors of ``device``.
+    ``HMSCALE_SSD_MAXNREG="dbc=168;scan=0"`` overrides it for tuning runs (0: no cap; else 24-255)."""
+    table = DEFAULT_MAXNREG_WIDE if _pow2(p) >= 128 and name in DEFAULT_MAXNREG_WIDE else DEFAULT_MAXNREG
+    cap = table.get(name, 0) if dtype != torch.float32 and Q == 64 else 0
+    if cap and name in _CAP_WHEN_QUEUED:
+        sms = _sm_count(device) if device is not None else None
+        if sms is None or programs <= 2 * sms:
+            cap = 0
+    for item in filter(None, (t.strip() for t in env("HMSCALE_SSD_MAXNREG", "").split(";"))):
+        k, _, v = item.partition("=")
+        if not v.strip().isdigit() or not (int(v) == 0 or 24 <= int(v) <= 255):
+            raise ValueError(f"HMSCALE_SSD_MAXNREG: {item!r} is not NAME=REGISTERS (24 to 255, 0 for none), "
+                             "e.g. dbc=168")
+        if k.strip() == name:
+            cap = int(v)
+    return {"maxnreg": cap} if cap else {}
 
 
 def kcfg(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> tuple:
@@ -591,13 +628,13 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
                l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
                PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
-               num_warps=nw, num_stages=nst)
+               num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_chunk_state_fwd, grid1, x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-               num_warps=nw)
+               num_warps=nw, **register_cap("state", x.dtype, Q))
         PN = ps * n
         BLOCK, nw = pass_config(PN, x.dtype)
         grid2 = (b * h, cdiv(PN, BLOCK))
@@ -612,7 +649,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
            D if D is not None else dt, l, h, g, p, n, nc,
            Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
            NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-           YPREC=state_precision(x.dtype), num_warps=nw, **extra)
+           YPREC=state_precision(x.dtype), num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
     return y, ynum, den, final, states, gdec
 
 

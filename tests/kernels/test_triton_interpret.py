@@ -360,3 +360,28 @@ def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
             tol = 1e-4 if k in ("dt", "A") and not opts.get("normalize") else 1e-2
         for save in out:
             assert rel(out[save][k], gr[k]) < tol, (save, k, rel(out[save][k], gr[k]))
+
+
+def test_register_caps(monkeypatch):
+    """Triton's maxnreg per kernel, for 16-bit inputs at chunk 64: dB/dC and the scan capped at 168 registers (3
+    blocks per multiprocessor instead of 2), not the wide heads' scan; the backward's fused state pass only when more
+    of its programs wait than fit uncapped; nothing for fp32, other chunks or other kernels. HMSCALE_SSD_MAXNREG
+    overrides by kernel name (0 removes a cap); a malformed entry is a one-line error naming the variable."""
+    from kernels import ssd_triton_fwd as fwd
+
+    bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
+    monkeypatch.setattr(fwd, "_sm_count", lambda device: 132 if device.type == "cuda" else None)
+    monkeypatch.delenv("HMSCALE_SSD_MAXNREG", raising=False)
+    cap = fwd.register_cap
+    assert cap("dbc", bf16) == cap("dbc", torch.float16) == cap("scan", bf16, 64, 64) == {"maxnreg": 168}
+    assert cap("dbc", torch.float32) == cap("dbc", bf16, 128) == cap("dx", bf16) == {}
+    assert cap("scan", bf16, 64, 128) == cap("scan", bf16, 64, 80) == {}  # the wide tile
+    assert cap("fpass_b", bf16, programs=1024, device=cuda) == {"maxnreg": 168}
+    assert cap("fpass_b", bf16, programs=256, device=cuda) == {}  # all resident uncapped
+    assert cap("fpass_b", bf16, programs=1024, device=torch.device("cpu")) == {}
+    monkeypatch.setenv("HMSCALE_SSD_MAXNREG", "dx=128; dbc=0")
+    assert cap("dx", bf16) == {"maxnreg": 128} and cap("dbc", bf16) == {}
+    for bad in ("dbc", "dbc=lots", "dbc=300", "dbc=8"):
+        monkeypatch.setenv("HMSCALE_SSD_MAXNREG", bad)
+        with pytest.raises(ValueError, match="HMSCALE_SSD_MAXNREG"):
+            cap("dbc", bf16)
