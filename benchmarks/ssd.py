@@ -200,7 +200,8 @@ SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the *_norm ones: the 160m an
 KERNEL_SHORT = {"_chunk_state_fwd": "state", "_state_pass_fwd": "pass", "_chunk_scan_fwd": "scan",
                 "_chunk_dstate_bwd": "dstate", "_state_pass_bwd": "pass_b", "_chunk_bwd_dx_dcs": "dx",
                 "_chunk_bwd_dx": "dx1", "_chunk_bwd_dbc": "dbc",
-                "_state_fused_fwd": "fstate", "_dstate_fused_bwd": "fdstate", "_chunk_bwd_fused": "fbwd"}
+                "_state_fused_fwd": "fstate", "_dstate_fused_bwd": "fdstate", "_chunk_bwd_fused": "fbwd",
+                "_chunk_scan_fwd_blocks": "scan_blk"}
 
 
 def kernel_times(fn, iters=5, label=None):
@@ -238,7 +239,7 @@ def sweep_inputs(H, G, P, N, L, norm):
     return x, dt, A, B, C, gy, kw
 
 
-def run_sweep(path, warm_only=False, part="0/1", old_dir=None):
+def run_sweep(path, warm_only=False, part="0/1", old_dir=None, fwd_only=False):
     """Time ours fwd+bwd (and per-kernel) for the variants of a sweep file: one per line,
     ``label | ENV=VAL ENV=VAL ... | shape,shape`` (shapes optional; names in SWEEP_SHAPES). ``IMPL=old`` times the
     kernels package found at --old instead; ``CHUNK=128`` sets the chunk size (default 64). --warm-only --part i/n only compiles a share of the variants."""
@@ -262,7 +263,8 @@ def run_sweep(path, warm_only=False, part="0/1", old_dir=None):
     data = {}
     base_env = dict(os.environ)
     if not warm_only:
-        print("| variant | shape | fwd+bwd ms | per kernel us (profiler) |\n|---|---|---|---|", flush=True)
+        what = "fwd" if fwd_only else "fwd+bwd"
+        print(f"| variant | shape | {what} ms | per kernel us (profiler) |\n|---|---|---|---|", flush=True)
     for label, env, shapes in variants:
         os.environ.clear()
         os.environ.update(base_env)
@@ -275,7 +277,12 @@ def run_sweep(path, warm_only=False, part="0/1", old_dir=None):
                 data[sh] = sweep_inputs(*SWEEP_SHAPES[sh])
             x, dt, A, B, C, gy, kw = data[sh]
             ins = [x, dt, A, B, C] + ([kw["D"]] if "D" in kw else [])
-            fb = lambda: torch.autograd.grad(fn_ssd(x, dt, A, B, C, chunk_size=chunk, **kw), ins, gy)  # noqa: E731
+            if fwd_only:  # what inference runs: no graph, no numerator kept for a backward
+                def fb(x=x, dt=dt, A=A, B=B, C=C, kw=kw, chunk=chunk, fn_ssd=fn_ssd):
+                    with torch.no_grad():
+                        return fn_ssd(x, dt, A, B, C, chunk_size=chunk, **kw)
+            else:
+                fb = lambda: torch.autograd.grad(fn_ssd(x, dt, A, B, C, chunk_size=chunk, **kw), ins, gy)  # noqa: E731
             try:
                 fb()
                 torch.cuda.synchronize()
@@ -303,9 +310,10 @@ def main():
     ap.add_argument("--warm-only", action="store_true", help="with --sweep: only compile (share --part i/n)")
     ap.add_argument("--part", default="0/1")
     ap.add_argument("--old", default=None, help="with --sweep: a folder holding a package kernels_old (IMPL=old)")
+    ap.add_argument("--fwd-only", action="store_true", help="with --sweep: time the forward alone, under no_grad")
     args = ap.parse_args()
     if args.sweep:
-        run_sweep(args.sweep, args.warm_only, args.part, args.old)
+        run_sweep(args.sweep, args.warm_only, args.part, args.old, args.fwd_only)
         return
     chunks = [int(c) for c in args.chunks.split(",")]
     torch.manual_seed(0)
