@@ -371,113 +371,6 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
     tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=ym)
 
 
-@triton.jit
-def _block_decay(dt_ptr, A_ptr, b, h, c, blk, L, H, Q: tl.constexpr, QB: tl.constexpr):
-    """Offsets, mask and dt of block ``blk`` (QB rows) of chunk c, with the chunk-relative inclusive cumulative
-    log-decay of its rows (the earlier blocks' sums added) and the chunk's total ``cs_end``."""
-    A = tl.load(A_ptr + h).to(tl.float32)
-    base = dt_ptr + (b * L * H + h)
-    before = 0.0
-    total = 0.0
-    for j in range(0, Q // QB):
-        rows = c * Q + j * QB + tl.arange(0, QB)
-        sj = tl.sum(tl.load(base + rows * H, mask=rows < L, other=0.0).to(tl.float32), axis=0)
-        before += tl.where(j < blk, sj, 0.0)
-        total += sj
-    offs_t = c * Q + blk * QB + tl.arange(0, QB)
-    mask_t = offs_t < L
-    dt = tl.load(base + offs_t * H, mask=mask_t, other=0.0).to(tl.float32)
-    cs = (before + tl.cumsum(dt, axis=0)) * A
-    return offs_t, mask_t, dt, cs, total * A
-
-
-@triton.jit
-def _chunk_scan_fwd_blocks(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr,
-                           L, H, G, P, N, NC,
-                           Q: tl.constexpr, QB: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                           HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
-                           SAVE_YNUM: tl.constexpr, HAS_D: tl.constexpr, YPREC: tl.constexpr):
-    """``_chunk_scan_fwd`` for long chunks in blocks of QB rows (``HMSCALE_SSD_SCAN_BLOCK``): one program per (chunk,
-    query block, batch*head, p tile) takes the entering state's term for its rows and loops over the key blocks up to
-    its own, so only (QB x QB) decay-weighted products are live, whatever the chunk size. The states (one per chunk
-    of Q tokens) and every output are those of ``_chunk_scan_fwd``."""
-    NQB: tl.constexpr = Q // QB
-    c = tl.program_id(0) // NQB
-    qb = tl.program_id(0) % NQB
-    bh = tl.program_id(1).to(tl.int64)
-    pb = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    grp = h // (H // G)
-    offs_t, mask_t, dt_t, cs_t, cs_end = _block_decay(dt_ptr, A_ptr, b, h, c, qb, L, H, Q, QB)
-    offs_p = pb * BP + tl.arange(0, BP)
-    mask_p = offs_p < P
-    bc_base = (b * L * G + grp) * N
-    s_base = st_ptr + (bh * NC + c) * (P + NORM) * N
-    win = tl.exp(cs_t)
-    if HAS_DOC:
-        last = tl.minimum(c * Q + Q, L) - 1
-        doc_t = tl.load((doc_ptr + b * L) + offs_t, mask=mask_t, other=0)
-        doc_t = tl.where(mask_t, doc_t, tl.load((doc_ptr + b * L) + last))
-        doc_prev = tl.where(c > 0, tl.load((doc_ptr + b * L) + tl.maximum(c * Q - 1, 0)), 0)
-        win = tl.where(doc_t == doc_prev, win, 0.0)
-    # the entering state's term (and the normaliser row's)
-    accS = tl.zeros([QB, BP], dtype=tl.float32)
-    accR = tl.zeros([QB], dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        offs_n = n0 + tl.arange(0, BN)
-        mask_n = offs_n < N
-        Ct = _load_rows(C_ptr + bc_base, offs_t, mask_t, G * N, offs_n, mask_n)
-        Sp = tl.load(s_base + (offs_p[None, :] * N + offs_n[:, None]),
-                     mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = S_prev^T
-        if SAVE_YNUM:
-            accS = _xdot(Ct, Sp, accS, YPREC, "a")
-        else:
-            accS = _xdot(Ct, Sp, accS, SPREC, "a")
-        if NORM:
-            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0)
-            accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
-    y = accS * win[:, None]
-    den = win * accR
-    tq = tl.arange(0, QB)
-    for kb in range(0, qb + 1):
-        offs_s, mask_s, dt_s, cs_s, _ = _block_decay(dt_ptr, A_ptr, b, h, c, kb, L, H, Q, QB)
-        accG = tl.zeros([QB, QB], dtype=tl.float32)
-        for n0 in range(0, N, BN):
-            offs_n = n0 + tl.arange(0, BN)
-            mask_n = offs_n < N
-            Ct = _load_rows(C_ptr + bc_base, offs_t, mask_t, G * N, offs_n, mask_n)
-            Bs = _load_rows(B_ptr + bc_base, offs_s, mask_s, G * N, offs_n, mask_n)
-            accG += tl.dot(Ct, tl.trans(Bs), input_precision=PREC)
-        keep = (tq[:, None] >= tq[None, :]) | (kb < qb)
-        if HAS_DOC:
-            last = tl.minimum(c * Q + Q, L) - 1
-            doc_s = tl.load((doc_ptr + b * L) + offs_s, mask=mask_s, other=0)
-            doc_s = tl.where(mask_s, doc_s, tl.load((doc_ptr + b * L) + last))
-            keep = keep & (doc_t[:, None] == doc_s[None, :])
-        M = accG * tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
-        xs = _load_rows(x_ptr + (b * L * H + h) * P, offs_s, mask_s, H * P, offs_p, mask_p)
-        if SAVE_YNUM:
-            y = _xdot(M, xs, y, YPREC, "b")
-        else:
-            y = tl.dot(M.to(xs.dtype), xs, y, input_precision=PREC)
-        if NORM:
-            den += tl.sum(M, axis=1)
-    yo = (b * L * H + h) * P + (offs_t[:, None] * (H * P) + offs_p[None, :])
-    ym = mask_t[:, None] & mask_p[None, :]
-    if SAVE_YNUM:
-        tl.store(ynum_ptr + yo, y, mask=ym)
-    if NORM:
-        if pb == 0:
-            tl.store(den_ptr + (b * L * H + h) + offs_t * H, den, mask=mask_t)
-        y = y / tl.where(mask_t, den, 1.0)[:, None]
-    if HAS_D:
-        Dv = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
-        xt = _load_rows(x_ptr + (b * L * H + h) * P, offs_t, mask_t, H * P, offs_p, mask_p)
-        y += Dv[None, :] * xt.to(tl.float32)
-    tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=ym)
-
-
 def _pow2(v: int, lo: int = 16) -> int:
     return max(lo, next_pow2(int(v)))
 
@@ -549,7 +442,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 2), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
-    "fbwd": (32, 4, 2), "scan_blk": (128, 64, 4, 2),
+    "fbwd": (32, 4, 2),
 }
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
 # (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
@@ -561,7 +454,6 @@ DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
-    "scan_blk": (64, 64, 8, 0),
 }
 
 
@@ -678,16 +570,6 @@ def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q
     return min(bp, _pow2(p)), min(bn, _pow2(n)), nw, st
 
 
-def scan_block(Q: int) -> int:
-    """``HMSCALE_SSD_SCAN_BLOCK``: the query / key block (rows) of the forward scan for chunks longer than it
-    (``_chunk_scan_fwd_blocks``); 0 (default) runs the whole chunk in one block (``_chunk_scan_fwd``)."""
-    v = env("HMSCALE_SSD_SCAN_BLOCK", "0")
-    if not v.isdigit() or (int(v) and (int(v) < 16 or int(v) & (int(v) - 1))):
-        raise ValueError(f"HMSCALE_SSD_SCAN_BLOCK must be 0 or a power of two >= 16, got {v!r}")
-    qb = int(v)
-    return qb if 0 < qb < Q else Q
-
-
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
     block, nw = kcfg(name, dtype)
     return min(block, _pow2(pn)), nw
@@ -761,17 +643,6 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     bp, bn, nw, nst = kcfg("scan", x.dtype, Q, p)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
-    qb = scan_block(Q)
-    if qb < Q:
-        bp, bn, nw, nst = kcfg("scan_blk", x.dtype, qb, p)
-        bp = min(bp, _pow2(p))
-        extra = dict(num_stages=nst) if nst else {}
-        launch(_chunk_scan_fwd_blocks, (nc * (Q // qb), b * h, cdiv(p, bp)), x, dt, A, B, C, doc_arg, states, y,
-               den if norm else y, ynum if ynum is not None else y, D if D is not None else dt, l, h, g, p, n, nc,
-               Q=Q, QB=qb, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-               NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-               YPREC=state_precision(x.dtype), num_warps=nw, **extra, **register_cap("scan_blk", x.dtype, qb, p))
-        return y, ynum, den, final, states, gdec
     grid3 = (nc, b * h, cdiv(p, bp))
     launch(_chunk_scan_fwd, grid3, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
            ynum if ynum is not None else y,
