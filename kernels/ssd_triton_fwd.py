@@ -470,6 +470,7 @@ DEFAULT_MAXNREG_WIDE = {"scan": 0}
 # caps that pay only when more programs wait than fit on the GPU uncapped (2 per multiprocessor): fdstate at 1.4b
 # L=2048 (1024 programs) 344 -> 314 us, at L=8192 (256) 301 -> 312, at the training calls (192-256) 117 -> 147
 _CAP_WHEN_QUEUED = ("fpass_b",)
+_CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd"))  # the capped launches
 
 
 def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0, programs: int = 0,
@@ -486,9 +487,10 @@ def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0, program
             cap = 0
     for item in filter(None, (t.strip() for t in env("HMSCALE_SSD_MAXNREG", "").split(";"))):
         k, _, v = item.partition("=")
-        if not v.strip().isdigit() or not (int(v) == 0 or 24 <= int(v) <= 255):
-            raise ValueError(f"HMSCALE_SSD_MAXNREG: {item!r} is not NAME=REGISTERS (24 to 255, 0 for none), "
-                             "e.g. dbc=168")
+        if (k.strip() not in _CAP_NAMES or not v.strip().isdigit()
+                or not (int(v) == 0 or 24 <= int(v) <= 255)):
+            raise ValueError(f"HMSCALE_SSD_MAXNREG: {item!r} is not NAME=REGISTERS (NAME one of "
+                             f"{', '.join(sorted(_CAP_NAMES))}; 24 to 255, 0 for none), e.g. dbc=168")
         if k.strip() == name:
             cap = int(v)
     return {"maxnreg": cap} if cap else {}

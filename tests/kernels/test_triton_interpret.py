@@ -381,7 +381,7 @@ def test_register_caps(monkeypatch):
     assert cap("fpass_b", bf16, programs=1024, device=torch.device("cpu")) == {}
     monkeypatch.setenv("HMSCALE_SSD_MAXNREG", "dx=128; dbc=0")
     assert cap("dx", bf16) == {"maxnreg": 128} and cap("dbc", bf16) == {}
-    for bad in ("dbc", "dbc=lots", "dbc=300", "dbc=8"):
+    for bad in ("dbc", "dbc=lots", "dbc=300", "dbc=8", "dcb=168"):
         monkeypatch.setenv("HMSCALE_SSD_MAXNREG", bad)
         with pytest.raises(ValueError, match="HMSCALE_SSD_MAXNREG"):
             cap("dbc", bf16)
