@@ -20,7 +20,7 @@ import torch
 from .reference import doc_ids_from_seq_idx
 from .settings import env, env_frozen
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
-from .ssd_triton_fwd import keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd
+from .ssd_triton_fwd import keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd, state_dtype
 
 __all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_mode"]
 
@@ -126,7 +126,7 @@ def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save
     ps = p + int(norm)
     f32 = torch.float32
     return (x.new_empty(b, l, h, p, dtype=out_dtype), x.new_empty(b, h, ps, n, dtype=f32),
-            x.new_empty(b, h, nc, ps, n, dtype=f32), x.new_empty(b * h, nc, dtype=f32),
+            x.new_empty(b, h, nc, ps, n, dtype=state_dtype(x.dtype)), x.new_empty(b * h, nc, dtype=f32),
             x.new_empty((b, l, h, p) if keeps_ynum(norm, save_ynum) else (0,), dtype=f32),
             x.new_empty((b, l, h) if norm else (0,), dtype=f32))
 

@@ -43,7 +43,7 @@ from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
                              _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
-                             kcfg, pass_config, precisions, register_cap, state_precision,
+                             kcfg, pass_config, precisions, register_cap, state_dtype, state_precision,
                              use_fused_pass)
 
 
@@ -87,8 +87,10 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, 
 
 
 @triton.jit
-def _state_pass_bwd(dst_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
+def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
                     HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The serial backward pass: reads the chunks' fp32 local state gradients at ``dst_ptr`` and writes the gradient
+    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -98,6 +100,8 @@ def _state_pass_bwd(dst_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
     else:
         dS = tl.zeros([BLOCK], dtype=tl.float32)
     dbase = dst_ptr + bh * NC * PN + offs
+    obase = out_ptr + bh * NC * PN + offs
+    ot = out_ptr.dtype.element_ty
     gbase = gdec_ptr + bh * NC
     # four chunks per step (reversed), the next step's loads issued before this step's stores
     # (see _state_pass_fwd)
@@ -127,16 +131,16 @@ def _state_pass_bwd(dst_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        tl.store(dbase + c0 * PN, dS, mask=mask)
+        tl.store(obase + c0 * PN, dS.to(ot), mask=mask)
         dS = g0 * dS + d0
         if i0 + 1 < NC:
-            tl.store(dbase + (c0 - 1) * PN, dS, mask=mask)
+            tl.store(obase + (c0 - 1) * PN, dS.to(ot), mask=mask)
             dS = g1 * dS + d1
         if i0 + 2 < NC:
-            tl.store(dbase + (c0 - 2) * PN, dS, mask=mask)
+            tl.store(obase + (c0 - 2) * PN, dS.to(ot), mask=mask)
             dS = g2 * dS + d2
         if i0 + 3 < NC:
-            tl.store(dbase + (c0 - 3) * PN, dS, mask=mask)
+            tl.store(obase + (c0 - 3) * PN, dS.to(ot), mask=mask)
             dS = g3 * dS + d3
         d0, d1, d2, d3 = e0, e1, e2, e3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -322,10 +326,10 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
             S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
-            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
-                S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+                S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
@@ -400,7 +404,7 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
         S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
-        dg += dS * S0
+        dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
         else:
@@ -413,12 +417,12 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
     if NORM:  # the normaliser column: x = 1, dy = dden, state row P
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         ones = tl.where(mask_t, 1.0, 0.0)
-        dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
-        S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+        dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
-        dgs += tl.sum(dSr * S0r, axis=0)
+        dgs += tl.sum(dSr.to(tl.float32) * S0r.to(tl.float32), axis=0)
     tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dgs)
     decay, win, wend = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     return dt, decay * accDYX, win, wend, accXS, accDYS
@@ -560,7 +564,7 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BP, BN)
         S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
         accZ = _xdot(Bt, tl.trans(dS), accZ, XPREC, "a")
-        dgv += tl.sum(dS * S0, axis=0)
+        dgv += tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=0)
         # x and dy are read again per n tile (L1 / L2 hits) rather than held across the loop: registers
         xl = tl.load(x_ptr + xo + xt, mask=xm, other=0.0)
         accXS = _xdot(xl, dS, tl.zeros([Q, BN], dtype=tl.float32), SPREC, "a")  # [s, n] = x_s^T dS
@@ -572,12 +576,12 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         if DY_SCALE:
             accDYS = accDYS * rden[:, None]
         if NORM:
-            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
-            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0)
+            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             accXS += ones[:, None] * dSr[None, :]
             accDYS += dr[:, None] * S0r[None, :]
-            dgr += tl.sum(dSr * S0r, axis=0)
+            dgr += tl.sum(dSr.to(tl.float32) * S0r.to(tl.float32), axis=0)
         dC = tl.dot(PmC, Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
         dB = tl.dot(PmT, Ct.to(IN_DTYPE), wend[:, None] * accXS, input_precision=PREC)
@@ -755,11 +759,12 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
-    dst = torch.empty_like(states)  # same storage dtype as the forward states
+    fused = use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q)
+    dst = torch.empty(states.shape, device=dev, dtype=state_dtype(x.dtype, grad=True))  # dS leaving each chunk
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
-    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
+    if fused:
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = cdiv(p, BP) * cdiv(n, BN)
         launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
@@ -771,12 +776,15 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
-        launch(_chunk_dstate_bwd, grid1, dy, dden, dt, A, C, doc_arg, dst, den_arg, l, h, g, p, n, nc,
+        # the chunks' local state gradients in fp32 (the serial pass sums them), then dS in its storage dtype
+        local = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, device=dev, dtype=torch.float32)
+        launch(_chunk_dstate_bwd, grid1, dy, dden, dt, A, C, doc_arg, local, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
                DY_SCALE=dy_scale, num_warps=nw, **register_cap("dstate", x.dtype, Q))
         PN = states.shape[3] * n
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
-        launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), dst, gdec, dfinal_arg, dinit if need_dinit else dst, nc, PN,
+        launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), local, dst, gdec, dfinal_arg,
+               dinit if need_dinit else dst, nc, PN,
                HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)

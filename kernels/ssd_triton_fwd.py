@@ -60,7 +60,10 @@ def _xdot(a, b, acc, PREC: tl.constexpr, EXACT: tl.constexpr):
     operand rounded. PREC "bf16x2": bf16 tensor-core
     dots with each fp32 operand split by ``_hilo``; EXACT "a" / "b" names the operand that is exactly a bf16
     value (it is not split: 2 dots), "none" neither (3 dots, the lo x lo term dropped)."""
-    if PREC == "bf16":  # one bf16 dot: the fp32 operand rounded to bf16 (about 8 bits; dB/dC only, by choice)
+    if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+        # both operands are bf16 values (bf16 inputs against bf16-stored states): one dot's products are exact
+        acc = tl.dot(a, b, acc)
+    elif PREC == "bf16":  # one bf16 dot: the fp32 operand rounded to bf16 (about 8 bits; dB/dC only, by choice)
         acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif PREC == "bf16x2":
         if EXACT == "a":
@@ -169,8 +172,10 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
 
 
 @triton.jit
-def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
+def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
                     HAS_INIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The serial pass: reads the chunks' fp32 local states at ``st_ptr`` and writes the state entering each chunk
+    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -180,6 +185,8 @@ def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
     else:
         S = tl.zeros([BLOCK], dtype=tl.float32)
     base = st_ptr + bh * NC * PN + offs
+    obase = out_ptr + bh * NC * PN + offs
+    ot = out_ptr.dtype.element_ty
     gbase = gdec_ptr + bh * NC
     # four chunks per step, and the next step's four loads are issued before this step's stores
     # (they read other chunks), so the serial chain waits on memory about once per 8 chunks, not per 4
@@ -204,16 +211,16 @@ def _state_pass_fwd(st_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        tl.store(base + c0 * PN, S, mask=mask)
+        tl.store(obase + c0 * PN, S.to(ot), mask=mask)
         S = g0 * S + l0
         if c0 + 1 < NC:
-            tl.store(base + (c0 + 1) * PN, S, mask=mask)
+            tl.store(obase + (c0 + 1) * PN, S.to(ot), mask=mask)
             S = g1 * S + l1
         if c0 + 2 < NC:
-            tl.store(base + (c0 + 2) * PN, S, mask=mask)
+            tl.store(obase + (c0 + 2) * PN, S.to(ot), mask=mask)
             S = g2 * S + l2
         if c0 + 3 < NC:
-            tl.store(base + (c0 + 3) * PN, S, mask=mask)
+            tl.store(obase + (c0 + 3) * PN, S.to(ot), mask=mask)
             S = g3 * S + l3
         l0, l1, l2, l3 = m0, m1, m2, m3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -263,9 +270,9 @@ def _load_state(ptr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexpr):
 @triton.jit
 def _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexpr):
     """Store a fused pass's state tile and (NORM) its normaliser row's entries (``_load_state``'s layout)."""
-    tl.store(ptr + soff, S, mask=smask)
+    tl.store(ptr + soff, S.to(ptr.dtype.element_ty), mask=smask)
     if NORM:
-        tl.store(ptr + P * N + offs_n, Sr, mask=rmask)
+        tl.store(ptr + P * N + offs_n, Sr.to(ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -323,6 +330,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
     b = bh // H
     h = bh % H
     grp = h // (H // G)
+    NORM_APART: tl.constexpr = st_ptr.dtype.element_ty != tl.float32
     offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     offs_p = pb * BP + tl.arange(0, BP)
     mask_p = offs_p < P
@@ -345,8 +353,19 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             accS = _xdot(Ct, Sp, accS, YPREC, "a")
         else:
             accS = _xdot(Ct, Sp, accS, SPREC, "a")
-        if NORM:
-            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0)
+        if NORM and not NORM_APART:
+            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
+    if NORM and NORM_APART:
+        # 16-bit states: the normaliser row in a loop of its own (C's tiles again, from L2). Inside the loop above,
+        # with bf16 states and one n step, Triton 3.6 on the H200 computed a wrong numerator (2026-12-04; the
+        # interpreter was right); with fp32 states it stays there (the extra loop cost 5-7 us per training call)
+        for n0 in range(0, N, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            mask_n = offs_n < N
+            Ct = tl.load(C_ptr + bc_base + offs_t[:, None] * (G * N) + offs_n[None, :],
+                         mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
@@ -428,13 +447,39 @@ def state_precision(dtype: torch.dtype) -> str:
     return "tf32x3"
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of the per-chunk states between kernels: fp32 always.
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-    (bf16 storage was measured 2026-11-29 on the H200: it made dA miss the 1e-2 bf16 tolerance,
-    up to 4e-2, because the decay gradient sums state terms that cancel.)
+
+def state_storage() -> tuple:
+    """``HMSCALE_SSD_STATES=S[,dS]``: the storage dtypes, for bf16 inputs, of the chunk-boundary states S that one
+    kernel writes and later kernels read, and of the backward's state gradients dS (``fp32`` (default), ``bf16`` or
+    ``fp16`` for S; ``fp32`` or ``bf16`` for dS, which can be too small for fp16's range; dS defaults to S's dtype,
+    fp32 for fp16 S). Only the stored copies are rounded: the running state is carried in fp32 registers along the
+    walk (the split passes' per-chunk local states stay fp32 too) and every consumer accumulates in fp32. 16-bit
+    storage halves the state sweeps' bytes (and with bf16 both dot operands are bf16: one exact-product dot), at a
+    cost in the decay gradients (dt, A), which sum state terms that cancel (kernels/NOTES.md, 2026-12-04). fp16 and
+    fp32 inputs always keep fp32."""
+    v = env("HMSCALE_SSD_STATES", "fp32").lower()
+    parts = [t.strip() for t in v.split(",")]
+    s_name = parts[0]
+    ds_name = parts[1] if len(parts) > 1 else ("bf16" if s_name == "bf16" else "fp32")
+    if len(parts) > 2 or s_name not in _STATE_DTYPES or ds_name not in ("fp32", "bf16"):
+        raise ValueError(f"HMSCALE_SSD_STATES must be S or S,dS with S one of fp32, bf16, fp16 and dS one of fp32, "
+                         f"bf16 (e.g. bf16,fp32), got {v!r}")
+    return _STATE_DTYPES[s_name], _STATE_DTYPES[ds_name]
+
+
+def state_dtype(dtype: torch.dtype, grad: bool = False) -> torch.dtype:
+    """Storage dtype of the per-chunk states (``grad``: of the state gradients) between kernels, for inputs of
+    ``dtype``: ``state_storage`` for bf16 inputs, else fp32.
+
+    (The first bf16 storage, 2026-11-29, rounded the chunks' local states before the serial pass summed them and
+    made dA miss the 1e-2 bf16 tolerance, up to 4e-2. Local states stay fp32 now: the fused passes never store
+    one, the split passes write them to an fp32 buffer that the serial pass reads.)
     """
-    return torch.float32
+    if dtype != torch.bfloat16:
+        return torch.float32
+    return state_storage()[1 if grad else 0]
 
 
 # Default launch configurations (BP, BN, warps[, stages]; pass: BLOCK, warps) for 16-bit inputs, chosen from
@@ -606,7 +651,8 @@ def keeps_ynum(norm: bool, save_ynum: bool) -> bool:
 
 def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
             save_ynum: bool = False):
-    """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, fp32, p + norm rows),
+    """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, p + norm rows, in
+    ``state_dtype``),
     gdecay. With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and ynum, the fp32
     numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x`` to y."""
     b, l, h, p = x.shape
@@ -614,6 +660,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     nc = cdiv(l, Q)
     dev = x.device
     ps = p + int(norm)
+    fused = use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q)
     states = torch.empty(b, h, nc, ps, n, device=dev, dtype=state_dtype(x.dtype))
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
@@ -624,7 +671,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
-    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
+    if fused:
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
@@ -634,13 +681,16 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
-        launch(_chunk_state_fwd, grid1, x, dt, A, B, doc_arg, states, gdec, l, h, g, p, n, nc,
+        # the chunks' local states in fp32 (the serial pass sums them), then the entering states in their storage
+        local = states if states.dtype == torch.float32 else torch.empty(states.shape, device=dev,
+                                                                        dtype=torch.float32)
+        launch(_chunk_state_fwd, grid1, x, dt, A, B, doc_arg, local, gdec, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
                num_warps=nw, **register_cap("state", x.dtype, Q))
         PN = ps * n
         BLOCK, nw = pass_config(PN, x.dtype)
         grid2 = (b * h, cdiv(PN, BLOCK))
-        launch(_state_pass_fwd, grid2, states, gdec, initial_state if has_init else final, final, nc, PN,
+        launch(_state_pass_fwd, grid2, local, states, gdec, initial_state if has_init else final, final, nc, PN,
                HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
     bp, bn, nw, nst = kcfg("scan", x.dtype, Q, p)
     bp = min(bp, _pow2(p))

@@ -129,18 +129,23 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
         assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
 
 
-@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec", [
-    ("state", "split", "rowscale", "bf16"), ("all", "split", "rowscale", "bf16x2"), ("off", "split", "rowscale", "tf32"),
-    ("state", "fused", "rowscale", "bf16"), ("state", "split", "fp32", "bf16x2")])
+@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec,states", [
+    ("state", "split", "rowscale", "bf16", "fp32"), ("all", "split", "rowscale", "bf16x2", "fp32"),
+    ("off", "split", "rowscale", "tf32", "fp32"), ("state", "fused", "rowscale", "bf16", "fp32"),
+    ("state", "split", "fp32", "bf16x2", "fp32"), ("state", "split", "rowscale", "bf16", "bf16"),
+    ("state", "fused", "rowscale", "bf16", "bf16"), ("state", "fused", "rowscale", "bf16", "fp16,fp32")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
-def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, opts, monkeypatch):
+def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
     makes the interpreter's bf16 dots exact). The state and the decay gradients (dt, A: sums whose terms cancel)
     must stay near fp32 accuracy, far inside the 1e-2 bf16 limit, also when dB/dC rounds the states to bf16
-    (HMSCALE_SSD_DBC_PREC=bf16, the default); the rest is bounded by bf16 rounding."""
+    (HMSCALE_SSD_DBC_PREC=bf16, the default); the rest is bounded by bf16 rounding. With 16-bit state storage
+    (HMSCALE_SSD_STATES, opt-in) the final state is still carried in fp32 (1e-4), and dt and A, which sum products of
+    the rounded states, stay within 5e-3 here (the rounding alone, emulated in float64, costs them 1e-4 to 2e-3)."""
     monkeypatch.setenv("HMSCALE_SSD_SPLIT", split)
     monkeypatch.setenv("HMSCALE_SSD_DBC_PREC", dbc_prec)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
+    monkeypatch.setenv("HMSCALE_SSD_STATES", states)
     monkeypatch.setenv("HMSCALE_SSD_NORM_BWD", norm_bwd)  # normalize: dy / den as a row scale, or in fp32
     ins, seq = make_inputs(1, 70, 2, 1, 16, 32, dtype=torch.bfloat16, **opts)
     gen = torch.Generator().manual_seed(1)
@@ -157,7 +162,8 @@ def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, opts, monke
         assert torch.isfinite(g[k]).all(), k
         assert rel(g[k], gr[k]) < 1e-2, (k, rel(g[k], gr[k]))
     if not opts:
-        assert rel(g["dt"], gr["dt"]) < 1e-4 and rel(g["A"], gr["A"]) < 1e-4
+        tol = 1e-4 if states == "fp32" else 5e-3
+        assert rel(g["dt"], gr["dt"]) < tol and rel(g["A"], gr["A"]) < tol
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
@@ -360,6 +366,27 @@ def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
             tol = 1e-4 if k in ("dt", "A") and not opts.get("normalize") else 1e-2
         for save in out:
             assert rel(out[save][k], gr[k]) < tol, (save, k, rel(out[save][k], gr[k]))
+
+
+def test_state_storage_setting(monkeypatch):
+    """HMSCALE_SSD_STATES: fp32 by default; S[,dS] for bf16 inputs (dS follows a bf16 S, else fp32); fp16 and fp32
+    inputs keep fp32 whatever it says; dS in fp16 or an unknown name is a one-line error naming the variable."""
+    from kernels.ssd_triton_fwd import state_dtype
+
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    monkeypatch.delenv("HMSCALE_SSD_STATES", raising=False)
+    assert state_dtype(bf16) == f32 and state_dtype(bf16, grad=True) == f32
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "bf16")
+    assert state_dtype(bf16) == bf16 and state_dtype(bf16, grad=True) == bf16
+    assert state_dtype(f16) == f32 and state_dtype(f32, grad=True) == f32
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16")
+    assert state_dtype(bf16) == f16 and state_dtype(bf16, grad=True) == f32
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "bf16,fp32")
+    assert state_dtype(bf16) == bf16 and state_dtype(bf16, grad=True) == f32
+    for bad in ("fp16,fp16", "fp8", "bf16,bf16,bf16"):
+        monkeypatch.setenv("HMSCALE_SSD_STATES", bad)
+        with pytest.raises(ValueError, match="HMSCALE_SSD_STATES must be"):
+            state_dtype(bf16)
 
 
 def test_register_caps(monkeypatch):
