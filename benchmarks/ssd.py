@@ -332,8 +332,9 @@ def main():
     if args.profile:
         profile_breakdown(16, 16, 64, 128, 2048)
         profile_breakdown(16, 16, 128, 256, 16384)
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HMSCALE_SSD_")) or "defaults"
     print(f"\ndevice: {dev_name}; torch {torch.__version__}; triton {triton.__version__}; bf16; "
-          f"{TOKENS} tokens per call; ms are medians of triton.testing.do_bench")
+          f"{TOKENS} tokens per call; ms are medians of triton.testing.do_bench; kernel settings: {settings}")
     hdr = "| shape (H,G,P,N) | L | b | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak MiB (fwd+bwd) |"
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
