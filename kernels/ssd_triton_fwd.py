@@ -8,8 +8,9 @@ Three launches, no host synchronisation:
    ``g_c = exp(cs_end)`` (zero when a document starts inside the chunk). The within-chunk cumulative
    log-decay ``cs`` is recomputed from dt in every kernel; it is never stored.
 2. ``_state_pass_fwd`` (grid: batch*head x state tiles, sequential over chunks) turns the local
-   states into the state entering each chunk, in place (``S_prev_c``), and writes the final state.
-   It is a pure stream over fp32 states with the next chunks' loads issued ahead.
+   states into the state entering each chunk (``S_prev_c``; in place, or into a 16-bit copy with
+   ``HMSCALE_SSD_STATES``), and writes the final state. It is a pure stream over the fp32 local states with
+   the next chunks' loads issued ahead.
 3. ``_chunk_scan_fwd`` (grid: chunk x batch*head x p tiles) writes
    ``y = (C B^T o decay o dt) x + exp(cs) S_prev C`` for the chunk.
 
@@ -23,8 +24,8 @@ one extra row (row P of a (P + 1) x N state), built and consumed with vector ops
 programs, and the scan writes it as a separate output ``den`` (b, l, h).
 
 Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
-B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) fp32;
-gdecay (b*h, nc) fp32.
+B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in ``state_dtype``
+(fp32 unless ``HMSCALE_SSD_STATES`` asks 16 bits for bf16 inputs); gdecay (b*h, nc) fp32.
 
 Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
 into two bf16 parts (hi + lo, about 16 mantissa bits) and multiplied on the bf16 tensor cores against the
