@@ -422,7 +422,7 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
-        dgs += tl.sum(dSr.to(tl.float32) * S0r.to(tl.float32), axis=0)
+        dgs += tl.sum(dSr * S0r, axis=0)
     tl.store(dg_ptr + (bh * NNB + nb) * NC + c, dgs)
     decay, win, wend = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     return dt, decay * accDYX, win, wend, accXS, accDYS
@@ -581,7 +581,7 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             accXS += ones[:, None] * dSr[None, :]
             accDYS += dr[:, None] * S0r[None, :]
-            dgr += tl.sum(dSr.to(tl.float32) * S0r.to(tl.float32), axis=0)
+            dgr += tl.sum(dSr * S0r, axis=0)
         dC = tl.dot(PmC, Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
         dB = tl.dot(PmT, Ct.to(IN_DTYPE), wend[:, None] * accXS, input_precision=PREC)
@@ -759,12 +759,11 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
-    fused = use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q)
     dst = torch.empty(states.shape, device=dev, dtype=state_dtype(x.dtype, grad=True))  # dS leaving each chunk
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
-    if fused:
+    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = cdiv(p, BP) * cdiv(n, BN)
         launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,

@@ -661,7 +661,6 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     nc = cdiv(l, Q)
     dev = x.device
     ps = p + int(norm)
-    fused = use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q)
     states = torch.empty(b, h, nc, ps, n, device=dev, dtype=state_dtype(x.dtype))
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
@@ -672,7 +671,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
-    if fused:
+    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
