@@ -10,8 +10,7 @@ Public API (see DESIGN.md, "Contracts"):
   (the CPU path), ``ssd_triton`` (the Triton path).
 - The mixer's glue, one Triton kernel each way, each beside its plain reference:
   ``hedgehog_feature_map(u, weight, bias)`` (``feature_map.py``; ``hedgehog_feature_map_reference``),
-  ``causal_depthwise_conv_triton(x, prev, weight, bias, keep_state=True)`` (``conv.py``;
-  ``causal_depthwise_conv_reference``),
+  ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
   ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
   ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
 - The training loss: ``cross_entropy_sum_triton(logits, target)`` and ``next_token_loss_sums(logits, input_ids,

@@ -167,8 +167,7 @@ def _tiles() -> dict:
     return cfg
 
 
-def _forward(x, prev, weight, bias, keep_state=True):
-    """y and (``keep_state``) the last W-1 inputs of [prev, x], else an empty (b, 0, C) state."""
+def _forward(x, prev, weight, bias):
     b, l, c = x.shape
     W = weight.shape[1]
     x = x.contiguous()
@@ -178,8 +177,6 @@ def _forward(x, prev, weight, bias, keep_state=True):
         bl, bc, warps = _tiles()["fwd"]
         launch(_conv_fwd, (b, cdiv(l, bl), cdiv(c, bc)), x, prev, weight.contiguous(), bias.contiguous(), y, l, c,
                W=W, BL=bl, BC=bc, num_warps=warps)
-    if not keep_state:
-        return y, x.new_empty(b, 0, c)
     state = (torch.cat([prev, x], dim=1)[:, l:] if l < W - 1 else x[:, l - (W - 1):]).clone()
     return y, state
 
@@ -209,28 +206,17 @@ def _backward(dy, x, prev, weight, bias_dtype):
 
 
 def _add_state_grad(dx, dprev, dstate, W):
-    """The returned state is [prev, x]'s last W-1 rows: its gradient is added to those rows where they are (x's last
-    W-1 rows, or prev's tail and all of x when the sequence is shorter), in place in the fresh dx and dprev. Nothing
-    for an empty state (``keep_state=False``: training, where a compiled graph would still pass the unused state a
-    zero gradient and the add would touch all of dx; the earlier concatenation of [dprev, dx] cost two full passes,
-    ~0.5 ms of a compiled 160m training step in the 2026-12-03 profile)."""
-    if dstate is None or dstate.shape[1] == 0:
-        return dx, dprev
-    k, l = W - 1, dx.shape[1]
-    ds = dstate.to(dx.dtype)
-    if l >= k:
-        dx[:, l - k:] += ds
-    else:
-        dprev[:, l:] += ds[:, :k - l]
-        dx += ds[:, k - l:]
-    return dx, dprev
+    """The returned state is [prev, x]'s last W-1 rows: its gradient goes to those rows."""
+    dxp = torch.cat([dprev, dx], dim=1)
+    dxp[:, dxp.shape[1] - (W - 1):] += dstate.to(dxp.dtype)
+    return dxp[:, W - 1:].contiguous(), dxp[:, :W - 1].contiguous()
 
 
 class _CausalConvTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, prev, weight, bias, keep_state=True):
+    def forward(ctx, x, prev, weight, bias):
         x, prev = x.contiguous(), prev.to(x.dtype).contiguous()
-        y, state = _forward(x, prev, weight, bias, keep_state)
+        y, state = _forward(x, prev, weight, bias)
         ctx.set_materialize_grads(False)  # an unused state (training) gives None, not a zero tensor
         ctx.save_for_backward(x, prev, weight)
         ctx.meta = (bias.dtype, ctx.needs_input_grad[1])
@@ -241,21 +227,22 @@ class _CausalConvTriton(torch.autograd.Function):
         x, prev, weight = ctx.saved_tensors
         b_dtype, need_prev = ctx.meta
         dx, dprev, dw, db = _backward(dy if dy is not None else torch.zeros_like(x), x, prev, weight, b_dtype)
-        dx, dprev = _add_state_grad(dx, dprev, dstate, weight.shape[1])
-        return dx, (dprev if need_prev else None), dw, db, None
+        if dstate is not None:
+            dx, dprev = _add_state_grad(dx, dprev, dstate, weight.shape[1])
+        return dx, (dprev if need_prev else None), dw, db
 
 
 # The same kernels as torch.library custom ops, for torch.compile: a compiled block keeps them as opaque ops (the
 # Triton kernels beat inductor's fusion of the plain taps, BENCHMARKS.md) instead of tracing the reference.
 @torch.library.custom_op("hmscale::causal_conv_fwd", mutates_args=())
-def conv_fwd_op(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                keep_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(x, prev, weight, bias, keep_state)
+def conv_fwd_op(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, prev, weight, bias)
 
 
 @conv_fwd_op.register_fake
-def _(x, prev, weight, bias, keep_state):
-    return torch.empty_like(x), x.new_empty(x.shape[0], weight.shape[1] - 1 if keep_state else 0, x.shape[2])
+def _(x, prev, weight, bias):
+    return torch.empty_like(x), x.new_empty(x.shape[0], weight.shape[1] - 1, x.shape[2])
 
 
 @torch.library.custom_op("hmscale::causal_conv_bwd", mutates_args=())
@@ -271,7 +258,7 @@ def _(dy, x, prev, weight, bias_dtype):
 
 
 def _op_setup_context(ctx, inputs, output):
-    x, prev, weight, bias, _ = inputs
+    x, prev, weight, bias = inputs
     ctx.save_for_backward(x, prev, weight)
     ctx.bias_dtype = bias.dtype
 
@@ -280,22 +267,21 @@ def _op_backward(ctx, dy, dstate):
     x, prev, weight = ctx.saved_tensors
     dx, dprev, dw, db = conv_bwd_op(dy if dy is not None else torch.zeros_like(x), x.contiguous(),
                                     prev.to(x.dtype).contiguous(), weight, ctx.bias_dtype)
-    dx, dprev = _add_state_grad(dx, dprev, dstate, weight.shape[1])
-    return dx, dprev.to(prev.dtype), dw, db, None
+    if dstate is not None:
+        dx, dprev = _add_state_grad(dx, dprev, dstate, weight.shape[1])
+    return dx, dprev.to(prev.dtype), dw, db
 
 
 conv_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
-def causal_depthwise_conv_triton(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                                 keep_state: bool = True):
-    """x (b, l, C), prev (b, W-1, C), weight (C, W), bias (C) -> (y (b, l, C), the last W-1 inputs (b, W-1, C), or
-    with ``keep_state=False`` an empty (b, 0, C) state and no state work either way). Triton; CUDA tensors, or CPU
-    ones under ``TRITON_INTERPRET=1``. W >= 2."""
+def causal_depthwise_conv_triton(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """x (b, l, C), prev (b, W-1, C), weight (C, W), bias (C) -> (y (b, l, C), the last W-1 inputs (b, W-1, C)).
+    Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. W >= 2."""
     W = weight.shape[1]
     if W < 2 or prev.shape[1] != W - 1 or weight.shape[0] != x.shape[-1] or bias.shape != (x.shape[-1],):
         raise ValueError(f"causal_depthwise_conv: x {tuple(x.shape)}, prev {tuple(prev.shape)}, weight "
                          f"{tuple(weight.shape)}, bias {tuple(bias.shape)} do not match (W >= 2)")
     if torch.compiler.is_compiling():
-        return conv_fwd_op(x, prev, weight, bias, keep_state)
-    return _CausalConvTriton.apply(x, prev, weight, bias, keep_state)
+        return conv_fwd_op(x, prev, weight, bias)
+    return _CausalConvTriton.apply(x, prev, weight, bias)

@@ -8,7 +8,7 @@ step did not lose (BENCHMARKS.md, 2026-12-03 evening). The gate stays inductor's
 - `split_qkv_rotary(qkv, n_heads, cos, sin)`  the fused per-head ``[q|k|v]`` projection output ->
   rotated q, k and v (NeoX partial rotary: the first ``cos.shape[-1]`` dims of each head);
   ``kernels.split_qkv_rotary_triton`` or ``neox_attention.split_qkv`` + ``apply_rotary``.
-- `causal_depthwise_conv(x, prev, weight, bias, keep_state=True)`  ``y_t = b + sum_j w[:, j] x_{t-(W-1)+j}`` over
+- `causal_depthwise_conv(x, prev, weight, bias)`  ``y_t = b + sum_j w[:, j] x_{t-(W-1)+j}`` over
   ``[prev, x]`` (no document boundaries; the module's loop handles ``seq_idx``);
   ``kernels.causal_depthwise_conv_triton`` or ``kernels.causal_depthwise_conv_reference``.
 - `sigmoid_gate(y, z)`  ``y * 2 sigmoid(z)``; ``kernels.sigmoid_gate_triton`` or ``kernels.sigmoid_gate_reference``.
@@ -52,14 +52,12 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                          keep_state: bool = True):
+def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """x (b, l, C), prev (b, W-1, C) (the carried inputs), weight (C, W), bias (C) ->
-    (y (b, l, C), the last W-1 inputs (b, W-1, C); with ``keep_state=False`` an empty (b, 0, C) state)."""
+    (y (b, l, C), the last W-1 inputs (b, W-1, C))."""
     if kernels.glue_on_triton(x) or compiled_glue_on_triton(x):
-        return kernels.causal_depthwise_conv_triton(x, prev, weight, bias, keep_state)
-    y, state = kernels.causal_depthwise_conv_reference(x, prev, weight, bias)
-    return y, (state if keep_state else state[:, :0])
+        return kernels.causal_depthwise_conv_triton(x, prev, weight, bias)
+    return kernels.causal_depthwise_conv_reference(x, prev, weight, bias)
 
 
 def sigmoid_gate(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -218,10 +218,8 @@ class CausalDepthwiseConv(nn.Module):
         w[:, -1] = 1.0
         return w
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
-                keep_state: bool = True):
-        """x (b, l, C); state (b, C, W-1) or None. Returns (y (b, l, C), new state (b, C, W-1)), the new state None
-        with ``keep_state=False`` (training: nothing computed for it, and no gradient work for it)."""
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None):
+        """x (b, l, C); state (b, C, W-1) or None. Returns (y (b, l, C), new state (b, C, W-1))."""
         b, l, c = x.shape
         W = self.width
         if state is None:
@@ -229,8 +227,8 @@ class CausalDepthwiseConv(nn.Module):
         else:
             prev = state.transpose(1, 2).to(x.dtype)
         if seq_idx is None and W > 1:  # no document boundaries: the Triton kernel on CUDA (fused_ops)
-            y, new_state = causal_depthwise_conv(x, prev, self.weight, self.bias, keep_state)
-            return y, (new_state.transpose(1, 2).contiguous() if keep_state else None)
+            y, new_state = causal_depthwise_conv(x, prev, self.weight, self.bias)
+            return y, new_state.transpose(1, 2).contiguous()
         xp = torch.cat([prev, x], dim=1)  # (b, W-1+l, C)
         w = self.weight.to(x.dtype)
         doc = docp = None
@@ -244,8 +242,6 @@ class CausalDepthwiseConv(nn.Module):
                 term = term * (docp[:, j:j + l] == doc).unsqueeze(-1).to(x.dtype)
             y = y + term
         y = y + self.bias.to(x.dtype)
-        if not keep_state:
-            return y, None
         new_state = xp[:, xp.shape[1] - (W - 1):]
         if doc is not None and W > 1:
             keep = (docp[:, docp.shape[1] - (W - 1):] == doc[:, -1:]).unsqueeze(-1).to(x.dtype)
@@ -376,7 +372,7 @@ class HedgeMambaMixer(nn.Module):
         if token_mask is not None:
             qkv = qkv * token_mask.unsqueeze(-1).to(qkv.dtype)
         if self.conv is not None:
-            qkv, new_conv = self.conv(qkv, conv_state, seq_idx, keep_state=cache is not None)
+            qkv, new_conv = self.conv(qkv, conv_state, seq_idx)
             if cache is not None:
                 cache.conv_states[i] = new_conv
         cos, sin = rope

@@ -109,37 +109,14 @@ def test_module_uses_the_backend_switch(monkeypatch):
 @pytest.mark.parametrize("with_state_grad", [False, True])
 def test_custom_op_matches_the_function(with_state_grad):
     """The kernels as the custom op a compiled block holds: the autograd Function's outputs and gradients
-    (the same kernels: bitwise), and torch.library.opcheck (schema, fake shapes, autograd, AOT dispatch), with and
-    without the state output."""
+    (the same kernels: bitwise), and torch.library.opcheck (schema, fake shapes, autograd, AOT dispatch)."""
     from kernels.conv import _CausalConvTriton, conv_fwd_op
 
     x, prev, w, bias, gy, gs = _inputs(2, 45, 200, 4, torch.float32)
-    y, state, grads = _run(lambda *t: conv_fwd_op(*t, True), x, prev, w, bias, gy, gs, with_state_grad)
+    y, state, grads = _run(conv_fwd_op, x, prev, w, bias, gy, gs, with_state_grad)
     y_ref, state_ref, grads_ref = _run(_CausalConvTriton.apply, x, prev, w, bias, gy, gs, with_state_grad)
     assert torch.equal(y, y_ref) and torch.equal(state, state_ref)
     for g, gr in zip(grads, grads_ref):
         assert torch.equal(g, gr)
-    for keep in (True, False):
-        leaves = [t.clone().requires_grad_() for t in (x, prev, w, bias)]
-        torch.library.opcheck(conv_fwd_op, (*leaves, keep))
-
-
-@pytest.mark.parametrize("b,l,c,W", [(2, 45, 200, 4), (2, 2, 130, 4)])
-def test_without_the_state(b, l, c, W):
-    """keep_state=False (training): an empty (b, 0, C) state, the same y and the same gradients as a call whose state
-    gets no gradient, through the autograd Function and the custom op alike; the module returns None for it."""
-    from hmscale.models.hedgemamba import CausalDepthwiseConv
-    from kernels.conv import conv_fwd_op
-
-    x, prev, w, bias, gy, gs = _inputs(b, l, c, W, torch.float32)
-    y_ref, _, g_ref = _run(causal_depthwise_conv_triton, x, prev, w, bias, gy, gs, False)
-    for fn in (lambda *t: causal_depthwise_conv_triton(*t, keep_state=False), lambda *t: conv_fwd_op(*t, False)):
-        y, state, g = _run(fn, x, prev, w, bias, gy, gs[:, :0], True)  # the empty state's (empty) gradient included
-        assert state.shape == (b, 0, c)
-        assert torch.equal(y, y_ref)
-        for a, r in zip(g, g_ref):
-            assert torch.equal(a, r)
-    conv = CausalDepthwiseConv(c, W).to(DEVICE)
-    y_kept, s_kept = conv(x)
-    y_none, s_none = conv(x, keep_state=False)
-    assert s_none is None and s_kept.shape == (b, c, W - 1) and torch.equal(y_none, y_kept)
+    leaves = [t.clone().requires_grad_() for t in (x, prev, w, bias)]
+    torch.library.opcheck(conv_fwd_op, tuple(leaves))

@@ -16,10 +16,6 @@ def test_conv_module_uses_the_same_math_with_and_without_documents():
     slow, st_slow = conv(x, seq_idx=torch.zeros(2, 8, dtype=torch.long))  # one document: same result, loop path
     torch.testing.assert_close(fast, slow)
     torch.testing.assert_close(st_fast, st_slow)
-    for kw in ({}, {"seq_idx": torch.zeros(2, 8, dtype=torch.long)}):  # keep_state=False: no state, the same y
-        y, st = conv(x, keep_state=False, **kw)
-        assert st is None
-        torch.testing.assert_close(y, fast)
 
 
 def test_compiled_glue_switch_defaults_to_the_triton_custom_ops(monkeypatch):
