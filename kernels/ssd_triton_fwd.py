@@ -15,7 +15,7 @@ Three launches, no host synchronisation:
    ``y = (C B^T o decay o dt) x + exp(cs) S_prev C`` for the chunk.
 
 ``_state_fused_fwd`` replaces 1 and 2 by one launch when there are enough (batch*head x state tile) programs to
-fill the GPU (``pass_mode``, ``use_fused_pass``): each program walks the chunks and builds the local states in
+(nearly) fill the GPU (``pass_mode``, ``use_fused_pass``): each program walks the chunks and builds the local states in
 registers, so they never go through memory.
 
 The normaliser (``NORM``, for ``normalize=True``) is the same scan applied to an all-ones column of x. It is
@@ -578,9 +578,12 @@ def pass_mode() -> str:
     ``split``: two launches (chunk_state + state_pass, dstate + state_pass_bwd); ``fused``: one launch that builds
     each chunk's (gradient) state in registers while it walks the chunks (``_state_fused_fwd`` /
     ``_dstate_fused_bwd``: 2 fewer state sweeps each way, but one serial walk per state tile); ``auto`` (default):
-    fused when there are at least as many (batch x head x state tile) programs as the GPU has multiprocessors,
-    split otherwise (long single sequences, where the serial walk would leave most of the GPU idle; H200
-    sweep in kernels/NOTES.md)."""
+    fused when the (batch x head x state tile) programs occupy at least 7/8 of the GPU's multiprocessors, split
+    otherwise (long single sequences of small states, where the serial walk would leave most of the GPU idle).
+    A walk's time is about its chunk count times one chunk step's latency whatever the program count up to one
+    wave, the split passes' time grows with the state bytes: on the H200 at 1.4b L=16384 (b=1, 128 programs on 132
+    multiprocessors) fused 972 against split 1068 us of passes, at 410m (32 programs) 894 against 287; the linear
+    crossover between them is ~0.88 of the multiprocessors (kernels/NOTES.md, 2026-12-04 evening)."""
     v = env("HMSCALE_SSD_PASS", "auto").lower()
     if v not in ("split", "fused", "auto"):
         raise ValueError(f"HMSCALE_SSD_PASS must be auto, split or fused, got {v!r}")
@@ -609,7 +612,7 @@ def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: t
     if sms is None:  # the CPU interpreter: the split passes (the fused ones are tested explicitly)
         return False
     bp, bn, _, _ = fused_pass_config(p, n, dtype, name, Q)
-    return b * h * cdiv(p, bp) * cdiv(n, bn) >= sms
+    return 8 * b * h * cdiv(p, bp) * cdiv(n, bn) >= 7 * sms
 
 
 def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64):

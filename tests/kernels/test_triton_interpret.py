@@ -184,8 +184,9 @@ def test_custom_ops_pass_opcheck(opts):
 
 
 def test_state_pass_mode_choice(monkeypatch):
-    """HMSCALE_SSD_PASS=auto: fused passes when the (batch x head x state tile) programs fill the GPU's
-    multiprocessors, split ones for long single sequences; explicit modes win; a bad value is refused."""
+    """HMSCALE_SSD_PASS=auto: fused passes when the (batch x head x state tile) programs occupy at least 7/8 of the
+    GPU's multiprocessors, split ones for long single sequences of smaller states; explicit modes win; a bad value is
+    refused."""
     from kernels import ssd_triton_fwd as fwd
 
     cuda = torch.device("cuda", 0)
@@ -193,9 +194,13 @@ def test_state_pass_mode_choice(monkeypatch):
     monkeypatch.delenv("HMSCALE_SSD_PASS", raising=False)
     monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
     bf16 = torch.bfloat16
-    # 1.4b shape (P=128, N=256: 8 tiles of 64 x 64): b=1 gives 128 programs (< 132), b=8 gives 1024
-    assert not fwd.use_fused_pass(1, 16, 128, 256, bf16, cuda, "fpass")
+    # 1.4b shape (P=128, N=256: 8 tiles of 64 x 64): b=1 gives 128 programs (>= 7/8 of 132), b=8 gives 1024
+    assert fwd.use_fused_pass(1, 16, 128, 256, bf16, cuda, "fpass")
     assert fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass_b")
+    # 12 such heads: 96 programs (< 115.5); the 410m shape at b=1 (P=64, N=128: 2 tiles): 32 programs
+    assert not fwd.use_fused_pass(1, 12, 128, 256, bf16, cuda, "fpass")
+    assert not fwd.use_fused_pass(1, 16, 64, 128, bf16, cuda, "fpass_b")
+    assert fwd.use_fused_pass(4, 16, 64, 128, bf16, cuda, "fpass")  # 128 programs
     assert not fwd.use_fused_pass(8, 16, 128, 256, bf16, torch.device("cpu"), "fpass")  # interpreter: split
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
     assert fwd.use_fused_pass(1, 16, 128, 256, bf16, cuda, "fpass")
