@@ -271,13 +271,13 @@ def _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, po, Q: tl.con
 
 @triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
-                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
+                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, gdec_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
                       DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                      Y_SAVED: tl.constexpr = False):
+                      Y_SAVED: tl.constexpr = False, REBUILD: tl.constexpr = False):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
@@ -289,7 +289,11 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     B, C tiles: L2 hits instead of HBM reads); else (chunks, batch*head, p tiles).
     Y_SAVED: the forward kept y (the fp32 numerator, before 1/den and D) at ``ys_ptr``, and with NORM its
     normaliser den at ``den_ptr``: dy . y reads them instead of recomputing y, so the entering states S0 are not
-    read and 4 of the kernel's 9 state-precision dots go."""
+    read and 4 of the kernel's 9 state-precision dots go.
+    REBUILD (``HMSCALE_SSD_DX_REBUILD``, an experiment; fp32 state gradients): an even chunk c with a successor reads
+    dS leaving c + 1 (the tile its odd neighbour reads) and rebuilds its own, dS_c = g_{c+1} dS_{c+1} + the local
+    state gradient of chunk c + 1 (C^T (win dy) and the normaliser row's win dden C), at the passes' precision; the
+    step towards storing only every second boundary's dS (kernels/NOTES.md, next steps 1b)."""
     if TILE_MAJOR:
         c = tl.program_id(0) // NPB
         pb = tl.program_id(0) % NPB
@@ -310,6 +314,25 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     accYI = tl.zeros([Q, BP], dtype=tl.float32)  # [t, p] = (S0 C_t)_p
     accZr = tl.zeros([Q], dtype=tl.float32)  # normaliser row: dS[P] . B_s
     accYIr = tl.zeros([Q], dtype=tl.float32)  # S0[P] . C_t
+    d_base = s_base
+    if REBUILD:
+        rb = (c % 2 == 0) & (c + 1 < NC)  # this chunk's dS is rebuilt from its successor's
+        cn = tl.minimum(c + 1, NC - 1)
+        if rb:
+            d_base = (bh * NC + cn) * (P + NORM) * N
+        gn = tl.load(gdec_ptr + bh * NC + cn)
+        offs_tn, mask_tn, dtn, csn, cs_endn = _chunk_decay(dt_ptr, A_ptr, b, h, cn, L, H, Q)
+        winn = tl.exp(csn)
+        if HAS_DOC:
+            docn, doc_endn, doc_prevn = _chunk_docs(doc_ptr, b, cn, L, offs_tn, mask_tn, Q)
+            winn = tl.where(docn == doc_prevn, winn, 0.0)
+        wyn = winn
+        if DY_SCALE:
+            wyn = winn / tl.load(den_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=1.0)
+        dyn = _load_rows(dy_ptr + (b * L * H + h) * P, offs_tn, mask_tn, H * P, offs_p, mask_p)
+        dywn = dyn.to(tl.float32) * wyn[:, None]  # (Q, BP): the successor's local dS^T is C^T dywn
+        if NORM:
+            drn = winn * tl.load(dden_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=0.0)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
@@ -320,13 +343,23 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
-        dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
+        dSt = tl.load(dst_ptr + d_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
+        if REBUILD:
+            if rb:
+                Cn = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
+                             mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
+                dSt = gn * dSt + _xdot(tl.trans(Cn), dywn, tl.zeros([BN, BP], dtype=tl.float32), XPREC, "a")
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
         if not Y_SAVED:
             S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
-            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            dSr = tl.load(dst_ptr + d_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if REBUILD:
+                if rb:
+                    Cnr = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
+                                  mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
+                    dSr = gn * dSr + tl.sum(drn[:, None] * Cnr.to(tl.float32), axis=0)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
                 S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -687,6 +720,19 @@ def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     return 16, min(64, _pow2(n)), 1, 8
 
 
+def dx_rebuild(dst_dtype: torch.dtype) -> bool:
+    """``HMSCALE_SSD_DX_REBUILD=1|0`` (default 0; an experiment towards storing every second chunk boundary's state
+    gradient, kernels/NOTES.md next steps 1b): the v2 dx kernel rebuilds the state gradient of even chunks from their
+    successor's instead of reading its own (the same values at the passes' precision). Needs fp32 state gradients."""
+    v = env("HMSCALE_SSD_DX_REBUILD", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"HMSCALE_SSD_DX_REBUILD must be 0 or 1, got {v!r}")
+    if v == "1" and dst_dtype != torch.float32:
+        raise ValueError("HMSCALE_SSD_DX_REBUILD=1 needs fp32 state gradients: unset HMSCALE_SSD_STATES or give it "
+                         "S,fp32")
+    return v == "1"
+
+
 def bwd_fuse_mode() -> str:
     """``HMSCALE_SSD_BWD_FUSE=auto|1|0``: dx and dB/dC as one kernel (``_chunk_bwd_fused``). It needs the v2
     backward, one head per B/C group, the saved numerator, 16-bit inputs and chunks of at most 64. ``auto``
@@ -815,13 +861,14 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dyo_arg = dyo.contiguous() if has_d else dy
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
+        rebuild = dx_rebuild(dst.dtype)
         launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
-               ysaved if ysaved is not None else dt,
+               ysaved if ysaved is not None else dt, gdec,
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra,
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, REBUILD=rebuild, num_warps=nw2, **extra,
                **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)

@@ -46,10 +46,11 @@ def _triton(**k):
     return ssd(**k, backend="triton")
 
 
-@pytest.mark.parametrize("bwd,state_pass,order", [("v1", "split", "chunk"), ("v2", "split", "chunk"),
-                                                  ("v2", "fused", "tile")])
+@pytest.mark.parametrize("bwd,state_pass,order,rebuild", [("v1", "split", "chunk", "0"), ("v2", "split", "chunk", "0"),
+                                                          ("v2", "fused", "tile", "0"), ("v2", "split", "tile", "1")])
 @pytest.mark.parametrize("shape,chunk,opts", CASES)
-def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, monkeypatch):
+def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, rebuild, monkeypatch):
+    monkeypatch.setenv("HMSCALE_SSD_DX_REBUILD", rebuild)  # dx rebuilds even chunks' dS from their successors'
     monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", order)  # launch order of the dx / dB-dC tiles
@@ -129,13 +130,14 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
         assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
 
 
-@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec,states", [
-    ("state", "split", "rowscale", "bf16", "fp32"), ("all", "split", "rowscale", "bf16x2", "fp32"),
-    ("off", "split", "rowscale", "tf32", "fp32"), ("state", "fused", "rowscale", "bf16", "fp32"),
-    ("state", "split", "fp32", "bf16x2", "fp32"), ("state", "split", "rowscale", "bf16", "bf16"),
-    ("state", "fused", "rowscale", "bf16", "bf16"), ("state", "fused", "rowscale", "bf16", "fp16,fp32")])
+@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec,states,rebuild", [
+    ("state", "split", "rowscale", "bf16", "fp32", "0"), ("all", "split", "rowscale", "bf16x2", "fp32", "0"),
+    ("off", "split", "rowscale", "tf32", "fp32", "0"), ("state", "fused", "rowscale", "bf16", "fp32", "0"),
+    ("state", "split", "fp32", "bf16x2", "fp32", "0"), ("state", "split", "rowscale", "bf16", "bf16", "0"),
+    ("state", "fused", "rowscale", "bf16", "bf16", "0"), ("state", "fused", "rowscale", "bf16", "fp16,fp32", "0"),
+    ("state", "fused", "rowscale", "bf16", "fp32", "1")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
-def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opts, monkeypatch):
+def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, rebuild, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
     makes the interpreter's bf16 dots exact). The state and the decay gradients (dt, A: sums whose terms cancel)
     must stay near fp32 accuracy, far inside the 1e-2 bf16 limit, also when dB/dC rounds the states to bf16
@@ -147,6 +149,7 @@ def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opt
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_STATES", states)
     monkeypatch.setenv("HMSCALE_SSD_NORM_BWD", norm_bwd)  # normalize: dy / den as a row scale, or in fp32
+    monkeypatch.setenv("HMSCALE_SSD_DX_REBUILD", rebuild)  # dx rebuilds even chunks' dS (with the row-scaled dy)
     ins, seq = make_inputs(1, 70, 2, 1, 16, 32, dtype=torch.bfloat16, **opts)
     gen = torch.Generator().manual_seed(1)
     ps = 16 + int(bool(opts))
@@ -209,6 +212,21 @@ def test_state_pass_mode_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fast")
     with pytest.raises(ValueError, match="HMSCALE_SSD_PASS must be"):
         fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass")
+
+
+def test_dx_rebuild_switch(monkeypatch):
+    """HMSCALE_SSD_DX_REBUILD: off by default; 1 needs fp32 state gradients; anything else is refused."""
+    from kernels.ssd_triton_bwd import dx_rebuild
+
+    monkeypatch.delenv("HMSCALE_SSD_DX_REBUILD", raising=False)
+    assert not dx_rebuild(torch.float32)
+    monkeypatch.setenv("HMSCALE_SSD_DX_REBUILD", "1")
+    assert dx_rebuild(torch.float32)
+    with pytest.raises(ValueError, match="needs fp32 state gradients"):
+        dx_rebuild(torch.bfloat16)
+    monkeypatch.setenv("HMSCALE_SSD_DX_REBUILD", "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        dx_rebuild(torch.float32)
 
 
 def test_tile_order_choice(monkeypatch):
