@@ -43,7 +43,7 @@ from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
                              _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
-                             kcfg, pass_config, precisions, register_cap, state_dtype, state_precision,
+                             kcfg, pass_config, precisions, rebuild_mode, register_cap, state_dtype, state_precision,
                              use_fused_pass)
 
 
@@ -88,9 +88,10 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, 
 
 @triton.jit
 def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
-                    HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr = False):
     """The serial backward pass: reads the chunks' fp32 local state gradients at ``dst_ptr`` and writes the gradient
-    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit."""
+    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit.
+    HALF: only the odd chunks' and the last chunk's (``_dstate_fused_bwd``)."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -131,16 +132,23 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        tl.store(obase + c0 * PN, dS.to(ot), mask=mask)
+        m0, m1, m2, m3 = mask, mask, mask, mask
+        if HALF:  # chunk c0 - k is stored when odd or the last one (c0 = NC - 1 - i0: the parity alternates with k)
+            cv = offs * 0 + c0  # the chunk index as a vector (a scalar condition in a mask)
+            m0 = mask & ((cv % 2 == 1) | (cv == NC - 1))
+            m1 = mask & ((cv - 1) % 2 == 1)
+            m2 = mask & ((cv - 2) % 2 == 1)
+            m3 = mask & ((cv - 3) % 2 == 1)
+        tl.store(obase + c0 * PN, dS.to(ot), mask=m0)
         dS = g0 * dS + d0
         if i0 + 1 < NC:
-            tl.store(obase + (c0 - 1) * PN, dS.to(ot), mask=mask)
+            tl.store(obase + (c0 - 1) * PN, dS.to(ot), mask=m1)
             dS = g1 * dS + d1
         if i0 + 2 < NC:
-            tl.store(obase + (c0 - 2) * PN, dS.to(ot), mask=mask)
+            tl.store(obase + (c0 - 2) * PN, dS.to(ot), mask=m2)
             dS = g2 * dS + d2
         if i0 + 3 < NC:
-            tl.store(obase + (c0 - 3) * PN, dS.to(ot), mask=mask)
+            tl.store(obase + (c0 - 3) * PN, dS.to(ot), mask=m3)
             dS = g3 * dS + d3
         d0, d1, d2, d3 = e0, e1, e2, e3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -154,10 +162,12 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
                       L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
-                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False):
+                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False,
+                      HALF: tl.constexpr = False):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
-    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's)."""
+    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
+    HALF (``HMSCALE_SSD_REBUILD=all``): only the odd chunks' and the last chunk's (the readers rebuild the rest)."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
@@ -177,7 +187,11 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
             doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
             win = tl.where(doc == doc_prev, win, 0.0)
         # the gradient of the state leaving chunk c
-        _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
+        if HALF:
+            if (c % 2 == 1) | (c == NC - 1):
+                _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
+        else:
+            _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
         g = tl.load(gdec_ptr + bh * NC + c)
         dy = _load_rows(dy_base, offs_t, mask_t, H * P, offs_p, mask_p)
         Ct = _load_rows(c_base, offs_t, mask_t, G * N, offs_n, mask_n)
@@ -290,7 +304,7 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     Y_SAVED: the forward kept y (the fp32 numerator, before 1/den and D) at ``ys_ptr``, and with NORM its
     normaliser den at ``den_ptr``: dy . y reads them instead of recomputing y, so the entering states S0 are not
     read and 4 of the kernel's 9 state-precision dots go.
-    REBUILD (``HMSCALE_SSD_DX_REBUILD``, an experiment; fp32 state gradients): an even chunk c with a successor reads
+    REBUILD (``HMSCALE_SSD_REBUILD``, an experiment; fp32 state gradients): an even chunk c with a successor reads
     dS leaving c + 1 (the tile its odd neighbour reads) and rebuilds its own, dS_c = g_{c+1} dS_{c+1} + the local
     state gradient of chunk c + 1 (C^T (win dy) and the normaliser row's win dden C), at the passes' precision; the
     step towards storing only every second boundary's dS (kernels/NOTES.md, next steps 1b)."""
@@ -411,15 +425,44 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
 def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, den_ptr, dg_ptr, b, h, c, nb,
               L, H, P, N, NC, NNB, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
               HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr,
-              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
+              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr,
+              B_ptr=None, C_ptr=None, gdec_ptr=None, G=1, REBUILD: tl.constexpr = False, RPREC: tl.constexpr = "ieee"):
     """One head's part of dB/dC for one (chunk, n tile): the sums over P, dy_t . x_s [t, s], x_s^T dS [s, n] and
     dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and the
     chunk's weights. Stores this n tile's share of <dS, S0> (the gradient of the chunk's carry factor) and returns
-    the chunk's dt, Pm = decay o (dy . x) [t, s], win, wend, x^T dS and dy^T S0."""
+    the chunk's dt, Pm = decay o (dy . x) [t, s], win, wend, x^T dS and dy^T S0.
+    REBUILD (``HMSCALE_SSD_REBUILD=all``): the states of odd chunks and the state gradients of even ones (but the
+    last) are not stored; they are rebuilt from the neighbouring chunk's at RPREC (``state_precision``)."""
     bh = b * H + h
     offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     x_base = (b * L * H + h) * P
     s_base = (bh * NC + c) * (P + NORM) * N
+    d_base = s_base
+    s0_base = s_base
+    if REBUILD:
+        bc_base = (b * L * G + h // (H // G)) * N
+        rbD = (c % 2 == 0) & (c + 1 < NC)  # dS leaving c rebuilt from dS leaving c + 1
+        rbS = c % 2 == 1  # S entering c rebuilt from S entering c - 1
+        cn = tl.minimum(c + 1, NC - 1)
+        cp = tl.maximum(c - 1, 0)
+        if rbD:
+            d_base = (bh * NC + cn) * (P + NORM) * N
+        if rbS:
+            s0_base = (bh * NC + cp) * (P + NORM) * N
+        gn = tl.load(gdec_ptr + bh * NC + cn)
+        gp = tl.load(gdec_ptr + bh * NC + cp)
+        offs_tn, mask_tn, dtn, csn, cs_endn = _chunk_decay(dt_ptr, A_ptr, b, h, cn, L, H, Q)
+        winn = tl.exp(csn)
+        offs_tp, mask_tp, dtp, csp, cs_endp = _chunk_decay(dt_ptr, A_ptr, b, h, cp, L, H, Q)
+        wp = tl.exp(cs_endp - csp) * dtp
+        if HAS_DOC:
+            docn, doc_endn, doc_prevn = _chunk_docs(doc_ptr, b, cn, L, offs_tn, mask_tn, Q)
+            winn = tl.where(docn == doc_prevn, winn, 0.0)
+            docp, doc_endp, doc_prevp = _chunk_docs(doc_ptr, b, cp, L, offs_tp, mask_tp, Q)
+            wp = tl.where(docp == doc_endp, wp, 0.0)
+        wyn = winn
+        if DY_SCALE:
+            wyn = winn / tl.load(den_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=1.0)
     accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
     accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
     accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
@@ -434,9 +477,24 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
-        dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
+        dS = tl.load(dst_ptr + d_base + so, mask=sm, other=0.0)
+        S0 = tl.load(st_ptr + s0_base + so, mask=sm, other=0.0)
+        if REBUILD:
+            if rbD:  # + chunk c+1's local gradient (win dy)^T C
+                dyn = tl.load(dy_ptr + x_base + offs_tn[:, None] * (H * P) + offs_p[None, :],
+                              mask=mask_tn[:, None] & mask_p[None, :], other=0.0)
+                Cn = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
+                             mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
+                dS = gn * dS + _xdot(tl.trans(dyn.to(tl.float32) * wyn[:, None]), Cn,
+                                     tl.zeros([BP, BN], dtype=tl.float32), RPREC, "b")
+            if rbS:  # + chunk c-1's local state (w x)^T B
+                xp = tl.load(x_ptr + x_base + offs_tp[:, None] * (H * P) + offs_p[None, :],
+                             mask=mask_tp[:, None] & mask_p[None, :], other=0.0)
+                Bp = tl.load(B_ptr + bc_base + offs_tp[:, None] * (G * N) + offs_n[None, :],
+                             mask=mask_tp[:, None] & mask_n[None, :], other=0.0)
+                S0 = gp * S0 + _xdot(tl.trans(xp.to(tl.float32) * wp[:, None]), Bp,
+                                     tl.zeros([BP, BN], dtype=tl.float32), RPREC, "b")
         accXS = _xdot(x, dS, accXS, SPREC, "a")
-        S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
         dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
@@ -450,8 +508,18 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
     if NORM:  # the normaliser column: x = 1, dy = dden, state row P
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         ones = tl.where(mask_t, 1.0, 0.0)
-        dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        dSr = tl.load(dst_ptr + d_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        S0r = tl.load(st_ptr + s0_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if REBUILD:
+            if rbD:
+                drn = winn * tl.load(dden_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=0.0)
+                Cnr = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
+                              mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
+                dSr = gn * dSr + tl.sum(drn[:, None] * Cnr.to(tl.float32), axis=0)
+            if rbS:
+                Bpr = tl.load(B_ptr + bc_base + offs_tp[:, None] * (G * N) + offs_n[None, :],
+                              mask=mask_tp[:, None] & mask_n[None, :], other=0.0)
+                S0r = gp * S0r + tl.sum(wp[:, None] * Bpr.to(tl.float32), axis=0)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
@@ -463,13 +531,13 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
 
 @triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
-                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr,
+                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr, gdec_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                   ONE_HEAD: tl.constexpr = False):
+                   ONE_HEAD: tl.constexpr = False, REBUILD: tl.constexpr = False, RPREC: tl.constexpr = "ieee"):
     """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
     at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway).
     TILE_MAJOR: grid (chunks x n tiles, batch*group), the n tiles of a chunk launched together (they read the same
@@ -497,7 +565,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
                                                      den_ptr, dg_ptr, b, grp, c, nb, L, H, P, N, NC, NNB, offs_n,
                                                      mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
-                                                     DY_EXACT, DY_SCALE)
+                                                     DY_EXACT, DY_SCALE, B_ptr, C_ptr, gdec_ptr, G, REBUILD, RPREC)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
@@ -517,7 +585,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
                                                      den_ptr, dg_ptr, b, h, c, nb, L, H, P, N, NC, NNB, offs_n,
                                                      mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
-                                                     DY_EXACT, DY_SCALE)
+                                                     DY_EXACT, DY_SCALE, B_ptr, C_ptr, gdec_ptr, G, REBUILD, RPREC)
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
@@ -720,19 +788,6 @@ def dbc_config(n: int, dtype: torch.dtype = torch.bfloat16, Q: int = 64):
     return 16, min(64, _pow2(n)), 1, 8
 
 
-def dx_rebuild(dst_dtype: torch.dtype) -> bool:
-    """``HMSCALE_SSD_DX_REBUILD=1|0`` (default 0; an experiment towards storing every second chunk boundary's state
-    gradient, kernels/NOTES.md next steps 1b): the v2 dx kernel rebuilds the state gradient of even chunks from their
-    successor's instead of reading its own (the same values at the passes' precision). Needs fp32 state gradients."""
-    v = env("HMSCALE_SSD_DX_REBUILD", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"HMSCALE_SSD_DX_REBUILD must be 0 or 1, got {v!r}")
-    if v == "1" and dst_dtype != torch.float32:
-        raise ValueError("HMSCALE_SSD_DX_REBUILD=1 needs fp32 state gradients: unset HMSCALE_SSD_STATES or give it "
-                         "S,fp32")
-    return v == "1"
-
-
 def bwd_fuse_mode() -> str:
     """``HMSCALE_SSD_BWD_FUSE=auto|1|0``: dx and dB/dC as one kernel (``_chunk_bwd_fused``). It needs the v2
     backward, one head per B/C group, the saved numerator, 16-bit inputs and chunks of at most 64. ``auto``
@@ -809,6 +864,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
+    rebuild = rebuild_mode(x.dtype)  # "all": half the state gradients stored, the readers rebuild the rest
+    half = rebuild == "all"
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = cdiv(p, BP) * cdiv(n, BN)
@@ -816,7 +873,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, num_warps=nw, num_stages=nst,
+               DY_SCALE=dy_scale, HALF=half, num_warps=nw, num_stages=nst,
                **register_cap("fpass_b", x.dtype, Q, programs=b * h * nblk, device=dev))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
@@ -830,12 +887,12 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
         launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), local, dst, gdec, dfinal_arg,
                dinit if need_dinit else dst, nc, PN,
-               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
+               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, HALF=half, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
     has_d = D is not None
-    if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
+    if rebuild == "off" and use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
         BNf, nwf, stf = fused_bwd_config(p, n, x.dtype)
         nnb = 1
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
@@ -861,22 +918,21 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dyo_arg = dyo.contiguous() if has_d else dy
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
-        rebuild = dx_rebuild(dst.dtype)
         launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                ysaved if ysaved is not None else dt, gdec,
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, REBUILD=rebuild, num_warps=nw2, **extra,
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, REBUILD=rebuild != "off", num_warps=nw2, **extra,
                **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
         one_head = g == h and dbc_one_head()
         launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-               den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
+               den_arg, dg, gdec, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
-               ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
+               ONE_HEAD=one_head, REBUILD=half, RPREC=state_precision(x.dtype), **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
@@ -887,7 +943,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dg, ddt_part, dcs_part, dA_part, _ = _partials(b * h, nnb, nnb, nc, Q, 0, dev)
         launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC,
                ddt_part, dcs_part,
-               dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+               dt, dg, gdec, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD
 
