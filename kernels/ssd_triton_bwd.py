@@ -422,6 +422,20 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
 
 
 @triton.jit
+def _carried(S, g, rows_ptr, row_stride, cols_ptr, col_stride, w, offs_t, mask_t, offs_p, mask_p, offs_n, mask_n,
+             PREC: tl.constexpr):
+    """``g S + (w rows)^T cols`` for a (BP x BN) state (or state gradient) tile S: the neighbouring chunk's state
+    carried across it, rebuilt from that chunk's rows (x or dy, (t, p)) and columns (B or C, (t, n)) with the
+    per-token weights w, at about fp32 accuracy (PREC)."""
+    r = tl.load(rows_ptr + offs_t[:, None] * row_stride + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
+                other=0.0)
+    k = tl.load(cols_ptr + offs_t[:, None] * col_stride + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                other=0.0)
+    return g * S.to(tl.float32) + _xdot(tl.trans(r.to(tl.float32) * w[:, None]), k, tl.zeros_like(S.to(tl.float32)),
+                                        PREC, "b")
+
+
+@triton.jit
 def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, den_ptr, dg_ptr, b, h, c, nb,
               L, H, P, N, NC, NNB, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
               HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr,
@@ -481,19 +495,11 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         S0 = tl.load(st_ptr + s0_base + so, mask=sm, other=0.0)
         if REBUILD:
             if rbD:  # + chunk c+1's local gradient (win dy)^T C
-                dyn = tl.load(dy_ptr + x_base + offs_tn[:, None] * (H * P) + offs_p[None, :],
-                              mask=mask_tn[:, None] & mask_p[None, :], other=0.0)
-                Cn = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
-                             mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
-                dS = gn * dS + _xdot(tl.trans(dyn.to(tl.float32) * wyn[:, None]), Cn,
-                                     tl.zeros([BP, BN], dtype=tl.float32), RPREC, "b")
+                dS = _carried(dS, gn, dy_ptr + x_base, H * P, C_ptr + bc_base, G * N, wyn, offs_tn, mask_tn,
+                              offs_p, mask_p, offs_n, mask_n, RPREC)
             if rbS:  # + chunk c-1's local state (w x)^T B
-                xp = tl.load(x_ptr + x_base + offs_tp[:, None] * (H * P) + offs_p[None, :],
-                             mask=mask_tp[:, None] & mask_p[None, :], other=0.0)
-                Bp = tl.load(B_ptr + bc_base + offs_tp[:, None] * (G * N) + offs_n[None, :],
-                             mask=mask_tp[:, None] & mask_n[None, :], other=0.0)
-                S0 = gp * S0 + _xdot(tl.trans(xp.to(tl.float32) * wp[:, None]), Bp,
-                                     tl.zeros([BP, BN], dtype=tl.float32), RPREC, "b")
+                S0 = _carried(S0, gp, x_ptr + x_base, H * P, B_ptr + bc_base, G * N, wp, offs_tp, mask_tp,
+                              offs_p, mask_p, offs_n, mask_n, RPREC)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
         dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
