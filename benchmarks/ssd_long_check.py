@@ -6,7 +6,7 @@ closest to its threshold, at the benchmark's 16K tokens. Prints the relative err
 of the reference) of y and of every gradient; tolerances as in the grid (bf16 1e-2, fp32 1e-4 with tf32 off).
 
     python3 benchmarks/ssd_long_check.py [--l 16384]
-    TRITON_INTERPRET=1 python3 benchmarks/ssd_long_check.py --device cpu --dtype fp32 --l 100   (a smoke run)
+    TRITON_INTERPRET=1 python3 benchmarks/ssd_long_check.py --device cpu --dtype fp32 --heads 2 --l 70   (a smoke run)
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--l", type=int, default=16384)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (small --l)")
+    ap.add_argument("--heads", type=int, default=0, help="fewer heads than the shapes' (a quicker smoke run)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
                     help="x, B, C dtype (fp32 on the CPU: the interpreter's bf16 dots are not exact); tolerance 1e-2 / 1e-4")
     args = ap.parse_args()
@@ -64,6 +65,7 @@ def main():
     print("| shape | L | passes | " + " | ".join(["y", "dx", "ddt", "dA", "dB", "dC", "dD"]) + " |")
     print("|---|---|---|" + "---|" * 7)
     for name, (H, P, N, norm) in SHAPES.items():
+        H = args.heads or H
         ins, kw, gy = inputs(args.l, H, P, N, norm, args.device, DTYPES[args.dtype])
         ref = run(lambda *a, **k: ssd_chunked_torch(*a, normalize=norm, **k), ins, kw, gy, torch.float64)
         for mode in ("fused", "split"):

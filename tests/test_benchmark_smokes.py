@@ -77,3 +77,13 @@ def test_ssd_registers_reports_the_glue_kernels(tmp_path):
             assert "ERROR" not in "".join(cols) and 16 <= int(cols[5]) <= 255, cols
         if op == "conv":  # the environment's tiles, not the defaults
             assert "BL=32,BC=64" in rows["_conv_bwd"][4] and rows["_conv_bwd"][2].strip() == "4", rows["_conv_bwd"]
+
+
+def test_ssd_long_check_smoke(tmp_path):
+    """The GPU's long-sequence check on the CPU interpreter (fp32, two heads, two chunks): both pass modes forced,
+    every output and gradient within tolerance of the float64 reference, and said so."""
+    out = _run([str(REPO / "benchmarks" / "ssd_long_check.py"), "--device", "cpu", "--dtype", "fp32", "--heads", "2",
+                "--l", "70"], tmp_path)
+    rows = [line for line in out.splitlines() if line.startswith("| 1.4b") or line.startswith("| 410m")]
+    assert [r.split("|")[3].strip() for r in rows] == ["fused", "split", "fused", "split"], out
+    assert "PASS: worst relative error" in out
