@@ -20,6 +20,10 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     """Initialise Ray once per process; returns True when this call started the embedded cluster."""
     import ray
 
+    # Ray's driver replaces builtins.print the first time it relays a worker's log line (its tqdm_ray bar manager);
+    # after that, cloudpickle refuses any function sent by value that holds the original print (a recipe with
+    # `log=print`, defined in a script): "Can't pickle <built-in function print>: it's not the same object"
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
