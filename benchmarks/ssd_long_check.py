@@ -59,7 +59,8 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (small --l)")
     ap.add_argument("--heads", type=int, default=0, help="fewer heads than the shapes' (a quicker smoke run)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                    help="x, B, C dtype (fp32 on the CPU: the interpreter's bf16 dots are not exact); tolerance 1e-2 / 1e-4")
+                    help="x, B, C dtype (fp32 on the CPU: the interpreter's bf16 dots are not exact); "
+                         "tolerance 1e-2 / 1e-4")
     args = ap.parse_args()
     worst = 0.0
     print("| shape | L | passes | " + " | ".join(["y", "dx", "ddt", "dA", "dB", "dC", "dD"]) + " |")

@@ -41,10 +41,10 @@ import triton.language as tl
 from .host_math import cdiv
 from .launch import launch
 from .settings import env
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
-                             _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
-                             kcfg, pass_config, precisions, rebuild_mode, register_cap, state_dtype, state_precision,
-                             use_fused_pass)
+from .ssd_triton_fwd import (_carried_row, _chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2,
+                             _state_tile, _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision,
+                             fused_pass_config, kcfg, pass_config, precisions, rebuild_mode, register_cap, state_dtype,
+                             state_precision, use_fused_pass)
 
 
 @triton.jit
@@ -336,6 +336,8 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
             d_base = (bh * NC + cn) * (P + NORM) * N
         gn = tl.load(gdec_ptr + bh * NC + cn)
         offs_tn, mask_tn, dtn, csn, cs_endn = _chunk_decay(dt_ptr, A_ptr, b, h, cn, L, H, Q)
+        cv = offs_tn * 0 + c  # (the condition as a vector: a scalar one is not a valid load mask everywhere)
+        mask_tn = mask_tn & (cv % 2 == 0) & (cv + 1 < NC)  # chunks that read their own dS load nothing more
         winn = tl.exp(csn)
         if HAS_DOC:
             docn, doc_endn, doc_prevn = _chunk_docs(doc_ptr, b, cn, L, offs_tn, mask_tn, Q)
@@ -371,9 +373,7 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
             dSr = tl.load(dst_ptr + d_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             if REBUILD:
                 if rb:
-                    Cnr = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
-                                  mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
-                    dSr = gn * dSr + tl.sum(drn[:, None] * Cnr.to(tl.float32), axis=0)
+                    dSr = _carried_row(dSr, gn, C_ptr + bc_base, G * N, drn, offs_tn, mask_tn, offs_n, mask_n)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
                 S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -519,13 +519,9 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         if REBUILD:
             if rbD:
                 drn = winn * tl.load(dden_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=0.0)
-                Cnr = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
-                              mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
-                dSr = gn * dSr + tl.sum(drn[:, None] * Cnr.to(tl.float32), axis=0)
+                dSr = _carried_row(dSr, gn, C_ptr + bc_base, G * N, drn, offs_tn, mask_tn, offs_n, mask_n)
             if rbS:
-                Bpr = tl.load(B_ptr + bc_base + offs_tp[:, None] * (G * N) + offs_n[None, :],
-                              mask=mask_tp[:, None] & mask_n[None, :], other=0.0)
-                S0r = gp * S0r + tl.sum(wp[:, None] * Bpr.to(tl.float32), axis=0)
+                S0r = _carried_row(S0r, gp, B_ptr + bc_base, G * N, wp, offs_tp, mask_tp, offs_n, mask_n)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
@@ -938,7 +934,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                den_arg, dg, gdec, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
-               ONE_HEAD=one_head, REBUILD=half, RPREC=state_precision(x.dtype), **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
+               ONE_HEAD=one_head, REBUILD=half, RPREC=state_precision(x.dtype), **dbc_kw,
+               **(register_cap("dbc", x.dtype, Q) if one_head else {}))
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))

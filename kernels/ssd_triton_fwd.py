@@ -260,6 +260,14 @@ def _load_rows(base, offs_t, mask_t, stride, offs_c, mask_c):
 
 
 @triton.jit
+def _carried_row(r, g, cols_ptr, col_stride, w, offs_t, mask_t, offs_n, mask_n):
+    """``g r + sum_t w_t cols_t``: the normaliser row (BN entries) of a state (gradient) carried across the
+    neighbouring chunk, rebuilt from that chunk's B (or C) rows and weights (``HMSCALE_SSD_REBUILD``)."""
+    cols = _load_rows(cols_ptr, offs_t, mask_t, col_stride, offs_n, mask_n)
+    return g * r + tl.sum(w[:, None] * cols.to(tl.float32), axis=0)
+
+
+@triton.jit
 def _load_state(ptr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexpr):
     """A fused pass's (BP x BN) state tile and (NORM) its normaliser row's BN entries, in fp32 (zeros outside the
     masks; the row is zeros without NORM)."""
@@ -361,12 +369,16 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             r_base = st_ptr + (bh * NC + cp) * (P + NORM) * N
         gp = tl.load(gdec_ptr + bh * NC + cp)
         offs_tp, mask_tp, dtp, csp, cs_endp = _chunk_decay(dt_ptr, A_ptr, b, h, cp, L, H, Q)
+        # chunks that read their own state load nothing of the previous chunk's (the condition as a vector: a
+        # scalar one is not a valid load mask everywhere)
+        mask_tp = mask_tp & ((offs_tp * 0 + c) % 2 == 1)
         wp = tl.exp(cs_endp - csp) * dtp
         if HAS_DOC:
             docp, doc_endp, doc_prevp = _chunk_docs(doc_ptr, b, cp, L, offs_tp, mask_tp, Q)
             wp = tl.where(docp == doc_endp, wp, 0.0)
         # the previous chunk's weighted x, held across the n loop (split once into bf16 hi + lo for bf16 inputs)
-        xwp = _load_rows(x_ptr + (b * L * H + h) * P, offs_tp, mask_tp, H * P, offs_p, mask_p).to(tl.float32) * wp[:, None]
+        xp = _load_rows(x_ptr + (b * L * H + h) * P, offs_tp, mask_tp, H * P, offs_p, mask_p)
+        xwp = xp.to(tl.float32) * wp[:, None]
         if YPREC == "bf16x2":
             xwp_hi, xwp_lo = _hilo(xwp)
     for n0 in range(0, N, BN):
@@ -396,9 +408,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             Sr = tl.load(r_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             if REBUILD:
                 if rb:
-                    Bpr = tl.load(B_ptr + bc_base + offs_tp[:, None] * (G * N) + offs_n[None, :],
-                                  mask=mask_tp[:, None] & mask_n[None, :], other=0.0)
-                    Sr = gp * Sr + tl.sum(wp[:, None] * Bpr.to(tl.float32), axis=0)
+                    Sr = _carried_row(Sr, gp, B_ptr + bc_base, G * N, wp, offs_tp, mask_tp, offs_n, mask_n)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     if NORM and NORM_APART:
         # 16-bit states: the normaliser row in a loop of its own (C's tiles again, from L2). Inside the loop above,
@@ -680,7 +690,8 @@ def rebuild_mode(dtype: torch.dtype | None = None) -> str:
     if v not in ("off", "dx", "all"):
         raise ValueError(f"HMSCALE_SSD_REBUILD must be off, dx or all, got {v!r}")
     if v != "off":
-        if dtype is not None and (state_dtype(dtype) != torch.float32 or state_dtype(dtype, grad=True) != torch.float32):
+        fp32 = torch.float32
+        if dtype is not None and (state_dtype(dtype) != fp32 or state_dtype(dtype, grad=True) != fp32):
             raise ValueError("HMSCALE_SSD_REBUILD needs fp32 states and state gradients: unset HMSCALE_SSD_STATES")
         if bwd_variant() != "v2" or not save_y_mode():
             raise ValueError("HMSCALE_SSD_REBUILD needs the v2 backward and the saved numerator: unset HMSCALE_SSD_BWD "
