@@ -41,10 +41,10 @@ import triton.language as tl
 from .host_math import cdiv
 from .launch import launch
 from .settings import env
-from .ssd_triton_fwd import (_carried_row, _chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2,
-                             _state_tile, _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision,
-                             fused_pass_config, kcfg, pass_config, precisions, rebuild_mode, register_cap, state_dtype,
-                             state_precision, use_fused_pass)
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
+                             _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
+                             kcfg, pass_config, precisions, register_cap, state_dtype, state_precision,
+                             use_fused_pass)
 
 
 @triton.jit
@@ -88,10 +88,9 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, 
 
 @triton.jit
 def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
-                    HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr = False):
+                    HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr):
     """The serial backward pass: reads the chunks' fp32 local state gradients at ``dst_ptr`` and writes the gradient
-    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit.
-    HALF: only the odd chunks' and the last chunk's (``_dstate_fused_bwd``)."""
+    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -132,23 +131,16 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        m0, m1, m2, m3 = mask, mask, mask, mask
-        if HALF:  # chunk c0 - k is stored when odd or the last one (c0 = NC - 1 - i0: the parity alternates with k)
-            cv = offs * 0 + c0  # the chunk index as a vector (a scalar condition in a mask)
-            m0 = mask & ((cv % 2 == 1) | (cv == NC - 1))
-            m1 = mask & ((cv - 1) % 2 == 1)
-            m2 = mask & ((cv - 2) % 2 == 1)
-            m3 = mask & ((cv - 3) % 2 == 1)
-        tl.store(obase + c0 * PN, dS.to(ot), mask=m0)
+        tl.store(obase + c0 * PN, dS.to(ot), mask=mask)
         dS = g0 * dS + d0
         if i0 + 1 < NC:
-            tl.store(obase + (c0 - 1) * PN, dS.to(ot), mask=m1)
+            tl.store(obase + (c0 - 1) * PN, dS.to(ot), mask=mask)
             dS = g1 * dS + d1
         if i0 + 2 < NC:
-            tl.store(obase + (c0 - 2) * PN, dS.to(ot), mask=m2)
+            tl.store(obase + (c0 - 2) * PN, dS.to(ot), mask=mask)
             dS = g2 * dS + d2
         if i0 + 3 < NC:
-            tl.store(obase + (c0 - 3) * PN, dS.to(ot), mask=m3)
+            tl.store(obase + (c0 - 3) * PN, dS.to(ot), mask=mask)
             dS = g3 * dS + d3
         d0, d1, d2, d3 = e0, e1, e2, e3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -162,12 +154,10 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
                       L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
-                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False,
-                      HALF: tl.constexpr = False):
+                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
-    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
-    HALF (``HMSCALE_SSD_REBUILD=all``): only the odd chunks' and the last chunk's (the readers rebuild the rest)."""
+    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's)."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
@@ -187,11 +177,7 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
             doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
             win = tl.where(doc == doc_prev, win, 0.0)
         # the gradient of the state leaving chunk c
-        if HALF:
-            if (c % 2 == 1) | (c == NC - 1):
-                _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
-        else:
-            _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
+        _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
         g = tl.load(gdec_ptr + bh * NC + c)
         dy = _load_rows(dy_base, offs_t, mask_t, H * P, offs_p, mask_p)
         Ct = _load_rows(c_base, offs_t, mask_t, G * N, offs_n, mask_n)
@@ -285,13 +271,13 @@ def _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, po, Q: tl.con
 
 @triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
-                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, gdec_ptr,
+                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
                       DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                      Y_SAVED: tl.constexpr = False, REBUILD: tl.constexpr = False):
+                      Y_SAVED: tl.constexpr = False):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
@@ -303,11 +289,7 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     B, C tiles: L2 hits instead of HBM reads); else (chunks, batch*head, p tiles).
     Y_SAVED: the forward kept y (the fp32 numerator, before 1/den and D) at ``ys_ptr``, and with NORM its
     normaliser den at ``den_ptr``: dy . y reads them instead of recomputing y, so the entering states S0 are not
-    read and 4 of the kernel's 9 state-precision dots go.
-    REBUILD (``HMSCALE_SSD_REBUILD``, an experiment; fp32 state gradients): an even chunk c with a successor reads
-    dS leaving c + 1 (the tile its odd neighbour reads) and rebuilds its own, dS_c = g_{c+1} dS_{c+1} + the local
-    state gradient of chunk c + 1 (C^T (win dy) and the normaliser row's win dden C), at the passes' precision; the
-    step towards storing only every second boundary's dS (kernels/NOTES.md, next steps 1b)."""
+    read and 4 of the kernel's 9 state-precision dots go."""
     if TILE_MAJOR:
         c = tl.program_id(0) // NPB
         pb = tl.program_id(0) % NPB
@@ -328,27 +310,6 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     accYI = tl.zeros([Q, BP], dtype=tl.float32)  # [t, p] = (S0 C_t)_p
     accZr = tl.zeros([Q], dtype=tl.float32)  # normaliser row: dS[P] . B_s
     accYIr = tl.zeros([Q], dtype=tl.float32)  # S0[P] . C_t
-    d_base = s_base
-    if REBUILD:
-        rb = (c % 2 == 0) & (c + 1 < NC)  # this chunk's dS is rebuilt from its successor's
-        cn = tl.minimum(c + 1, NC - 1)
-        if rb:
-            d_base = (bh * NC + cn) * (P + NORM) * N
-        gn = tl.load(gdec_ptr + bh * NC + cn)
-        offs_tn, mask_tn, dtn, csn, cs_endn = _chunk_decay(dt_ptr, A_ptr, b, h, cn, L, H, Q)
-        cv = offs_tn * 0 + c  # (the condition as a vector: a scalar one is not a valid load mask everywhere)
-        mask_tn = mask_tn & (cv % 2 == 0) & (cv + 1 < NC)  # chunks that read their own dS load nothing more
-        winn = tl.exp(csn)
-        if HAS_DOC:
-            docn, doc_endn, doc_prevn = _chunk_docs(doc_ptr, b, cn, L, offs_tn, mask_tn, Q)
-            winn = tl.where(docn == doc_prevn, winn, 0.0)
-        wyn = winn
-        if DY_SCALE:
-            wyn = winn / tl.load(den_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=1.0)
-        dyn = _load_rows(dy_ptr + (b * L * H + h) * P, offs_tn, mask_tn, H * P, offs_p, mask_p)
-        dywn = dyn.to(tl.float32) * wyn[:, None]  # (Q, BP): the successor's local dS^T is C^T dywn
-        if NORM:
-            drn = winn * tl.load(dden_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=0.0)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
@@ -359,21 +320,13 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
-        dSt = tl.load(dst_ptr + d_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
-        if REBUILD:
-            if rb:
-                Cn = tl.load(C_ptr + bc_base + offs_tn[:, None] * (G * N) + offs_n[None, :],
-                             mask=mask_tn[:, None] & mask_n[None, :], other=0.0)
-                dSt = gn * dSt + _xdot(tl.trans(Cn), dywn, tl.zeros([BN, BP], dtype=tl.float32), XPREC, "a")
+        dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
         if not Y_SAVED:
             S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
-            dSr = tl.load(dst_ptr + d_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if REBUILD:
-                if rb:
-                    dSr = _carried_row(dSr, gn, C_ptr + bc_base, G * N, drn, offs_tn, mask_tn, offs_n, mask_n)
+            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
                 S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -422,61 +375,18 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
 
 
 @triton.jit
-def _carried(S, g, rows_ptr, row_stride, cols_ptr, col_stride, w, offs_t, mask_t, offs_p, mask_p, offs_n, mask_n,
-             PREC: tl.constexpr):
-    """``g S + (w rows)^T cols`` for a (BP x BN) state (or state gradient) tile S: the neighbouring chunk's state
-    carried across it, rebuilt from that chunk's rows (x or dy, (t, p)) and columns (B or C, (t, n)) with the
-    per-token weights w, at about fp32 accuracy (PREC)."""
-    r = tl.load(rows_ptr + offs_t[:, None] * row_stride + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
-                other=0.0)
-    k = tl.load(cols_ptr + offs_t[:, None] * col_stride + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
-                other=0.0)
-    return g * S.to(tl.float32) + _xdot(tl.trans(r.to(tl.float32) * w[:, None]), k, tl.zeros_like(S.to(tl.float32)),
-                                        PREC, "b")
-
-
-@triton.jit
 def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, den_ptr, dg_ptr, b, h, c, nb,
               L, H, P, N, NC, NNB, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
               HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr,
-              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr,
-              B_ptr=None, C_ptr=None, gdec_ptr=None, G=1, REBUILD: tl.constexpr = False, RPREC: tl.constexpr = "ieee"):
+              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
     """One head's part of dB/dC for one (chunk, n tile): the sums over P, dy_t . x_s [t, s], x_s^T dS [s, n] and
     dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and the
     chunk's weights. Stores this n tile's share of <dS, S0> (the gradient of the chunk's carry factor) and returns
-    the chunk's dt, Pm = decay o (dy . x) [t, s], win, wend, x^T dS and dy^T S0.
-    REBUILD (``HMSCALE_SSD_REBUILD=all``): the states of odd chunks and the state gradients of even ones (but the
-    last) are not stored; they are rebuilt from the neighbouring chunk's at RPREC (``state_precision``)."""
+    the chunk's dt, Pm = decay o (dy . x) [t, s], win, wend, x^T dS and dy^T S0."""
     bh = b * H + h
     offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     x_base = (b * L * H + h) * P
     s_base = (bh * NC + c) * (P + NORM) * N
-    d_base = s_base
-    s0_base = s_base
-    if REBUILD:
-        bc_base = (b * L * G + h // (H // G)) * N
-        rbD = (c % 2 == 0) & (c + 1 < NC)  # dS leaving c rebuilt from dS leaving c + 1
-        rbS = c % 2 == 1  # S entering c rebuilt from S entering c - 1
-        cn = tl.minimum(c + 1, NC - 1)
-        cp = tl.maximum(c - 1, 0)
-        if rbD:
-            d_base = (bh * NC + cn) * (P + NORM) * N
-        if rbS:
-            s0_base = (bh * NC + cp) * (P + NORM) * N
-        gn = tl.load(gdec_ptr + bh * NC + cn)
-        gp = tl.load(gdec_ptr + bh * NC + cp)
-        offs_tn, mask_tn, dtn, csn, cs_endn = _chunk_decay(dt_ptr, A_ptr, b, h, cn, L, H, Q)
-        winn = tl.exp(csn)
-        offs_tp, mask_tp, dtp, csp, cs_endp = _chunk_decay(dt_ptr, A_ptr, b, h, cp, L, H, Q)
-        wp = tl.exp(cs_endp - csp) * dtp
-        if HAS_DOC:
-            docn, doc_endn, doc_prevn = _chunk_docs(doc_ptr, b, cn, L, offs_tn, mask_tn, Q)
-            winn = tl.where(docn == doc_prevn, winn, 0.0)
-            docp, doc_endp, doc_prevp = _chunk_docs(doc_ptr, b, cp, L, offs_tp, mask_tp, Q)
-            wp = tl.where(docp == doc_endp, wp, 0.0)
-        wyn = winn
-        if DY_SCALE:
-            wyn = winn / tl.load(den_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=1.0)
     accDYX = tl.zeros([Q, Q], dtype=tl.float32)  # [t, s] = dy_t . x_s
     accXS = tl.zeros([Q, BN], dtype=tl.float32)  # x_s^T dS
     accDYS = tl.zeros([Q, BN], dtype=tl.float32)  # dy_t^T S0
@@ -491,16 +401,9 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
-        dS = tl.load(dst_ptr + d_base + so, mask=sm, other=0.0)
-        S0 = tl.load(st_ptr + s0_base + so, mask=sm, other=0.0)
-        if REBUILD:
-            if rbD:  # + chunk c+1's local gradient (win dy)^T C
-                dS = _carried(dS, gn, dy_ptr + x_base, H * P, C_ptr + bc_base, G * N, wyn, offs_tn, mask_tn,
-                              offs_p, mask_p, offs_n, mask_n, RPREC)
-            if rbS:  # + chunk c-1's local state (w x)^T B
-                S0 = _carried(S0, gp, x_ptr + x_base, H * P, B_ptr + bc_base, G * N, wp, offs_tp, mask_tp,
-                              offs_p, mask_p, offs_n, mask_n, RPREC)
+        dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
+        S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
         dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
@@ -514,14 +417,8 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
     if NORM:  # the normaliser column: x = 1, dy = dden, state row P
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         ones = tl.where(mask_t, 1.0, 0.0)
-        dSr = tl.load(dst_ptr + d_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        S0r = tl.load(st_ptr + s0_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if REBUILD:
-            if rbD:
-                drn = winn * tl.load(dden_ptr + (b * L * H + h) + offs_tn * H, mask=mask_tn, other=0.0)
-                dSr = _carried_row(dSr, gn, C_ptr + bc_base, G * N, drn, offs_tn, mask_tn, offs_n, mask_n)
-            if rbS:
-                S0r = _carried_row(S0r, gp, B_ptr + bc_base, G * N, wp, offs_tp, mask_tp, offs_n, mask_n)
+        dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
@@ -533,13 +430,13 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
 
 @triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
-                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr, gdec_ptr,
+                   dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                   ONE_HEAD: tl.constexpr = False, REBUILD: tl.constexpr = False, RPREC: tl.constexpr = "ieee"):
+                   ONE_HEAD: tl.constexpr = False):
     """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
     at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway).
     TILE_MAJOR: grid (chunks x n tiles, batch*group), the n tiles of a chunk launched together (they read the same
@@ -567,7 +464,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
                                                      den_ptr, dg_ptr, b, grp, c, nb, L, H, P, N, NC, NNB, offs_n,
                                                      mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
-                                                     DY_EXACT, DY_SCALE, B_ptr, C_ptr, gdec_ptr, G, REBUILD, RPREC)
+                                                     DY_EXACT, DY_SCALE)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
@@ -587,7 +484,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
                                                      den_ptr, dg_ptr, b, h, c, nb, L, H, P, N, NC, NNB, offs_n,
                                                      mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
-                                                     DY_EXACT, DY_SCALE, B_ptr, C_ptr, gdec_ptr, G, REBUILD, RPREC)
+                                                     DY_EXACT, DY_SCALE)
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
@@ -866,8 +763,6 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
-    rebuild = rebuild_mode(x.dtype)  # "all": half the state gradients stored, the readers rebuild the rest
-    half = rebuild == "all"
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
         nblk = cdiv(p, BP) * cdiv(n, BN)
@@ -875,7 +770,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, HALF=half, num_warps=nw, num_stages=nst,
+               DY_SCALE=dy_scale, num_warps=nw, num_stages=nst,
                **register_cap("fpass_b", x.dtype, Q, programs=b * h * nblk, device=dev))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
@@ -889,12 +784,12 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
         launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), local, dst, gdec, dfinal_arg,
                dinit if need_dinit else dst, nc, PN,
-               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, HALF=half, num_warps=nw)
+               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
     has_d = D is not None
-    if rebuild == "off" and use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
+    if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
         BNf, nwf, stf = fused_bwd_config(p, n, x.dtype)
         nnb = 1
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
@@ -922,20 +817,19 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
         launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
-               ysaved if ysaved is not None else dt, gdec,
+               ysaved if ysaved is not None else dt,
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, REBUILD=rebuild != "off", num_warps=nw2, **extra,
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra,
                **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
         one_head = g == h and dbc_one_head()
         launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
-               den_arg, dg, gdec, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
+               den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
-               ONE_HEAD=one_head, REBUILD=half, RPREC=state_precision(x.dtype), **dbc_kw,
-               **(register_cap("dbc", x.dtype, Q) if one_head else {}))
+               ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
     else:
         dD_part = None
         BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
@@ -946,7 +840,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dg, ddt_part, dcs_part, dA_part, _ = _partials(b * h, nnb, nnb, nc, Q, 0, dev)
         launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC,
                ddt_part, dcs_part,
-               dt, dg, gdec, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+               dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD
 

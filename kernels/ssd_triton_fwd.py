@@ -174,10 +174,9 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
 
 @triton.jit
 def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
-                    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr = False):
+                    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr):
     """The serial pass: reads the chunks' fp32 local states at ``st_ptr`` and writes the state entering each chunk
-    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state.
-    HALF: only the even chunks' (``_state_fused_fwd``)."""
+    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -216,15 +215,13 @@ def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
         tl.store(obase + c0 * PN, S.to(ot), mask=mask)
         S = g0 * S + l0
         if c0 + 1 < NC:
-            if not HALF:
-                tl.store(obase + (c0 + 1) * PN, S.to(ot), mask=mask)
+            tl.store(obase + (c0 + 1) * PN, S.to(ot), mask=mask)
             S = g1 * S + l1
         if c0 + 2 < NC:
             tl.store(obase + (c0 + 2) * PN, S.to(ot), mask=mask)
             S = g2 * S + l2
         if c0 + 3 < NC:
-            if not HALF:
-                tl.store(obase + (c0 + 3) * PN, S.to(ot), mask=mask)
+            tl.store(obase + (c0 + 3) * PN, S.to(ot), mask=mask)
             S = g3 * S + l3
         l0, l1, l2, l3 = m0, m1, m2, m3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -260,14 +257,6 @@ def _load_rows(base, offs_t, mask_t, stride, offs_c, mask_c):
 
 
 @triton.jit
-def _carried_row(r, g, cols_ptr, col_stride, w, offs_t, mask_t, offs_n, mask_n):
-    """``g r + sum_t w_t cols_t``: the normaliser row (BN entries) of a state (gradient) carried across the
-    neighbouring chunk, rebuilt from that chunk's B (or C) rows and weights (``HMSCALE_SSD_REBUILD``)."""
-    cols = _load_rows(cols_ptr, offs_t, mask_t, col_stride, offs_n, mask_n)
-    return g * r + tl.sum(w[:, None] * cols.to(tl.float32), axis=0)
-
-
-@triton.jit
 def _load_state(ptr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexpr):
     """A fused pass's (BP x BN) state tile and (NORM) its normaliser row's BN entries, in fp32 (zeros outside the
     masks; the row is zeros without NORM)."""
@@ -291,13 +280,10 @@ def _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexp
 def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
                      L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr,
-                     HALF: tl.constexpr = False):
+                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr):
     """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
-    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps).
-    HALF (``HMSCALE_SSD_REBUILD=all``): only the even chunks' entering states are stored (the readers rebuild the odd
-    ones from them)."""
+    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps)."""
     bh = tl.program_id(0).to(tl.int64)
     pn = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
@@ -317,11 +303,7 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
             doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
             w = tl.where(doc == doc_end, w, 0.0)
             g = tl.where(doc_end == doc_prev, g, 0.0)
-        if HALF:
-            if c % 2 == 0:
-                _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
-        else:
-            _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)  # entering c
+        _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)  # entering c
         if pn == 0:
             tl.store(gdec_ptr + bh * NC + c, g)
         x = _load_rows(x_base, offs_t, mask_t, H * P, offs_p, mask_p)
@@ -336,16 +318,13 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
 
 
 @triton.jit
-def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr, gdec_ptr,
+def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr,
                     L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
-                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee",
-                    REBUILD: tl.constexpr = False):
+                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee"):
     """y of one (chunk, p tile). SAVE_YNUM: also keep the fp32 numerator for the backward, whose decay gradient
-    (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``).
-    REBUILD (``HMSCALE_SSD_REBUILD=all``, fp32 states): an odd chunk's entering state is not stored; it is rebuilt
-    from the previous chunk's, g_{c-1} S_{c-1} + x_{c-1}^T (w B_{c-1}), at YPREC."""
+    (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -361,26 +340,6 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
     accG = tl.zeros([Q, Q], dtype=tl.float32)
     accS = tl.zeros([Q, BP], dtype=tl.float32)
     accR = tl.zeros([Q], dtype=tl.float32)  # normaliser: C_t . S0[P, :]
-    r_base = s_base
-    if REBUILD:
-        rb = c % 2 == 1  # this chunk's entering state is rebuilt from the previous chunk's
-        cp = tl.maximum(c - 1, 0)
-        if rb:
-            r_base = st_ptr + (bh * NC + cp) * (P + NORM) * N
-        gp = tl.load(gdec_ptr + bh * NC + cp)
-        offs_tp, mask_tp, dtp, csp, cs_endp = _chunk_decay(dt_ptr, A_ptr, b, h, cp, L, H, Q)
-        # chunks that read their own state load nothing of the previous chunk's (the condition as a vector: a
-        # scalar one is not a valid load mask everywhere)
-        mask_tp = mask_tp & ((offs_tp * 0 + c) % 2 == 1)
-        wp = tl.exp(cs_endp - csp) * dtp
-        if HAS_DOC:
-            docp, doc_endp, doc_prevp = _chunk_docs(doc_ptr, b, cp, L, offs_tp, mask_tp, Q)
-            wp = tl.where(docp == doc_endp, wp, 0.0)
-        # the previous chunk's weighted x, held across the n loop (split once into bf16 hi + lo for bf16 inputs)
-        xp = _load_rows(x_ptr + (b * L * H + h) * P, offs_tp, mask_tp, H * P, offs_p, mask_p)
-        xwp = xp.to(tl.float32) * wp[:, None]
-        if YPREC == "bf16x2":
-            xwp_hi, xwp_lo = _hilo(xwp)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
@@ -389,26 +348,14 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
         Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
-        Sp = tl.load(r_base + (offs_p[None, :] * N + offs_n[:, None]),
+        Sp = tl.load(s_base + (offs_p[None, :] * N + offs_n[:, None]),
                      mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = S_prev^T
-        if REBUILD:
-            if rb:
-                Bp = tl.load(B_ptr + bc_base + offs_tp[:, None] * (G * N) + offs_n[None, :],
-                             mask=mask_tp[:, None] & mask_n[None, :], other=0.0)
-                if YPREC == "bf16x2":
-                    BpT = tl.trans(Bp).to(tl.bfloat16)
-                    Sp = gp * Sp + tl.dot(BpT, xwp_lo, tl.dot(BpT, xwp_hi, tl.zeros([BN, BP], dtype=tl.float32)))
-                else:
-                    Sp = gp * Sp + _xdot(tl.trans(Bp), xwp, tl.zeros([BN, BP], dtype=tl.float32), YPREC, "a")
         if SAVE_YNUM:
             accS = _xdot(Ct, Sp, accS, YPREC, "a")
         else:
             accS = _xdot(Ct, Sp, accS, SPREC, "a")
         if NORM and not NORM_APART:
-            Sr = tl.load(r_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if REBUILD:
-                if rb:
-                    Sr = _carried_row(Sr, gp, B_ptr + bc_base, G * N, wp, offs_tp, mask_tp, offs_n, mask_n)
+            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     if NORM and NORM_APART:
         # 16-bit states: the normaliser row in a loop of its own (C's tiles again, from L2). Inside the loop above,
@@ -679,26 +626,6 @@ def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
     return min(block, _pow2(pn)), nw
 
 
-def rebuild_mode(dtype: torch.dtype | None = None) -> str:
-    """``HMSCALE_SSD_REBUILD=off|dx|all`` (an experiment, default ``off``; kernels/NOTES.md next steps 1b): store the
-    chunk-boundary states only for the even chunks and their gradients only for the odd ones (and the last), and
-    rebuild the other half where they are read from the neighbouring chunk's inputs, at the passes' precision
-    (``all``: the passes store half, the scan, dx and dB/dC rebuild); ``dx``: every state stored, only the dx kernel
-    rebuilds (to time its side alone). Needs fp32 state storage (for bf16 inputs ``dtype``), the v2 backward and
-    the saved numerator."""
-    v = env("HMSCALE_SSD_REBUILD", "off").lower()
-    if v not in ("off", "dx", "all"):
-        raise ValueError(f"HMSCALE_SSD_REBUILD must be off, dx or all, got {v!r}")
-    if v != "off":
-        fp32 = torch.float32
-        if dtype is not None and (state_dtype(dtype) != fp32 or state_dtype(dtype, grad=True) != fp32):
-            raise ValueError("HMSCALE_SSD_REBUILD needs fp32 states and state gradients: unset HMSCALE_SSD_STATES")
-        if bwd_variant() != "v2" or not save_y_mode():
-            raise ValueError("HMSCALE_SSD_REBUILD needs the v2 backward and the saved numerator: unset HMSCALE_SSD_BWD "
-                             "and HMSCALE_SSD_SAVE_Y")
-    return v
-
-
 def bwd_variant() -> str:
     """``v2`` (default: the decay-gradient terms live in ``_chunk_bwd_dx_dcs``, and ``_chunk_bwd_dbc`` only does
     dB and dC; 1.1-1.3x faster fwd+bwd than v1 on the H200, full GPU check 225/225) or ``v1`` (the decay-gradient
@@ -747,13 +674,12 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
-    half = rebuild_mode(x.dtype) == "all"  # the odd chunks' entering states are not stored but rebuilt
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
         BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
                l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
-               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, HALF=half,
+               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
                num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
@@ -768,18 +694,17 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         BLOCK, nw = pass_config(PN, x.dtype)
         grid2 = (b * h, cdiv(PN, BLOCK))
         launch(_state_pass_fwd, grid2, local, states, gdec, initial_state if has_init else final, final, nc, PN,
-               HAS_INIT=has_init, BLOCK=BLOCK, HALF=half, num_warps=nw)
+               HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
     bp, bn, nw, nst = kcfg("scan", x.dtype, Q, p)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
     grid3 = (nc, b * h, cdiv(p, bp))
     launch(_chunk_scan_fwd, grid3, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
            ynum if ynum is not None else y,
-           D if D is not None else dt, gdec, l, h, g, p, n, nc,
+           D if D is not None else dt, l, h, g, p, n, nc,
            Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
            NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-           YPREC=state_precision(x.dtype), REBUILD=half,
-           num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
+           YPREC=state_precision(x.dtype), num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
     return y, ynum, den, final, states, gdec
 
 

@@ -46,14 +46,10 @@ def _triton(**k):
     return ssd(**k, backend="triton")
 
 
-@pytest.mark.parametrize("bwd,state_pass,order,rebuild", [
-    ("v1", "split", "chunk", "off"), ("v2", "split", "chunk", "off"), ("v2", "fused", "tile", "off"),
-    ("v2", "split", "tile", "dx"), ("v2", "split", "chunk", "all"), ("v2", "fused", "tile", "all")])
+@pytest.mark.parametrize("bwd,state_pass,order", [("v1", "split", "chunk"), ("v2", "split", "chunk"),
+                                                  ("v2", "fused", "tile")])
 @pytest.mark.parametrize("shape,chunk,opts", CASES)
-def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, rebuild, monkeypatch):
-    # HMSCALE_SSD_REBUILD: dx rebuilds even chunks' dS from their successors' (dx), or half the states and state
-    # gradients are stored and every reader rebuilds the rest (all)
-    monkeypatch.setenv("HMSCALE_SSD_REBUILD", rebuild)
+def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", order)  # launch order of the dx / dB-dC tiles
@@ -133,15 +129,13 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
         assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
 
 
-@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec,states,rebuild", [
-    ("state", "split", "rowscale", "bf16", "fp32", "off"), ("all", "split", "rowscale", "bf16x2", "fp32", "off"),
-    ("off", "split", "rowscale", "tf32", "fp32", "off"), ("state", "fused", "rowscale", "bf16", "fp32", "off"),
-    ("state", "split", "fp32", "bf16x2", "fp32", "off"), ("state", "split", "rowscale", "bf16", "bf16", "off"),
-    ("state", "fused", "rowscale", "bf16", "bf16", "off"), ("state", "fused", "rowscale", "bf16", "fp16,fp32", "off"),
-    ("state", "fused", "rowscale", "bf16", "fp32", "dx"), ("state", "split", "rowscale", "bf16", "fp32", "all"),
-    ("state", "fused", "rowscale", "bf16", "fp32", "all")])
+@pytest.mark.parametrize("split,state_pass,norm_bwd,dbc_prec,states", [
+    ("state", "split", "rowscale", "bf16", "fp32"), ("all", "split", "rowscale", "bf16x2", "fp32"),
+    ("off", "split", "rowscale", "tf32", "fp32"), ("state", "fused", "rowscale", "bf16", "fp32"),
+    ("state", "split", "fp32", "bf16x2", "fp32"), ("state", "split", "rowscale", "bf16", "bf16"),
+    ("state", "fused", "rowscale", "bf16", "bf16"), ("state", "fused", "rowscale", "bf16", "fp16,fp32")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
-def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, rebuild, opts, monkeypatch):
+def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
     makes the interpreter's bf16 dots exact). The state and the decay gradients (dt, A: sums whose terms cancel)
     must stay near fp32 accuracy, far inside the 1e-2 bf16 limit, also when dB/dC rounds the states to bf16
@@ -153,7 +147,6 @@ def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, reb
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_STATES", states)
     monkeypatch.setenv("HMSCALE_SSD_NORM_BWD", norm_bwd)  # normalize: dy / den as a row scale, or in fp32
-    monkeypatch.setenv("HMSCALE_SSD_REBUILD", rebuild)  # the rebuilt states / state gradients (with the row-scaled dy)
     ins, seq = make_inputs(1, 70, 2, 1, 16, 32, dtype=torch.bfloat16, **opts)
     gen = torch.Generator().manual_seed(1)
     ps = 16 + int(bool(opts))
@@ -216,28 +209,6 @@ def test_state_pass_mode_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fast")
     with pytest.raises(ValueError, match="HMSCALE_SSD_PASS must be"):
         fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass")
-
-
-def test_rebuild_switch(monkeypatch):
-    """HMSCALE_SSD_REBUILD: off by default; dx / all need fp32 state storage, the v2 backward and the saved numerator,
-    each refused with the setting to change; a bad value is refused."""
-    from kernels.ssd_triton_fwd import rebuild_mode
-
-    for k in ("HMSCALE_SSD_REBUILD", "HMSCALE_SSD_STATES", "HMSCALE_SSD_BWD", "HMSCALE_SSD_SAVE_Y"):
-        monkeypatch.delenv(k, raising=False)
-    assert rebuild_mode(torch.bfloat16) == "off"
-    monkeypatch.setenv("HMSCALE_SSD_REBUILD", "all")
-    assert rebuild_mode(torch.bfloat16) == "all"
-    monkeypatch.setenv("HMSCALE_SSD_STATES", "bf16,fp32")
-    with pytest.raises(ValueError, match="unset HMSCALE_SSD_STATES"):
-        rebuild_mode(torch.bfloat16)
-    monkeypatch.delenv("HMSCALE_SSD_STATES")
-    monkeypatch.setenv("HMSCALE_SSD_SAVE_Y", "0")
-    with pytest.raises(ValueError, match="saved numerator"):
-        rebuild_mode(torch.float32)
-    monkeypatch.setenv("HMSCALE_SSD_REBUILD", "half")
-    with pytest.raises(ValueError, match="must be off, dx or all"):
-        rebuild_mode(torch.float32)
 
 
 def test_tile_order_choice(monkeypatch):
