@@ -44,7 +44,7 @@ from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
                              _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
                              kcfg, pass_config, precisions, register_cap, state_dtype, state_precision,
-                             use_fused_pass)
+                             use_fused_pass, walk_unroll)
 
 
 @triton.jit
@@ -149,15 +149,44 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
 
 
 @triton.jit
+def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c, L, H, G, P, N, NC,
+                    offs_p, mask_p, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, DY_SCALE: tl.constexpr):
+    """What chunk c adds to a (BP x BN) state-gradient tile and its normaliser row, and its decay g: the gradient
+    entering c (leaving c - 1) is ``g dS + T`` with dS the one leaving c (``Tr`` for the row; zeros without NORM)."""
+    offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+    win = tl.exp(cs)
+    if HAS_DOC:
+        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+        win = tl.where(doc == doc_prev, win, 0.0)
+    g = tl.where(c < NC, tl.load(gdec_ptr + bh * NC + tl.minimum(c, NC - 1)), 1.0)  # (c = NC: the walks' pad)
+    dy = _load_rows(dy_base, offs_t, mask_t, H * P, offs_p, mask_p)
+    Ct = _load_rows(c_base, offs_t, mask_t, G * N, offs_n, mask_n)
+    wy = win
+    if DY_SCALE:
+        wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
+    dyw = dy.to(tl.float32) * wy[:, None]
+    T = _xdot(tl.trans(dyw), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")  # (see the forward)
+    if NORM:
+        dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
+        Tr = tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)
+    else:
+        Tr = tl.zeros([BN], dtype=tl.float32)
+    return T, Tr, g
+
+
+@triton.jit
 def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr, dst_ptr,
                       dfinal_ptr, dinit_ptr, den_ptr,
                       L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
-                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False):
+                      HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False,
+                      UNROLL: tl.constexpr = 1):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
-    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's)."""
+    and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
+    UNROLL 2: two chunks per step, as in ``_state_fused_fwd``."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
@@ -169,26 +198,28 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
         dSr = tl.zeros([BN], dtype=tl.float32)
     dy_base = dy_ptr + (b * L * H + h) * P
     c_base = C_ptr + (b * L * G + grp) * N
-    for i in range(0, NC):
+    for i in range(0, NC, UNROLL):
         c = NC - 1 - i
-        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        win = tl.exp(cs)
-        if HAS_DOC:
-            doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
-            win = tl.where(doc == doc_prev, win, 0.0)
+        T, Tr, g = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c,
+                                   L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM,
+                                   DY_SCALE)
+        if UNROLL == 2:
+            # a lone first chunk pairs with the chunk past the end: masked loads give T1 = 0, g1 = 1, nothing stored
+            c1 = tl.where(c > 0, c - 1, NC)
+            T1, Tr1, g1 = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h,
+                                          bh, c1, L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN,
+                                          HAS_DOC, PREC, NORM, DY_SCALE)
         # the gradient of the state leaving chunk c
         _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
-        g = tl.load(gdec_ptr + bh * NC + c)
-        dy = _load_rows(dy_base, offs_t, mask_t, H * P, offs_p, mask_p)
-        Ct = _load_rows(c_base, offs_t, mask_t, G * N, offs_n, mask_n)
-        wy = win
-        if DY_SCALE:
-            wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
-        dyw = dy.to(tl.float32) * wy[:, None]
-        dS = g * dS + _xdot(tl.trans(dyw), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")  # (see the forward)
+        dS = g * dS + T
         if NORM:
-            dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
-            dSr = dSr * g + tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)
+            dSr = dSr * g + Tr
+        if UNROLL == 2:
+            in1 = (offs_n * 0 + c) > 0  # (a vector: a scalar is not a valid mask everywhere)
+            _store_state(dst_ptr + (bh * NC + c1) * PN, dS, dSr, soff, smask & in1[None, :], offs_n, rmask & in1, P, N, NORM)
+            dS = g1 * dS + T1
+            if NORM:
+                dSr = dSr * g1 + Tr1
     if HAS_DINIT:
         _store_state(dinit_ptr + bh * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
 
@@ -764,14 +795,14 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
-        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q)
+        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q, b * h, dev)
         nblk = cdiv(p, BP) * cdiv(n, BN)
         launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
                dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, num_warps=nw, num_stages=nst,
-               **register_cap("fpass_b", x.dtype, Q, programs=b * h * nblk, device=dev))
+               DY_SCALE=dy_scale, UNROLL=walk_unroll(), num_warps=nw, num_stages=nst,
+               **register_cap("fpass_b", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))

@@ -108,7 +108,7 @@ def _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q: tl.constexpr):
     doc_end = tl.load((doc_ptr + b * L) + last)
     doc = tl.load((doc_ptr + b * L) + offs_t, mask=mask_t, other=0)
     doc = tl.where(mask_t, doc, doc_end)
-    prev_idx = tl.maximum(c * Q - 1, 0)
+    prev_idx = tl.minimum(tl.maximum(c * Q - 1, 0), L - 1)  # (a chunk past the end: the walks' unrolled steps)
     doc_prev = tl.load((doc_ptr + b * L) + prev_idx)
     doc_prev = tl.where(c > 0, doc_prev, 0)
     return doc, doc_end, doc_prev
@@ -277,13 +277,41 @@ def _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexp
 
 
 @triton.jit
+def _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P, N, offs_p, mask_p, offs_n, mask_n,
+                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
+                    NORM: tl.constexpr):
+    """What chunk c adds to a (BP x BN) state tile and its normaliser row, and its decay g: the state leaving c is
+    ``g S + T`` (``Tr`` for the row; zeros without NORM)."""
+    offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
+    w = tl.exp(cs_end - cs) * dt
+    g = tl.exp(cs_end)
+    if HAS_DOC:
+        doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
+        w = tl.where(doc == doc_end, w, 0.0)
+        g = tl.where(doc_end == doc_prev, g, 0.0)
+    x = _load_rows(x_base, offs_t, mask_t, H * P, offs_p, mask_p)
+    Bt = _load_rows(b_base, offs_t, mask_t, G * N, offs_n, mask_n)
+    xw = x.to(tl.float32) * w[:, None]
+    # from a zero accumulator: the dots do not wait on the running state, so consecutive chunks' dots can overlap
+    T = _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
+    if NORM:
+        Tr = tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
+    else:
+        Tr = tl.zeros([BN], dtype=tl.float32)
+    return T, Tr, g
+
+
+@triton.jit
 def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
                      L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr):
+                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr,
+                     UNROLL: tl.constexpr = 1):
     """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
-    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps)."""
+    the running state, so the local states never go through memory (2 of the forward's 4 state sweeps).
+    UNROLL 2 (``HMSCALE_SSD_WALK_UNROLL``): two chunks per step, both chunks' loads and dots issued before the
+    carry (a walk is a chain of per-chunk latencies; a lone last chunk pairs with itself, its copy counting zero)."""
     bh = tl.program_id(0).to(tl.int64)
     pn = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
@@ -295,25 +323,27 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
         Sr = tl.zeros([BN], dtype=tl.float32)
     x_base = x_ptr + (b * L * H + h) * P
     b_base = B_ptr + (b * L * G + grp) * N
-    for c in range(0, NC):
-        offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
-        w = tl.exp(cs_end - cs) * dt
-        g = tl.exp(cs_end)
-        if HAS_DOC:
-            doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
-            w = tl.where(doc == doc_end, w, 0.0)
-            g = tl.where(doc_end == doc_prev, g, 0.0)
+    for c in range(0, NC, UNROLL):
+        T, Tr, g = _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P, N,
+                                   offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM)
+        if UNROLL == 2:
+            c1 = c + 1  # past the end (a lone last chunk): masked loads give T1 = 0, g1 = 1, and nothing is stored
+            T1, Tr1, g1 = _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c1, L, H, G, P, N,
+                                          offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM)
         _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)  # entering c
         if pn == 0:
             tl.store(gdec_ptr + bh * NC + c, g)
-        x = _load_rows(x_base, offs_t, mask_t, H * P, offs_p, mask_p)
-        Bt = _load_rows(b_base, offs_t, mask_t, G * N, offs_n, mask_n)
-        xw = x.to(tl.float32) * w[:, None]
-        # the chunk's local state from a zero accumulator, then the carry: the dots do not wait on the running
-        # state, so consecutive chunks' dots can overlap (accumulating onto g S would chain them)
-        S = g * S + _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
+        S = g * S + T
         if NORM:
-            Sr = Sr * g + tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
+            Sr = Sr * g + Tr
+        if UNROLL == 2:
+            in1 = (offs_n * 0 + c1) < NC  # (a vector: a scalar is not a valid mask everywhere)
+            _store_state(st_ptr + (bh * NC + c1) * PN, S, Sr, soff, smask & in1[None, :], offs_n, rmask & in1, P, N, NORM)
+            if pn == 0:  # (past the end: chunk c's g again, at its own place; no scalar masks, for the interpreter)
+                tl.store(gdec_ptr + bh * NC + tl.minimum(c1, NC - 1), tl.where(c1 < NC, g1, g))
+            S = g1 * S + T1
+            if NORM:
+                Sr = Sr * g1 + Tr1
     _store_state(final_ptr + bh * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
 
 
@@ -510,27 +540,20 @@ DEFAULT_CFG_FP32 = {
 # L=2048, 596 -> 495 at L=16384, 259 -> 237 / 193 -> 178 at the 410m / 160m training calls; the scan (with 2 pipeline
 # stages, so that 3 blocks' shared memory fits) 131 -> 115 at 410m L=2048, 142 -> 132 / 110 -> 99 at the training
 # calls; fdstate 344 -> 314 at 1.4b L=2048. 128 registers was slower everywhere.
-DEFAULT_MAXNREG = {"dbc": 168, "scan": 168, "fpass_b": 168}
+DEFAULT_MAXNREG = {"dbc": 168, "scan": 168}
 # heads of 128+ channels: the wide scan tile stays uncapped (2 stages + 168: 300 -> 381 us at 1.4b)
 DEFAULT_MAXNREG_WIDE = {"scan": 0}
-# caps that pay only when more programs wait than fit on the GPU uncapped (2 per multiprocessor): fdstate at 1.4b
-# L=2048 (1024 programs) 344 -> 314 us, at L=8192 (256) 301 -> 312, at the training calls (192-256) 117 -> 147
-_CAP_WHEN_QUEUED = ("fpass_b",)
+# (fdstate was capped at 168 when its programs queued, 344 -> 314 us at 1.4b L=2048; its two-chunk walk spills
+# under that cap and is faster uncapped: 478 against 328 us, 2026-12-04 late)
 _CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd"))  # the capped launches
 
 
-def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0, programs: int = 0,
-                 device: torch.device | None = None) -> dict:
+def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> dict:
     """``{"maxnreg": cap}`` for kernel ``name`` (kcfg's names), or ``{}`` for none: ``DEFAULT_MAXNREG`` for 16-bit
-    inputs at chunk 64 (``DEFAULT_MAXNREG_WIDE`` for heads of ``p`` >= 128 channels); the ``_CAP_WHEN_QUEUED``
-    kernels only when their ``programs`` exceed twice the multiprocessors of ``device``.
+    inputs at chunk 64 (``DEFAULT_MAXNREG_WIDE`` for heads of ``p`` >= 128 channels).
     ``HMSCALE_SSD_MAXNREG="dbc=168;scan=0"`` overrides it for tuning runs (0: no cap; else 24-255)."""
     table = DEFAULT_MAXNREG_WIDE if _pow2(p) >= 128 and name in DEFAULT_MAXNREG_WIDE else DEFAULT_MAXNREG
     cap = table.get(name, 0) if dtype != torch.float32 and Q == 64 else 0
-    if cap and name in _CAP_WHEN_QUEUED:
-        sms = _sm_count(device) if device is not None else None
-        if sms is None or programs <= 2 * sms:
-            cap = 0
     for item in filter(None, (t.strip() for t in env("HMSCALE_SSD_MAXNREG", "").split(";"))):
         k, _, v = item.partition("=")
         if (k.strip() not in _CAP_NAMES or not v.strip().isdigit()
@@ -558,13 +581,17 @@ def kcfg(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> tuple:
         default = DEFAULT_CFG_WIDE[name]
     else:
         default = DEFAULT_CFG[name]
-    cfg = env("HMSCALE_SSD_CFG", "")
-    for item in cfg.split(";"):
+    got = _cfg_override(name)
+    return got + default[len(got):] if got else default
+
+
+def _cfg_override(name: str) -> tuple:
+    """The values ``HMSCALE_SSD_CFG`` sets for kernel ``name`` (empty when it sets none)."""
+    for item in env("HMSCALE_SSD_CFG", "").split(";"):
         k, _, v = item.partition("=")
         if k.strip() == name and v:
-            got = tuple(int(t) for t in v.split(","))
-            return got + default[len(got):]
-    return default
+            return tuple(int(t) for t in v.split(","))
+    return ()
 
 
 def block_sizes(p: int, n: int, dtype: torch.dtype, name: str = "state", Q: int = 64):
@@ -588,6 +615,16 @@ def pass_mode() -> str:
     if v not in ("split", "fused", "auto"):
         raise ValueError(f"HMSCALE_SSD_PASS must be auto, split or fused, got {v!r}")
     return v
+
+
+def walk_unroll() -> int:
+    """``HMSCALE_SSD_WALK_UNROLL=2|1``: chunks per step of the fused state passes' walks. 2 (default) issues both
+    chunks' loads and dots before carrying the state through them: a walk is a chain of per-chunk latencies
+    (H200, 2026-12-04 late: fstate + fdstate 1250 -> 1097 us at 1.4b L=16384, 724 -> 671 at L=2048 uncapped)."""
+    v = env("HMSCALE_SSD_WALK_UNROLL", "2")
+    if v not in ("1", "2"):
+        raise ValueError(f"HMSCALE_SSD_WALK_UNROLL must be 1 or 2, got {v!r}")
+    return int(v)
 
 
 _SM_COUNT: dict = {}
@@ -615,10 +652,18 @@ def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: t
     return 8 * b * h * cdiv(p, bp) * cdiv(n, bn) >= 7 * sms
 
 
-def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64):
-    """(BP, BN, num_warps, num_stages) of a fused state pass."""
+def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64, bh: int = 0,
+                      device: torch.device | None = None):
+    """(BP, BN, num_warps, num_stages) of a fused state pass over ``bh`` (batch x head) states on ``device``. When
+    the default tile gives fewer programs than the GPU has multiprocessors (long single sequences), its BN is halved:
+    one walk per multiprocessor leaves half its resident slots idle (1.4b L=16384, b=1: 128 -> 256 programs, fstate
+    + fdstate 1097 -> 891 us on the H200, 2026-12-04 late). Not with a tile set through ``HMSCALE_SSD_CFG``."""
     bp, bn, nw, st = kcfg(name, dtype, Q)
-    return min(bp, _pow2(p)), min(bn, _pow2(n)), nw, st
+    bp, bn = min(bp, _pow2(p)), min(bn, _pow2(n))
+    sms = _sm_count(device) if device is not None else None
+    if sms and bn >= 64 and not _cfg_override(name) and bh * cdiv(p, bp) * cdiv(n, bn) < sms:
+        bn //= 2
+    return bp, bn, nw, st
 
 
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
@@ -675,11 +720,11 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
     if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
-        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q)
+        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q, b * h, dev)
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
                l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
-               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init,
+               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, UNROLL=walk_unroll(),
                num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)

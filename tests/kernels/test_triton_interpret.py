@@ -46,10 +46,11 @@ def _triton(**k):
     return ssd(**k, backend="triton")
 
 
-@pytest.mark.parametrize("bwd,state_pass,order", [("v1", "split", "chunk"), ("v2", "split", "chunk"),
-                                                  ("v2", "fused", "tile")])
+@pytest.mark.parametrize("bwd,state_pass,order,unroll", [("v1", "split", "chunk", "1"), ("v2", "split", "chunk", "1"),
+                                                         ("v2", "fused", "tile", "1"), ("v2", "fused", "tile", "2")])
 @pytest.mark.parametrize("shape,chunk,opts", CASES)
-def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, monkeypatch):
+def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, unroll, monkeypatch):
+    monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", unroll)  # the fused passes' walks, one or two chunks per step
     monkeypatch.setenv("HMSCALE_SSD_BWD", bwd)
     monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
     monkeypatch.setenv("HMSCALE_SSD_TILE_ORDER", order)  # launch order of the dx / dB-dC tiles
@@ -209,6 +210,34 @@ def test_state_pass_mode_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fast")
     with pytest.raises(ValueError, match="HMSCALE_SSD_PASS must be"):
         fwd.use_fused_pass(8, 16, 128, 256, bf16, cuda, "fpass")
+
+
+def test_fused_pass_tile_and_unroll(monkeypatch):
+    """The fused passes' tile: the default, except that its BN halves when the default gives fewer programs than
+    the GPU has multiprocessors (not for a tile set through HMSCALE_SSD_CFG, nor on the CPU); the walks' unroll is
+    2 unless HMSCALE_SSD_WALK_UNROLL says 1, and anything else is a one-line error."""
+    from kernels import ssd_triton_fwd as fwd
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fwd, "_sm_count", lambda device: 132 if device.type == "cuda" else None)
+    monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
+    monkeypatch.delenv("HMSCALE_SSD_WALK_UNROLL", raising=False)
+    bf16 = torch.bfloat16
+    cfg = fwd.fused_pass_config
+    assert cfg(128, 256, bf16, "fpass", 64, 16, cuda)[:2] == (64, 32)  # 1.4b, b=1: 128 programs -> 256
+    assert cfg(128, 256, bf16, "fpass_b", 64, 8 * 16, cuda)[:2] == (64, 64)  # b=8: 1024 programs
+    assert cfg(128, 256, bf16, "fpass", 64, 16, torch.device("cpu"))[:2] == (64, 64)
+    assert cfg(64, 16, bf16, "fpass", 64, 1, cuda)[:2] == (64, 16)  # no halving below BN 32
+    assert cfg(128, 256, bf16, "fpass")[:2] == (64, 64)  # no device: the default (what use_fused_pass weighs)
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=64,64")
+    assert cfg(128, 256, bf16, "fpass", 64, 16, cuda)[:2] == (64, 64)
+    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda)[:2] == (64, 32)
+    assert fwd.walk_unroll() == 2
+    monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "1")
+    assert fwd.walk_unroll() == 1
+    monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "4")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_WALK_UNROLL must be 1 or 2"):
+        fwd.walk_unroll()
 
 
 def test_tile_order_choice(monkeypatch):
@@ -396,8 +425,8 @@ def test_state_storage_setting(monkeypatch):
 
 def test_register_caps(monkeypatch):
     """Triton's maxnreg per kernel, for 16-bit inputs at chunk 64: dB/dC and the scan capped at 168 registers (3
-    blocks per multiprocessor instead of 2), not the wide heads' scan; the backward's fused state pass only when more
-    of its programs wait than fit uncapped; nothing for fp32, other chunks or other kernels. HMSCALE_SSD_MAXNREG
+    blocks per multiprocessor instead of 2), not the wide heads' scan; nothing for fp32, other chunks or other
+    kernels. HMSCALE_SSD_MAXNREG
     overrides by kernel name (0 removes a cap); a malformed entry is a one-line error naming the variable."""
     from kernels import ssd_triton_fwd as fwd
 
@@ -408,9 +437,7 @@ def test_register_caps(monkeypatch):
     assert cap("dbc", bf16) == cap("dbc", torch.float16) == cap("scan", bf16, 64, 64) == {"maxnreg": 168}
     assert cap("dbc", torch.float32) == cap("dbc", bf16, 128) == cap("dx", bf16) == {}
     assert cap("scan", bf16, 64, 128) == cap("scan", bf16, 64, 80) == {}  # the wide tile
-    assert cap("fpass_b", bf16, programs=1024, device=cuda) == {"maxnreg": 168}
-    assert cap("fpass_b", bf16, programs=256, device=cuda) == {}  # all resident uncapped
-    assert cap("fpass_b", bf16, programs=1024, device=torch.device("cpu")) == {}
+    assert cap("fpass_b", bf16) == cap("fpass", bf16) == {}  # the two-chunk walks spill under a cap
     monkeypatch.setenv("HMSCALE_SSD_MAXNREG", "dx=128; dbc=0")
     assert cap("dx", bf16) == {"maxnreg": 128} and cap("dbc", bf16) == {}
     for bad in ("dbc", "dbc=lots", "dbc=300", "dbc=8", "dcb=168"):
