@@ -155,6 +155,7 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--only", default="", help="comma-separated substrings: compile only the kernels they name")
+    ap.add_argument("--dump", default="", help="a folder: write each compiled kernel's TTGIR, PTX and cubin there")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     H, G, P, N, norm = SHAPES[args.shape]
@@ -180,6 +181,13 @@ def main():
         try:
             ck = triton.compile(src, target=target, options=backend.parse_options(opts).__dict__)
             rep = resource_usage(ck.asm["cubin"])
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                for kind in ("ttgir", "ptx"):
+                    with open(os.path.join(args.dump, f"{fn.__name__}.{kind}"), "w") as f:
+                        f.write(ck.asm[kind])
+                with open(os.path.join(args.dump, f"{fn.__name__}.cubin"), "wb") as f:
+                    f.write(ck.asm["cubin"])
             smem = ck.metadata.shared / 1024
             tiles = ",".join(f"{k}={const[k]}" for k in ("Q", "BP", "BN", "BLOCK", "BL", "BC", "BLOCK_R", "BF")
                              if k in const)

@@ -165,8 +165,10 @@ def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr,
     wy = win
     if DY_SCALE:
         wy = win / tl.load(den_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=1.0)
-    dyw = dy.to(tl.float32) * wy[:, None]
-    T = _xdot(tl.trans(dyw), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")  # (see the forward)
+    if BN < BP:  # the weights scale the smaller operand (see the forward's _fwd_chunk_term)
+        T = _xdot(tl.trans(dy), Ct.to(tl.float32) * wy[:, None], tl.zeros([BP, BN], dtype=tl.float32), PREC, "a")
+    else:
+        T = _xdot(tl.trans(dy.to(tl.float32) * wy[:, None]), Ct, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
     if NORM:
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         Tr = tl.sum((win * dr)[:, None] * Ct.to(tl.float32), axis=0)

@@ -291,9 +291,13 @@ def _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P,
         g = tl.where(doc_end == doc_prev, g, 0.0)
     x = _load_rows(x_base, offs_t, mask_t, H * P, offs_p, mask_p)
     Bt = _load_rows(b_base, offs_t, mask_t, G * N, offs_n, mask_n)
-    xw = x.to(tl.float32) * w[:, None]
-    # from a zero accumulator: the dots do not wait on the running state, so consecutive chunks' dots can overlap
-    T = _xdot(tl.trans(xw), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
+    # from a zero accumulator: the dots do not wait on the running state, so consecutive chunks' dots can overlap.
+    # The weights scale the smaller operand: its fp32 product is what gets split into bf16 hi + lo, and that split
+    # is about half of a walk step's instructions (sm_90 SASS of the 64 x 32 tile, 2026-12-04 late)
+    if BN < BP:
+        T = _xdot(tl.trans(x), Bt.to(tl.float32) * w[:, None], tl.zeros([BP, BN], dtype=tl.float32), PREC, "a")
+    else:
+        T = _xdot(tl.trans(x.to(tl.float32) * w[:, None]), Bt, tl.zeros([BP, BN], dtype=tl.float32), PREC, "b")
     if NORM:
         Tr = tl.sum(w[:, None] * Bt.to(tl.float32), axis=0)
     else:
@@ -526,7 +530,9 @@ DEFAULT_CFG_Q128 = {"scan": (64, 64, 8, 0), "dx": (16, 64, 8, 0), "fpass": (64, 
 # heads whose tile has 128 or more channels (P > 64; 16-bit inputs, chunk 64): the scan's n steps of 32 (1.4b
 # shape, H200 sweep of 2026-12-03: 338 -> 299 us at L=2048, 357 -> 317 at L=16384; every other kernel's default
 # was already the best there)
-DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0)}
+# the fused state passes: one 128-channel tile of 8 warps, whose narrower B / C side takes the chunk weights
+# (2026-12-04 late: fstate + fdstate 675 -> 587 us at 1.4b L=2048, 607 -> 567 at L=8192)
+DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b": (128, 64, 8, 3)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
@@ -648,8 +654,8 @@ def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: t
     sms = _sm_count(device)
     if sms is None:  # the CPU interpreter: the split passes (the fused ones are tested explicitly)
         return False
-    bp, bn, _, _ = fused_pass_config(p, n, dtype, name, Q)
-    return 8 * b * h * cdiv(p, bp) * cdiv(n, bn) >= 7 * sms
+    bp, bn = kcfg(name, dtype, Q)[:2]  # the tile the rule was measured with (64 x 64 for 16-bit inputs)
+    return 8 * b * h * cdiv(p, min(bp, _pow2(p))) * cdiv(n, min(bn, _pow2(n))) >= 7 * sms
 
 
 def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64, bh: int = 0,
@@ -658,7 +664,7 @@ def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q
     the default tile gives fewer programs than the GPU has multiprocessors (long single sequences), its BN is halved:
     one walk per multiprocessor leaves half its resident slots idle (1.4b L=16384, b=1: 128 -> 256 programs, fstate
     + fdstate 1097 -> 891 us on the H200, 2026-12-04 late). Not with a tile set through ``HMSCALE_SSD_CFG``."""
-    bp, bn, nw, st = kcfg(name, dtype, Q)
+    bp, bn, nw, st = kcfg(name, dtype, Q, p)
     bp, bn = min(bp, _pow2(p)), min(bn, _pow2(n))
     sms = _sm_count(device) if device is not None else None
     if sms and bn >= 64 and not _cfg_override(name) and bh * cdiv(p, bp) * cdiv(n, bn) < sms:

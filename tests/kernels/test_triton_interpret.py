@@ -66,6 +66,34 @@ def test_triton_matches_reference(shape, chunk, opts, bwd, state_pass, order, un
         assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[5]])
+def test_fused_passes_narrow_tiles(case, dtype, monkeypatch):
+    """The fused passes with state tiles narrower in N than in P (BN < BP), where the chunk weights scale the B / C
+    rows instead of x / dy: the same results as the reference (fp32 at 1e-5; bf16 inputs at 1e-2, and the final
+    state, carried in fp32, at 1e-4), with both walk unrolls."""
+    shape, chunk, opts = case
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=32,16;fpass_b=32,16")
+    ins, seq = make_inputs(**shape, **opts, dtype=dtype)
+    ins64 = {k: v.double() for k, v in ins.items()}
+    gen = torch.Generator().manual_seed(1)
+    ps = shape["p"] + int(bool(opts.get("normalize")))
+    gy = torch.randn(shape["b"], shape["l"], shape["h"], shape["p"], generator=gen, dtype=torch.float64)
+    gy = gy.to(dtype).double()  # representable in the inputs' dtype: the reference sees the kernels' dy
+    gs = torch.randn(shape["b"], shape["h"], ps, shape["n"], generator=gen, dtype=torch.float64)
+    yr, sr, gr, _, _ = _run(ssd_reference, ins64, seq, opts, chunk, gy, gs)
+    tol = TOL if dtype == torch.float32 else 1e-2
+    for unroll in ("1", "2"):
+        monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", unroll)
+        y, s, g, _, _ = _run(_triton, ins, seq, opts, chunk, gy, gs, device=TRITON_DEVICE)
+        assert rel(y, yr) < tol, unroll
+        assert rel(s, sr) < (TOL if dtype == torch.float32 else 1e-4), unroll
+        for k in g:
+            assert torch.isfinite(g[k]).all(), k
+            assert rel(g[k], gr[k]) < tol, (unroll, k, rel(g[k], gr[k]))
+
+
 def test_env_backend_and_no_final_state(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
     ins, seq = make_inputs(1, 24, 2, 1, 16, 16, dtype=torch.float32)
@@ -213,9 +241,10 @@ def test_state_pass_mode_choice(monkeypatch):
 
 
 def test_fused_pass_tile_and_unroll(monkeypatch):
-    """The fused passes' tile: the default, except that its BN halves when the default gives fewer programs than
-    the GPU has multiprocessors (not for a tile set through HMSCALE_SSD_CFG, nor on the CPU); the walks' unroll is
-    2 unless HMSCALE_SSD_WALK_UNROLL says 1, and anything else is a one-line error."""
+    """The fused passes' tile: the default (its own for heads of 128+ channels), except that its BN halves when the
+    default gives fewer programs than the GPU has multiprocessors (not for a tile set through HMSCALE_SSD_CFG, nor
+    on the CPU); the walks' unroll is 2 unless HMSCALE_SSD_WALK_UNROLL says 1, anything else a one-line error. The
+    fused-or-split rule still counts 64 x 64 tiles (test_fused_pass_choice)."""
     from kernels import ssd_triton_fwd as fwd
 
     cuda = torch.device("cuda", 0)
@@ -224,14 +253,18 @@ def test_fused_pass_tile_and_unroll(monkeypatch):
     monkeypatch.delenv("HMSCALE_SSD_WALK_UNROLL", raising=False)
     bf16 = torch.bfloat16
     cfg = fwd.fused_pass_config
-    assert cfg(128, 256, bf16, "fpass", 64, 16, cuda)[:2] == (64, 32)  # 1.4b, b=1: 128 programs -> 256
-    assert cfg(128, 256, bf16, "fpass_b", 64, 8 * 16, cuda)[:2] == (64, 64)  # b=8: 1024 programs
-    assert cfg(128, 256, bf16, "fpass", 64, 16, torch.device("cpu"))[:2] == (64, 64)
+    # 1.4b (P = 128: the wide heads' 128 x 64 tile, 8 warps): b=1 64 programs -> 128; b=8 512 programs
+    assert cfg(128, 256, bf16, "fpass", 64, 16, cuda) == (128, 32, 8, 3)
+    assert cfg(128, 256, bf16, "fpass_b", 64, 8 * 16, cuda) == (128, 64, 8, 3)
+    assert cfg(128, 256, bf16, "fpass", 64, 16, torch.device("cpu"))[:2] == (128, 64)
+    assert cfg(128, 256, bf16, "fpass")[:2] == (128, 64)  # no device: the default
+    assert cfg(64, 128, bf16, "fpass", 64, 16, cuda)[:2] == (64, 32)  # 410m, b=1: 32 programs -> 64
+    assert cfg(64, 128, bf16, "fpass", 64, 8 * 16, cuda)[:2] == (64, 64)
     assert cfg(64, 16, bf16, "fpass", 64, 1, cuda)[:2] == (64, 16)  # no halving below BN 32
-    assert cfg(128, 256, bf16, "fpass")[:2] == (64, 64)  # no device: the default (what use_fused_pass weighs)
+    assert cfg(128, 256, torch.float32, "fpass")[:2] == (32, 64)  # fp32 inputs keep their own tile
     monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=64,64")
     assert cfg(128, 256, bf16, "fpass", 64, 16, cuda)[:2] == (64, 64)
-    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda)[:2] == (64, 32)
+    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda)[:2] == (128, 32)
     assert fwd.walk_unroll() == 2
     monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "1")
     assert fwd.walk_unroll() == 1
