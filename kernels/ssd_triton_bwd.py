@@ -149,8 +149,8 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
 
 
 @triton.jit
-def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c, L, H, G, P, N, NC,
-                    offs_p, mask_p, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c, L, H, G, P, N,
+                    NC, offs_p, mask_p, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, DY_SCALE: tl.constexpr):
     """What chunk c adds to a (BP x BN) state-gradient tile and its normaliser row, and its decay g: the gradient
     entering c (leaving c - 1) is ``g dS + T`` with dS the one leaving c (``Tr`` for the row; zeros without NORM)."""
@@ -218,7 +218,8 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
             dSr = dSr * g + Tr
         if UNROLL == 2:
             in1 = (offs_n * 0 + c) > 0  # (a vector: a scalar is not a valid mask everywhere)
-            _store_state(dst_ptr + (bh * NC + c1) * PN, dS, dSr, soff, smask & in1[None, :], offs_n, rmask & in1, P, N, NORM)
+            _store_state(dst_ptr + (bh * NC + c1) * PN, dS, dSr, soff, smask & in1[None, :], offs_n, rmask & in1,
+                         P, N, NORM)
             dS = g1 * dS + T1
             if NORM:
                 dSr = dSr * g1 + Tr1

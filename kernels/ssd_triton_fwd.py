@@ -315,7 +315,7 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
     (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
     the running state, so the local states never go through memory (2 of the forward's 4 state sweeps).
     UNROLL 2 (``HMSCALE_SSD_WALK_UNROLL``): two chunks per step, both chunks' loads and dots issued before the
-    carry (a walk is a chain of per-chunk latencies; a lone last chunk pairs with itself, its copy counting zero)."""
+    carry (a walk is a chain of per-chunk latencies; a lone last chunk pairs with a pad chunk past the end)."""
     bh = tl.program_id(0).to(tl.int64)
     pn = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
@@ -342,7 +342,8 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
             Sr = Sr * g + Tr
         if UNROLL == 2:
             in1 = (offs_n * 0 + c1) < NC  # (a vector: a scalar is not a valid mask everywhere)
-            _store_state(st_ptr + (bh * NC + c1) * PN, S, Sr, soff, smask & in1[None, :], offs_n, rmask & in1, P, N, NORM)
+            _store_state(st_ptr + (bh * NC + c1) * PN, S, Sr, soff, smask & in1[None, :], offs_n, rmask & in1,
+                         P, N, NORM)
             if pn == 0:  # (past the end: chunk c's g again, at its own place; no scalar masks, for the interpreter)
                 tl.store(gdec_ptr + bh * NC + tl.minimum(c1, NC - 1), tl.where(c1 < NC, g1, g))
             S = g1 * S + T1
