@@ -45,12 +45,13 @@ def test_train_throughput_smoke(tmp_path):
 
 def test_ssd_registers_reports_every_kernel(tmp_path):
     """benchmarks/ssd_registers.py compiles each launch of one fwd+bwd call for sm_90 on the CPU and reads its
-    registers and spill bytes (also when the environment asks for the interpreter, as the test suite does)."""
+    registers and spill bytes (also when the environment asks for the interpreter, as the test suite does), and
+    with --dump writes what it compiled."""
     import os
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_registers.py"), "--shape", "410m_norm",
-                           "--seq", "128", "--batch", "1", "--only", "dbc,dx_dcs,finish"],
+                           "--seq", "128", "--batch", "1", "--only", "dbc,dx_dcs,finish", "--dump", "dump"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r.split("|")[1].strip(): r.split("|") for r in proc.stdout.splitlines() if r.startswith("| _")}
@@ -60,6 +61,10 @@ def test_ssd_registers_reports_every_kernel(tmp_path):
         regs, stack = int(cols[5]), int(cols[6])
         assert 16 <= regs <= 255 and stack >= 0, cols
     assert "Q=64,BP=32,BN=64" in "".join(rows["_chunk_bwd_dbc"])  # the launch's real tiles (the v2 default)
+    for name in rows:  # --dump: each kernel's TTGIR, PTX and cubin, for reading the compiler's choices
+        assert "tt.func" in (tmp_path / "dump" / f"{name}.ttgir").read_text()
+        assert ".entry " + name in (tmp_path / "dump" / f"{name}.ptx").read_text()
+        assert (tmp_path / "dump" / f"{name}.cubin").read_bytes()[:4] == b"\x7fELF"
 
 
 def test_ssd_registers_reports_the_glue_kernels(tmp_path):
