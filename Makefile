@@ -13,6 +13,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 ARGS          ?=
 TEST_WORKERS  ?= 2
+GPU_TRITON    ?= 3.6.0
 BIN           := $(VENV)/bin
 
 ifeq ($(TORCH),cpu)
@@ -24,7 +25,7 @@ else
 endif
 TORCH_FLAGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
-.PHONY: demo test venv clean gpu-wheels
+.PHONY: demo test venv clean gpu-wheels compile-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,10 @@ test: venv
 
 gpu-wheels: venv
 	PYTHON=$(BIN)/python bash ../shared/gpu/fetch_wheels.sh
+
+# every SSD kernel launch compiled for sm_90 with the GPU image's Triton, on the CPU (before spending device time)
+compile-check: venv
+	PYTHON=$(BIN)/python bash benchmarks/compile_check.sh $(GPU_TRITON)
 
 clean:
 	rm -rf runs .pytest_cache

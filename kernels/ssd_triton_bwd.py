@@ -804,7 +804,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, UNROLL=walk_unroll(), num_warps=nw, num_stages=nst,
+               DY_SCALE=dy_scale, UNROLL=walk_unroll(x.dtype), num_warps=nw, num_stages=nst,
                **register_cap("fpass_b", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)

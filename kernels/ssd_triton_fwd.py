@@ -624,11 +624,13 @@ def pass_mode() -> str:
     return v
 
 
-def walk_unroll() -> int:
-    """``HMSCALE_SSD_WALK_UNROLL=2|1``: chunks per step of the fused state passes' walks. 2 (default) issues both
-    chunks' loads and dots before carrying the state through them: a walk is a chain of per-chunk latencies
-    (H200, 2026-12-04 late: fstate + fdstate 1250 -> 1097 us at 1.4b L=16384, 724 -> 671 at L=2048 uncapped)."""
-    v = env("HMSCALE_SSD_WALK_UNROLL", "2")
+def walk_unroll(dtype: torch.dtype = torch.bfloat16) -> int:
+    """``HMSCALE_SSD_WALK_UNROLL=2|1``: chunks per step of the fused state passes' walks. 2 (the default for bf16
+    inputs) issues both chunks' loads and dots before carrying the state through them: a walk is a chain of
+    per-chunk latencies (H200, 2026-12-04 late: fstate + fdstate 1250 -> 1097 us at 1.4b L=16384, 724 -> 671 at
+    L=2048 uncapped). fp16 and fp32 inputs keep 1 by default: their walks' fp32 dots spill 5-8x more bytes unrolled
+    (sm_90, Triton 3.6: fp32 fdstate 432 -> 3504), and neither was timed."""
+    v = env("HMSCALE_SSD_WALK_UNROLL", "2" if dtype == torch.bfloat16 else "1")
     if v not in ("1", "2"):
         raise ValueError(f"HMSCALE_SSD_WALK_UNROLL must be 1 or 2, got {v!r}")
     return int(v)
@@ -731,7 +733,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
                l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
-               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, UNROLL=walk_unroll(),
+               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, UNROLL=walk_unroll(x.dtype),
                num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)

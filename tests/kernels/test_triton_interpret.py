@@ -243,8 +243,9 @@ def test_state_pass_mode_choice(monkeypatch):
 def test_fused_pass_tile_and_unroll(monkeypatch):
     """The fused passes' tile: the default (its own for heads of 128+ channels), except that its BN halves when the
     default gives fewer programs than the GPU has multiprocessors (not for a tile set through HMSCALE_SSD_CFG, nor
-    on the CPU); the walks' unroll is 2 unless HMSCALE_SSD_WALK_UNROLL says 1, anything else a one-line error. The
-    fused-or-split rule still counts 64 x 64 tiles (test_fused_pass_choice)."""
+    on the CPU); the walks' unroll is 2 for bf16 inputs, 1 for the others, unless HMSCALE_SSD_WALK_UNROLL says
+    otherwise; anything but 1 or 2 is a one-line error. The fused-or-split rule still counts 64 x 64 tiles
+    (test_state_pass_mode_choice)."""
     from kernels import ssd_triton_fwd as fwd
 
     cuda = torch.device("cuda", 0)
@@ -265,9 +266,11 @@ def test_fused_pass_tile_and_unroll(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=64,64")
     assert cfg(128, 256, bf16, "fpass", 64, 16, cuda)[:2] == (64, 64)
     assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda)[:2] == (128, 32)
-    assert fwd.walk_unroll() == 2
+    assert fwd.walk_unroll(bf16) == 2 and fwd.walk_unroll(torch.float16) == fwd.walk_unroll(torch.float32) == 1
     monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "1")
-    assert fwd.walk_unroll() == 1
+    assert fwd.walk_unroll(bf16) == 1
+    monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "2")
+    assert fwd.walk_unroll(torch.float32) == 2
     monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "4")
     with pytest.raises(ValueError, match="HMSCALE_SSD_WALK_UNROLL must be 1 or 2"):
         fwd.walk_unroll()
