@@ -665,8 +665,9 @@ def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q
                       device: torch.device | None = None):
     """(BP, BN, num_warps, num_stages) of a fused state pass over ``bh`` (batch x head) states on ``device``. When
     the default tile gives fewer programs than the GPU has multiprocessors (long single sequences), its BN is halved:
-    one walk per multiprocessor leaves half its resident slots idle (1.4b L=16384, b=1: 128 -> 256 programs, fstate
-    + fdstate 1097 -> 891 us on the H200, 2026-12-04 late). Not with a tile set through ``HMSCALE_SSD_CFG``."""
+    one walk per multiprocessor leaves half its resident slots idle (H200, 2026-12-04 late, 1.4b L=16384 at b=1 with
+    64 x 64 tiles: 128 -> 256 programs, fstate + fdstate 1097 -> 891 us; the wide heads' 128 x 64 tile becomes
+    128 x 32 there). Not with a tile set through ``HMSCALE_SSD_CFG``."""
     bp, bn, nw, st = kcfg(name, dtype, Q, p)
     bp, bn = min(bp, _pow2(p)), min(bn, _pow2(n))
     sms = _sm_count(device) if device is not None else None

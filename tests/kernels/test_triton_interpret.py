@@ -462,12 +462,11 @@ def test_state_storage_setting(monkeypatch):
 def test_register_caps(monkeypatch):
     """Triton's maxnreg per kernel, for 16-bit inputs at chunk 64: dB/dC and the scan capped at 168 registers (3
     blocks per multiprocessor instead of 2), not the wide heads' scan; nothing for fp32, other chunks or other
-    kernels. HMSCALE_SSD_MAXNREG
-    overrides by kernel name (0 removes a cap); a malformed entry is a one-line error naming the variable."""
+    kernels. HMSCALE_SSD_MAXNREG overrides by kernel name (0 removes a cap); a malformed entry is a one-line error
+    naming the variable."""
     from kernels import ssd_triton_fwd as fwd
 
-    bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
-    monkeypatch.setattr(fwd, "_sm_count", lambda device: 132 if device.type == "cuda" else None)
+    bf16 = torch.bfloat16
     monkeypatch.delenv("HMSCALE_SSD_MAXNREG", raising=False)
     cap = fwd.register_cap
     assert cap("dbc", bf16) == cap("dbc", torch.float16) == cap("scan", bf16, 64, 64) == {"maxnreg": 168}
