@@ -200,7 +200,8 @@ SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the *_norm ones: the 160m an
 KERNEL_SHORT = {"_chunk_state_fwd": "state", "_state_pass_fwd": "pass", "_chunk_scan_fwd": "scan",
                 "_chunk_dstate_bwd": "dstate", "_state_pass_bwd": "pass_b", "_chunk_bwd_dx_dcs": "dx",
                 "_chunk_bwd_dx": "dx1", "_chunk_bwd_dbc": "dbc",
-                "_state_fused_fwd": "fstate", "_dstate_fused_bwd": "fdstate", "_chunk_bwd_fused": "fbwd"}
+                "_state_fused_fwd": "fstate", "_dstate_fused_bwd": "fdstate", "_chunk_bwd_fused": "fbwd",
+                "_chunk_bwd_pair": "pair"}
 
 
 def kernel_times(fn, iters=5, label=None):

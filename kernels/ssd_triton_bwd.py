@@ -27,6 +27,9 @@ to each other where that was measured to pay (``tile_major``).
 
 ``_chunk_bwd_fused`` replaces 3 and 4 by one launch per (chunk, batch*head) where ``use_fused_bwd`` says so (one head
 per B/C group, P <= 64 by default): each tile of dS and S0 is read once for dx, dB, dC and the carry gradient.
+``_chunk_bwd_pair`` runs 3 and 4 as one launch where ``use_bwd_pair`` says so (one head per B/C group, bf16, P >= 128
+by default): the same programs, interleaved by chunk, so that dx's and dB/dC's reads of one chunk's dS, x, dy, B
+and C meet in L2.
 
 Variant v1 (``HMSCALE_SSD_BWD=v1``) has ``_chunk_bwd_dx`` (dx only) and the decay-gradient partials in
 ``_chunk_bwd_dbc`` instead.
@@ -330,7 +333,21 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     else:
         c = tl.program_id(0)
         pb = tl.program_id(2)
-    bh = tl.program_id(1).to(tl.int64)
+    _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr, ddt_ptr,
+                 dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, tl.program_id(1).to(tl.int64),
+                 L, H, G, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED)
+
+
+@triton.jit
+def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
+                 ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, bh,
+                 L, H, G, P, N, NC, NPB,
+                 Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                 HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+                 DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
+                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr):
+    """One (chunk ``c``, p tile ``pb``, batch*head ``bh``) program of ``_chunk_bwd_dx_dcs`` (also run by
+    ``_chunk_bwd_pair``)."""
     b = bh // H
     h = bh % H
     grp = h // (H // G)
@@ -483,7 +500,19 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     else:
         c = tl.program_id(0)
         nb = tl.program_id(2)
-    bg = tl.program_id(1).to(tl.int64)
+    _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dB_ptr, dC_ptr, ddt_ptr,
+              dcs_ptr, den_ptr, dg_ptr, c, nb, tl.program_id(1).to(tl.int64), L, H, G, P, N, NC, NNB, Q, BP, BN,
+              HAS_DOC, PREC, SPREC, IN_DTYPE, DCS, NORM, DY_EXACT, DY_SCALE, ONE_HEAD)
+
+
+@triton.jit
+def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dB_ptr, dC_ptr,
+              ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, nb, bg, L, H, G, P, N, NC, NNB,
+              Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
+              SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, DCS: tl.constexpr, NORM: tl.constexpr,
+              DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, ONE_HEAD: tl.constexpr):
+    """One (chunk ``c``, n tile ``nb``, batch*group ``bg``) program of ``_chunk_bwd_dbc`` (also run by
+    ``_chunk_bwd_pair``)."""
     b = bg // G
     grp = bg % G
     HPG = H // G
@@ -537,6 +566,33 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
             tl.store(dcs_ptr + po, dcs)
     tl.store(dB_ptr + bc_base + bc_off, dB.to(dB_ptr.dtype.element_ty), mask=bc_mask)
     tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
+
+
+@triton.jit
+def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
+                    dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
+                    L, H, P, N, NC, NPB, NNB,
+                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BPD: tl.constexpr, BND: tl.constexpr,
+                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
+                    IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
+                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr):
+    """``_chunk_bwd_dbc`` (one head per group) and ``_chunk_bwd_dx_dcs`` in one launch, their programs interleaved by
+    chunk: grid (chunks x (NNB + NPB), batch*head); program k of chunk c is dB/dC's n tile k for k < NNB, else dx's
+    p tile k - NNB. The NNB + NPB programs of a chunk run at about the same time and read the same dS, x, dy, B and
+    C tiles, so the second reader of each finds it in L2 instead of HBM (the two launches apart read dS, x, dy, B, C
+    twice from HBM). BP, BN: dx's tiles; BPD, BND: dB/dC's."""
+    per = NNB + NPB
+    c = tl.program_id(0) // per
+    k = tl.program_id(0) % per
+    bh = tl.program_id(1).to(tl.int64)
+    if k < NNB:
+        _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dB_ptr, dC_ptr,
+                  ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, k, bh, L, H, H, P, N, NC, NNB, Q, BPD, BND,
+                  HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True)
+    else:
+        _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr, ddt_ptr,
+                     dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, k - NNB, bh, L, H, H, P, N, NC, NPB,
+                     Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED)
 
 
 @triton.jit
@@ -734,6 +790,26 @@ def bwd_fuse_mode() -> str:
     return v
 
 
+def bwd_pair_mode() -> str:
+    """``HMSCALE_SSD_BWD_PAIR=auto|1|0``: dB/dC and dx in one launch, their programs interleaved by chunk
+    (``_chunk_bwd_pair``), where they would otherwise be two launches of the v2 backward with one head per B/C group.
+    ``auto`` (default): bf16 inputs, heads of 128+ channels (H200, 2026-12-04: 1.4b dx + dB/dC 838 -> 733 us at
+    L=2048, 864 -> 746 at L=16384; the 410m training call's 449 -> 463-534, so not there); ``1``: wherever it applies;
+    ``0``: never."""
+    v = env("HMSCALE_SSD_BWD_PAIR", "auto").lower()
+    if v not in ("auto", "1", "0"):
+        raise ValueError(f"HMSCALE_SSD_BWD_PAIR must be auto, 1 or 0, got {v!r}")
+    return v
+
+
+def use_bwd_pair(p: int, one_head: bool, dtype: torch.dtype) -> bool:
+    """Whether this v2 backward launches dB/dC and dx as one interleaved grid (see ``bwd_pair_mode``)."""
+    mode = bwd_pair_mode()
+    if mode == "0" or not one_head:
+        return False
+    return mode == "1" or (dtype == torch.bfloat16 and _pow2(p) >= 128)
+
+
 def use_fused_bwd(g: int, h: int, p: int, dtype: torch.dtype, Q: int, saved_y: bool, norm: bool) -> bool:
     """Whether this backward runs dx and dB/dC as one kernel (see ``bwd_fuse_mode``)."""
     mode = bwd_fuse_mode()
@@ -841,25 +917,36 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
                   num_warps=warps_dbc, num_stages=stages_dbc)
     if bwd_variant() == "v2":
-        bp2, bn2, nw2, st2 = kcfg("dx", x.dtype, Q)
-        BP2 = min(bp2, _pow2(p))
+        one_head = g == h and dbc_one_head()
+        pair = use_bwd_pair(p, one_head, x.dtype)
+        bp2, bn2, nw2, st2 = kcfg("pair" if pair else "dx", x.dtype, Q)
+        BP2, BN2 = min(bp2, _pow2(p)), min(bn2, _pow2(n))
         npb = cdiv(p, BP2)
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, nnb, npb, nc, Q, p if has_d else 0, dev)
         extra = dict(num_stages=st2) if st2 else {}
         dyo_arg = dyo.contiguous() if has_d else dy
+        if pair:
+            launch(_chunk_bwd_pair, (nc * (npb + nnb), b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst,
+                   dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg, D if has_d else dt, dD_part if has_d else dt,
+                   den_arg, ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb,
+                   Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec,
+                   XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype), IN_DTYPE=in_dtype,
+                   DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale, Y_SAVED=ysaved is not None,
+                   num_warps=nw2, **extra, **register_cap("pair", x.dtype, Q, p))
+            ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
+            return dx, ddt, dA, dB, dC, dinit, dD
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
         launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
                dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                ysaved if ysaved is not None else dt,
-               l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=min(bn2, _pow2(n)),
+               l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=BN2,
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
                TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra,
                **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
-        one_head = g == h and dbc_one_head()
         launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
                den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,

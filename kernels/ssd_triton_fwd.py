@@ -523,7 +523,7 @@ def state_dtype(dtype: torch.dtype, grad: bool = False) -> torch.dtype:
 DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 2), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
-    "fbwd": (32, 4, 2),
+    "fbwd": (32, 4, 2), "pair": (64, 32, 4, 3),
 }
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
 # (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
@@ -536,7 +536,7 @@ DEFAULT_CFG_Q128 = {"scan": (64, 64, 8, 0), "dx": (16, 64, 8, 0), "fpass": (64, 
 DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b": (128, 64, 8, 3)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
-    "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
+    "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2), "pair": (64, 32, 4, 3),
 }
 
 
@@ -547,12 +547,12 @@ DEFAULT_CFG_FP32 = {
 # L=2048, 596 -> 495 at L=16384, 259 -> 237 / 193 -> 178 at the 410m / 160m training calls; the scan (with 2 pipeline
 # stages, so that 3 blocks' shared memory fits) 131 -> 115 at 410m L=2048, 142 -> 132 / 110 -> 99 at the training
 # calls; fdstate 344 -> 314 at 1.4b L=2048. 128 registers was slower everywhere.
-DEFAULT_MAXNREG = {"dbc": 168, "scan": 168}
+DEFAULT_MAXNREG = {"dbc": 168, "scan": 168, "pair": 168}
 # heads of 128+ channels: the wide scan tile stays uncapped (2 stages + 168: 300 -> 381 us at 1.4b)
 DEFAULT_MAXNREG_WIDE = {"scan": 0}
 # (fdstate was capped at 168 when its programs queued, 344 -> 314 us at 1.4b L=2048; its two-chunk walk spills
 # under that cap and is faster uncapped: 478 against 328 us, 2026-12-04 late)
-_CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd"))  # the capped launches
+_CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd", "pair"))  # the capped launches
 
 
 def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> dict:
@@ -577,7 +577,8 @@ def kcfg(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> tuple:
     (tuning runs only; tile sizes powers of two >= 16, trailing values may be left out). Names: state, dstate
     (BP, BN, warps), scan, dx (BP, BN, warps, stages; 0 = Triton's default), pass, pass_b (BLOCK, warps),
     fpass, fpass_b (the fused state passes of ``HMSCALE_SSD_PASS=fused``: BP, BN, warps, stages), fbwd (the fused
-    dx + dB/dC backward, 16-bit inputs only: BN, warps, stages). ``Q``: the chunk
+    dx + dB/dC backward, 16-bit inputs only: BN, warps, stages), pair (dB/dC and dx in one launch,
+    ``HMSCALE_SSD_BWD_PAIR``: dx's BP, BN, then warps, stages; dB/dC keeps ``dbc_config``'s tiles). ``Q``: the chunk
     size (chunks of 128 and more have their own defaults for 16-bit inputs); ``p``: the head dim, where it matters
     (heads of 128 channels and more have their own defaults, ``DEFAULT_CFG_WIDE``)."""
     if dtype == torch.float32:
@@ -664,14 +665,17 @@ def use_fused_pass(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: t
 def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q: int = 64, bh: int = 0,
                       device: torch.device | None = None):
     """(BP, BN, num_warps, num_stages) of a fused state pass over ``bh`` (batch x head) states on ``device``. When
-    the default tile gives fewer programs than the GPU has multiprocessors (long single sequences), its BN is halved:
-    one walk per multiprocessor leaves half its resident slots idle (H200, 2026-12-04 late, 1.4b L=16384 at b=1 with
-    64 x 64 tiles: 128 -> 256 programs, fstate + fdstate 1097 -> 891 us; the wide heads' 128 x 64 tile becomes
-    128 x 32 there). Not with a tile set through ``HMSCALE_SSD_CFG``."""
+    the default tile leaves resident slots idle (long single sequences), its BN is halved: a multiprocessor holds two
+    4-warp walks or one 8-warp walk, so the tile is halved while twice its programs still fit in one round, i.e.
+    2 x programs < multiprocessors x (8 / warps). H200, 2026-12-04: 1.4b L=16384 at b=1 with 64 x 64 tiles, 128 ->
+    256 programs, fstate + fdstate 1097 -> 891 us; the wide heads' 8-warp 128 x 64 tile at b=2 (128 programs) walks
+    in 567 us and halved (two rounds) in 732, at b=1 (64 programs) it is halved. Not with a tile set through
+    ``HMSCALE_SSD_CFG``."""
     bp, bn, nw, st = kcfg(name, dtype, Q, p)
     bp, bn = min(bp, _pow2(p)), min(bn, _pow2(n))
     sms = _sm_count(device) if device is not None else None
-    if sms and bn >= 64 and not _cfg_override(name) and bh * cdiv(p, bp) * cdiv(n, bn) < sms:
+    if (sms and bn >= 64 and not _cfg_override(name)
+            and 2 * bh * cdiv(p, bp) * cdiv(n, bn) < sms * max(1, 8 // nw)):
         bn //= 2
     return bp, bn, nw, st
 

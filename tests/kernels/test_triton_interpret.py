@@ -241,9 +241,9 @@ def test_state_pass_mode_choice(monkeypatch):
 
 
 def test_fused_pass_tile_and_unroll(monkeypatch):
-    """The fused passes' tile: the default (its own for heads of 128+ channels), except that its BN halves when the
-    default gives fewer programs than the GPU has multiprocessors (not for a tile set through HMSCALE_SSD_CFG, nor
-    on the CPU); the walks' unroll is 2 for bf16 inputs, 1 for the others, unless HMSCALE_SSD_WALK_UNROLL says
+    """The fused passes' tile: the default (its own for heads of 128+ channels), except that its BN halves while
+    twice the programs still fit in one round (two 4-warp walks or one 8-warp walk per multiprocessor; not for a
+    tile set through HMSCALE_SSD_CFG, nor on the CPU); the walks' unroll is 2 for bf16 inputs, 1 for the others, unless HMSCALE_SSD_WALK_UNROLL says
     otherwise; anything but 1 or 2 is a one-line error. The fused-or-split rule still counts 64 x 64 tiles
     (test_state_pass_mode_choice)."""
     from kernels import ssd_triton_fwd as fwd
@@ -254,12 +254,18 @@ def test_fused_pass_tile_and_unroll(monkeypatch):
     monkeypatch.delenv("HMSCALE_SSD_WALK_UNROLL", raising=False)
     bf16 = torch.bfloat16
     cfg = fwd.fused_pass_config
-    # 1.4b (P = 128: the wide heads' 128 x 64 tile, 8 warps): b=1 64 programs -> 128; b=8 512 programs
+    # 1.4b (P = 128: the wide heads' 128 x 64 tile, 8 warps): b=1 64 programs -> 128; b=2 128 programs (one round
+    # already) and b=8 512 programs keep it
     assert cfg(128, 256, bf16, "fpass", 64, 16, cuda) == (128, 32, 8, 3)
+    assert cfg(128, 256, bf16, "fpass", 64, 2 * 16, cuda) == (128, 64, 8, 3)
+    assert cfg(128, 256, bf16, "fpass", 64, 2 * 16 - 1, cuda) == (128, 64, 8, 3)  # 124 programs
+    assert cfg(128, 256, bf16, "fpass", 64, 16 + 1, cuda) == (128, 64, 8, 3)  # 68 programs: 136 would not fit
     assert cfg(128, 256, bf16, "fpass_b", 64, 8 * 16, cuda) == (128, 64, 8, 3)
     assert cfg(128, 256, bf16, "fpass", 64, 16, torch.device("cpu"))[:2] == (128, 64)
     assert cfg(128, 256, bf16, "fpass")[:2] == (128, 64)  # no device: the default
     assert cfg(64, 128, bf16, "fpass", 64, 16, cuda)[:2] == (64, 32)  # 410m, b=1: 32 programs -> 64
+    assert cfg(64, 128, bf16, "fpass", 64, 65, cuda)[:2] == (64, 32)  # 4 warps: 130 programs -> 260 (two a SM)
+    assert cfg(64, 128, bf16, "fpass", 64, 66, cuda)[:2] == (64, 64)  # 132 programs fill the SMs
     assert cfg(64, 128, bf16, "fpass", 64, 8 * 16, cuda)[:2] == (64, 64)
     assert cfg(64, 16, bf16, "fpass", 64, 1, cuda)[:2] == (64, 16)  # no halving below BN 32
     assert cfg(128, 256, torch.float32, "fpass")[:2] == (32, 64)  # fp32 inputs keep their own tile
@@ -340,6 +346,60 @@ def test_fused_dx_dbc_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "yes")
     with pytest.raises(ValueError, match="HMSCALE_SSD_BWD_FUSE must be"):
         use_fused_bwd(16, 16, 64, bf16, 64, True, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], (dict(b=2, l=45, h=2, g=2, p=72, n=40), 16,
+                                                      dict(D=True, init=True, seq=True))])
+def test_bwd_pair_launch(case, dtype, monkeypatch):
+    """dB/dC and dx interleaved in one launch (HMSCALE_SSD_BWD_PAIR=1; several p and n tiles, P not a power of two,
+    the normaliser, D, seq_idx, initial state): the same kernels' code on the same tiles, so every gradient equals
+    the two-launch backward's bitwise, and stays within the dtype's limit of float64."""
+    import kernels.ssd_triton_bwd as bwd
+
+    shape, chunk, opts = case
+    launches = []
+    orig = bwd._chunk_bwd_pair.run
+    monkeypatch.setattr(bwd._chunk_bwd_pair, "run", lambda *a, **k: launches.append(1) or orig(*a, **k))
+    monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "0")
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=16,16,4;pair=16,16,4")  # several p, n tiles of dx, the same both ways
+    monkeypatch.setenv("HMSCALE_SSD_DBC_CFG", "16,16,2,4")  # several n tiles and p steps of dB/dC
+    ins, seq = make_inputs(**shape, **opts, dtype=dtype)
+    monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "0")
+    y0, s0, g0, gy, gs = _run(_triton, ins, seq, opts, chunk, device=TRITON_DEVICE)
+    assert not launches
+    monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "1")
+    y, s, g, _, _ = _run(_triton, ins, seq, opts, chunk, gy, gs, device=TRITON_DEVICE)
+    assert launches, "the paired backward did not run"
+    assert torch.equal(y, y0) and torch.equal(s, s0)
+    for k in g:
+        assert torch.equal(g[k], g0[k]), k
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, gy, gs)
+    tol = TOL if dtype == torch.float32 else 1e-2
+    for k in g:
+        assert torch.isfinite(g[k]).all(), k
+        assert rel(g[k], gr[k]) < tol, (k, rel(g[k], gr[k]))
+
+
+def test_bwd_pair_choice(monkeypatch):
+    """auto: the paired launch for bf16 heads of 128+ channels with one head per group; 1 wherever one head per
+    group; 0 never; a bad value names the variable."""
+    from kernels.ssd_triton_bwd import use_bwd_pair
+
+    bf16 = torch.bfloat16
+    monkeypatch.delenv("HMSCALE_SSD_BWD_PAIR", raising=False)
+    assert use_bwd_pair(128, True, bf16) and use_bwd_pair(80 + 48, True, bf16)
+    assert not use_bwd_pair(128, True, torch.float16)  # not timed
+    assert not use_bwd_pair(64, True, bf16)  # training-call heads: two launches
+    assert not use_bwd_pair(128, False, bf16)  # shared B/C: dB/dC's general form
+    assert not use_bwd_pair(128, True, torch.float32)
+    monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "1")
+    assert use_bwd_pair(64, True, torch.float32) and not use_bwd_pair(64, False, bf16)
+    monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "0")
+    assert not use_bwd_pair(128, True, bf16)
+    monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "both")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_BWD_PAIR must be"):
+        use_bwd_pair(128, True, bf16)
 
 
 def test_dbc_state_precision_choice(monkeypatch):
