@@ -27,7 +27,7 @@ to each other where that was measured to pay (``tile_major``).
 
 ``_chunk_bwd_fused`` replaces 3 and 4 by one launch per (chunk, batch*head) where ``use_fused_bwd`` says so (one head
 per B/C group, P <= 64 by default): each tile of dS and S0 is read once for dx, dB, dC and the carry gradient.
-``_chunk_bwd_pair`` runs 3 and 4 as one launch where ``use_bwd_pair`` says so (one head per B/C group, bf16, P >= 128
+``_chunk_bwd_pair`` runs 3 and 4 as one launch where ``use_bwd_pair`` says so (one head per B/C group, bf16, P >= 64
 by default): the same programs, interleaved by chunk, so that dx's and dB/dC's reads of one chunk's dS, x, dy, B
 and C meet in L2.
 
@@ -793,9 +793,9 @@ def bwd_fuse_mode() -> str:
 def bwd_pair_mode() -> str:
     """``HMSCALE_SSD_BWD_PAIR=auto|1|0``: dB/dC and dx in one launch, their programs interleaved by chunk
     (``_chunk_bwd_pair``), where they would otherwise be two launches of the v2 backward with one head per B/C group.
-    ``auto`` (default): bf16 inputs, heads of 128+ channels (H200, 2026-12-04: 1.4b dx + dB/dC 838 -> 733 us at
-    L=2048, 864 -> 746 at L=16384; the 410m training call's 449 -> 463-534, so not there); ``1``: wherever it applies;
-    ``0``: never."""
+    ``auto`` (default): bf16 inputs, heads of 64+ channels (H200, 2026-12-04, dx + dB/dC: 1.4b 838 -> 733 us at
+    L=2048, 864 -> 746 at L=16384; the 410m / 160m training calls 450 -> 410, 342 -> 307); ``1``: wherever it
+    applies; ``0``: never. Without the normaliser, heads of up to 64 channels take ``_chunk_bwd_fused`` instead."""
     v = env("HMSCALE_SSD_BWD_PAIR", "auto").lower()
     if v not in ("auto", "1", "0"):
         raise ValueError(f"HMSCALE_SSD_BWD_PAIR must be auto, 1 or 0, got {v!r}")
@@ -807,7 +807,7 @@ def use_bwd_pair(p: int, one_head: bool, dtype: torch.dtype) -> bool:
     mode = bwd_pair_mode()
     if mode == "0" or not one_head:
         return False
-    return mode == "1" or (dtype == torch.bfloat16 and _pow2(p) >= 128)
+    return mode == "1" or (dtype == torch.bfloat16 and _pow2(p) >= 64)
 
 
 def use_fused_bwd(g: int, h: int, p: int, dtype: torch.dtype, Q: int, saved_y: bool, norm: bool) -> bool:
@@ -919,7 +919,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     if bwd_variant() == "v2":
         one_head = g == h and dbc_one_head()
         pair = use_bwd_pair(p, one_head, x.dtype)
-        bp2, bn2, nw2, st2 = kcfg("pair" if pair else "dx", x.dtype, Q)
+        bp2, bn2, nw2, st2 = kcfg("pair", x.dtype, Q, p) if pair else kcfg("dx", x.dtype, Q)
         BP2, BN2 = min(bp2, _pow2(p)), min(bn2, _pow2(n))
         npb = cdiv(p, BP2)
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, nnb, npb, nc, Q, p if has_d else 0, dev)

@@ -523,7 +523,7 @@ def state_dtype(dtype: torch.dtype, grad: bool = False) -> torch.dtype:
 DEFAULT_CFG = {
     "state": (64, 128, 4), "dstate": (64, 128, 4), "scan": (128, 64, 4, 2), "dx": (64, 64, 4, 0),
     "pass": (1024, 8), "pass_b": (1024, 8), "fpass": (64, 64, 4, 3), "fpass_b": (64, 64, 4, 3),
-    "fbwd": (32, 4, 2), "pair": (64, 32, 4, 3),
+    "fbwd": (32, 4, 2), "pair": (64, 64, 4, 3),
 }
 # chunk 128 (16-bit inputs): the Q x Q kernels need 8 warps and smaller tiles to stay free of register spills
 # (compiled for sm_90 and counted by benchmarks/ssd_registers.py; zero spill bytes except the scan's 8)
@@ -533,7 +533,10 @@ DEFAULT_CFG_Q128 = {"scan": (64, 64, 8, 0), "dx": (16, 64, 8, 0), "fpass": (64, 
 # was already the best there)
 # the fused state passes: one 128-channel tile of 8 warps, whose narrower B / C side takes the chunk weights
 # (2026-12-04 late: fstate + fdstate 675 -> 587 us at 1.4b L=2048, 607 -> 567 at L=8192)
-DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b": (128, 64, 8, 3)}
+# the paired dx + dB/dC launch: dx in 64 x 32 tiles (three blocks a multiprocessor under the 168-register cap;
+# 2026-12-04, 1.4b dx + dB/dC 838 -> 733 us)
+DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b": (128, 64, 8, 3),
+                    "pair": (64, 32, 4, 3)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
     "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2), "pair": (64, 32, 4, 3),
@@ -547,9 +550,11 @@ DEFAULT_CFG_FP32 = {
 # L=2048, 596 -> 495 at L=16384, 259 -> 237 / 193 -> 178 at the 410m / 160m training calls; the scan (with 2 pipeline
 # stages, so that 3 blocks' shared memory fits) 131 -> 115 at 410m L=2048, 142 -> 132 / 110 -> 99 at the training
 # calls; fdstate 344 -> 314 at 1.4b L=2048. 128 registers was slower everywhere.
-DEFAULT_MAXNREG = {"dbc": 168, "scan": 168, "pair": 168}
-# heads of 128+ channels: the wide scan tile stays uncapped (2 stages + 168: 300 -> 381 us at 1.4b)
-DEFAULT_MAXNREG_WIDE = {"scan": 0}
+DEFAULT_MAXNREG = {"dbc": 168, "scan": 168}
+# heads of 128+ channels: the wide scan tile stays uncapped (2 stages + 168: 300 -> 381 us at 1.4b); the paired
+# dx + dB/dC launch is capped there (its 64 x 32 dx tiles: 849 uncapped -> 733 us at 1.4b), not below (P = 64 with
+# 64 x 64 dx tiles: 410m training call 464-534 capped, 408-410 uncapped)
+DEFAULT_MAXNREG_WIDE = {"scan": 0, "pair": 168}
 # (fdstate was capped at 168 when its programs queued, 344 -> 314 us at 1.4b L=2048; its two-chunk walk spills
 # under that cap and is faster uncapped: 478 against 328 us, 2026-12-04 late)
 _CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd", "pair"))  # the capped launches

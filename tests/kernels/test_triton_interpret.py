@@ -382,15 +382,17 @@ def test_bwd_pair_launch(case, dtype, monkeypatch):
 
 
 def test_bwd_pair_choice(monkeypatch):
-    """auto: the paired launch for bf16 heads of 128+ channels with one head per group; 1 wherever one head per
-    group; 0 never; a bad value names the variable."""
+    """auto: the paired launch for bf16 heads of 64+ channels with one head per group; 1 wherever one head per
+    group; 0 never; a bad value names the variable. Its tiles and cap: dx 64 x 32 under 168 registers for heads of
+    128+ channels, 64 x 64 uncapped below."""
     from kernels.ssd_triton_bwd import use_bwd_pair
+    from kernels.ssd_triton_fwd import kcfg, register_cap
 
     bf16 = torch.bfloat16
     monkeypatch.delenv("HMSCALE_SSD_BWD_PAIR", raising=False)
     assert use_bwd_pair(128, True, bf16) and use_bwd_pair(80 + 48, True, bf16)
     assert not use_bwd_pair(128, True, torch.float16)  # not timed
-    assert not use_bwd_pair(64, True, bf16)  # training-call heads: two launches
+    assert use_bwd_pair(64, True, bf16) and not use_bwd_pair(32, True, bf16)
     assert not use_bwd_pair(128, False, bf16)  # shared B/C: dB/dC's general form
     assert not use_bwd_pair(128, True, torch.float32)
     monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "1")
@@ -400,6 +402,10 @@ def test_bwd_pair_choice(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "both")
     with pytest.raises(ValueError, match="HMSCALE_SSD_BWD_PAIR must be"):
         use_bwd_pair(128, True, bf16)
+    monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
+    monkeypatch.delenv("HMSCALE_SSD_MAXNREG", raising=False)
+    assert kcfg("pair", bf16, 64, 128) == (64, 32, 4, 3) and register_cap("pair", bf16, 64, 128) == {"maxnreg": 168}
+    assert kcfg("pair", bf16, 64, 64) == (64, 64, 4, 3) and register_cap("pair", bf16, 64, 64) == {}
 
 
 def test_dbc_state_precision_choice(monkeypatch):
