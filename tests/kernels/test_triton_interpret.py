@@ -353,8 +353,9 @@ def test_fused_dx_dbc_choice(monkeypatch):
                                                       dict(D=True, init=True, seq=True))])
 def test_bwd_pair_launch(case, dtype, monkeypatch):
     """dB/dC and dx interleaved in one launch (HMSCALE_SSD_BWD_PAIR=1; several p and n tiles, P not a power of two,
-    the normaliser, D, seq_idx, initial state): the same kernels' code on the same tiles, so every gradient equals
-    the two-launch backward's bitwise, and stays within the dtype's limit of float64."""
+    the normaliser, D, seq_idx, initial state): the same kernels' code on the same tiles, so under the interpreter
+    every gradient equals the two-launch backward's bitwise (on a GPU within rounding), and stays within the dtype's
+    limit of float64."""
     import kernels.ssd_triton_bwd as bwd
 
     shape, chunk, opts = case
@@ -371,14 +372,19 @@ def test_bwd_pair_launch(case, dtype, monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", "1")
     y, s, g, _, _ = _run(_triton, ins, seq, opts, chunk, gy, gs, device=TRITON_DEVICE)
     assert launches, "the paired backward did not run"
-    assert torch.equal(y, y0) and torch.equal(s, s0)
-    for k in g:
-        assert torch.equal(g[k], g0[k]), k
     yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, gy, gs)
     tol = TOL if dtype == torch.float32 else 1e-2
+    report = {k: (rel(g[k], g0[k]), rel(g[k], gr[k]), rel(g0[k], gr[k])) for k in g}  # pair vs two, vs ref
     for k in g:
         assert torch.isfinite(g[k]).all(), k
-        assert rel(g[k], gr[k]) < tol, (k, rel(g[k], gr[k]))
+        assert rel(g[k], gr[k]) < tol, (k, report)
+    assert torch.equal(y, y0) and torch.equal(s, s0)
+    if TRITON_DEVICE == "cpu":  # the interpreter runs the same operations in the same order
+        for k in g:
+            assert torch.equal(g[k], g0[k]), (k, report)
+    else:  # the GPU compiler may schedule one kernel's sums differently from the other's (different registers)
+        for k in g:
+            assert rel(g[k], g0[k]) < (1e-6 if dtype == torch.float32 else 1e-3), (k, report)
 
 
 def test_bwd_pair_choice(monkeypatch):
