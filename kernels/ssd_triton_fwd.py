@@ -539,7 +539,8 @@ DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b"
                     "pair": (64, 32, 4, 3)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
-    "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2), "pair": (64, 32, 4, 3),
+    "pass": (1024, 4), "pass_b": (1024, 4), "fpass": (32, 64, 4, 2), "fpass_b": (32, 64, 4, 2),
+    "pair": (64, 32, 4, 3),
 }
 
 
@@ -557,7 +558,8 @@ DEFAULT_MAXNREG = {"dbc": 168, "scan": 168}
 DEFAULT_MAXNREG_WIDE = {"scan": 0, "pair": 168}
 # (fdstate was capped at 168 when its programs queued, 344 -> 314 us at 1.4b L=2048; its two-chunk walk spills
 # under that cap and is faster uncapped: 478 against 328 us, 2026-12-04 late)
-_CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd", "pair"))  # the capped launches
+# the launches a cap can be set for
+_CAP_NAMES = frozenset(("state", "fpass", "scan", "dstate", "fpass_b", "dx", "dbc", "fbwd", "pair"))
 
 
 def register_cap(name: str, dtype: torch.dtype, Q: int = 64, p: int = 0) -> dict:

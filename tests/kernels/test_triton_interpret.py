@@ -242,10 +242,10 @@ def test_state_pass_mode_choice(monkeypatch):
 
 def test_fused_pass_tile_and_unroll(monkeypatch):
     """The fused passes' tile: the default (its own for heads of 128+ channels), except that its BN halves while
-    twice the programs still fit in one round (two 4-warp walks or one 8-warp walk per multiprocessor; not for a
-    tile set through HMSCALE_SSD_CFG, nor on the CPU); the walks' unroll is 2 for bf16 inputs, 1 for the others, unless HMSCALE_SSD_WALK_UNROLL says
-    otherwise; anything but 1 or 2 is a one-line error. The fused-or-split rule still counts 64 x 64 tiles
-    (test_state_pass_mode_choice)."""
+    twice the programs still fit in one round (two 4-warp walks or one 8-warp walk per multiprocessor; not for a tile
+    set through HMSCALE_SSD_CFG, nor on the CPU); the walks' unroll is 2 for bf16 inputs, 1 for the others, unless
+    HMSCALE_SSD_WALK_UNROLL says otherwise; anything but 1 or 2 is a one-line error. The fused-or-split rule still
+    counts 64 x 64 tiles (test_state_pass_mode_choice)."""
     from kernels import ssd_triton_fwd as fwd
 
     cuda = torch.device("cuda", 0)
