@@ -49,7 +49,7 @@ def test_ssd_registers_reports_every_kernel(tmp_path):
     with --dump writes what it compiled."""
     import os
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", HMSCALE_SSD_BWD_PAIR="0")  # dx and dB/dC as two launches
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_registers.py"), "--shape", "410m_norm",
                            "--seq", "128", "--batch", "1", "--only", "dbc,dx_dcs,finish", "--dump", "dump"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
@@ -65,6 +65,15 @@ def test_ssd_registers_reports_every_kernel(tmp_path):
         assert "tt.func" in (tmp_path / "dump" / f"{name}.ttgir").read_text()
         assert ".entry " + name in (tmp_path / "dump" / f"{name}.ptx").read_text()
         assert (tmp_path / "dump" / f"{name}.cubin").read_bytes()[:4] == b"\x7fELF"
+    # by default bf16 heads of 64 channels with the normaliser run both as one paired launch (64 x 64 dx tiles)
+    env.pop("HMSCALE_SSD_BWD_PAIR")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_registers.py"), "--shape", "410m_norm",
+                           "--seq", "128", "--batch", "1", "--only", "dbc,dx_dcs,pair"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r.split("|") for r in proc.stdout.splitlines() if r.startswith("| _")]
+    assert [r[1].strip() for r in rows] == ["_chunk_bwd_pair"], proc.stdout
+    assert "ERROR" not in "".join(rows[0]) and "Q=64,BP=64,BN=64" in rows[0][4], rows[0]
 
 
 def test_ssd_registers_reports_the_glue_kernels(tmp_path):
