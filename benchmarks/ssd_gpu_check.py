@@ -2,6 +2,8 @@
 
     python benchmarks/ssd_gpu_check.py            # full grid (P x N x g x dtype, option sets cycled)
     python benchmarks/ssd_gpu_check.py --quick    # a handful of cases
+    python benchmarks/ssd_gpu_check.py --cpu --dtypes bf16   # the same cases on the CPU under TRITON_INTERPRET=1
+                                                             # (slow: ~minutes per 25 cases; no CUDA graph check)
 
 For each case: fresh random inputs (never zeros), outputs and all gradients (x, dt, A, B, C, D,
 initial_state) compared by ||ours - ref|| / ||ref|| to ``kernels.ssd_reference`` in float64 on the same
@@ -21,9 +23,15 @@ import time
 
 import torch
 
+if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cpu" if "--cpu" in sys.argv else "cuda"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import ssd_reference  # noqa: E402
+from kernels.interpreter import patch_interpreter_bf16_dot  # noqa: E402
 from kernels.ssd_autograd import ssd_triton  # noqa: E402
+
+patch_interpreter_bf16_dot()  # --cpu: the interpreter's bf16 dots as the GPU computes them
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 OPTION_SETS = {
@@ -36,13 +44,15 @@ OPTION_SETS = {
 def poison():
     # large pool (one 256 MB block) and small pool (blocks under 1 MB): freed NaN memory is what
     # the caching allocator hands to the next torch.empty
+    if DEV != "cuda":
+        return
     junk = [torch.full((64 * 1024 * 1024,), float("nan"), device="cuda")]
     junk += [torch.full((s,), float("nan"), device="cuda") for s in (256, 4096, 65536, 200000) for _ in range(16)]
     del junk
 
 
 def make_inputs(b, l, h, g, p, n, dtype, opts, gen):
-    dev = "cuda"
+    dev = DEV
 
     def rn(*s):
         return torch.randn(*s, device=dev, generator=gen)
@@ -83,9 +93,10 @@ def run_case(b, l, h, g, p, n, dtype, opts, gen, chunk=64):
     kw = dict(seq_idx=seq, normalize=bool(opts.get("normalize")), return_final_state=True, chunk_size=chunk)
     poison()
     y, fs = ssd_triton(**ours_in, **kw)
-    torch.cuda.synchronize()
-    gy = torch.randn(y.shape, device="cuda", generator=gen)
-    gfs = torch.randn(fs.shape, device="cuda", generator=gen)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    gy = torch.randn(y.shape, device=DEV, generator=gen)
+    gfs = torch.randn(fs.shape, device=DEV, generator=gen)
     poison()
     grads = torch.autograd.grad((y.float() * gy).sum() + (fs * gfs).sum(), [ours_in[k] for k in names])
     yr, fsr = ssd_reference(**ref_in, **kw)
@@ -137,10 +148,14 @@ def main():
     ap.add_argument("--chunk", type=int, default=64, help="chunk size of the kernels under test")
     ap.add_argument("--shard", default="0/1",
                     help="i/n: this process's share of the (dtype, option set) pairs (9 of them); run n in parallel")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (no CUDA graph check)")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32", help="the input dtypes to check, of bf16, fp16, fp32")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    wanted = [names[t.strip()] for t in args.dtypes.split(",")]
     Ps = [32, 64, 80, 128, 256]
     Ns = [16, 64, 128, 256, 512]
     h = 8
@@ -160,6 +175,8 @@ def main():
         if (dtypes.index(dt) * len(opt_names) + oi) % nshard != shard:  # shards share compiled variants
             continue
         oname = opt_names[oi]
+        if dt not in wanted:
+            continue
         errs = run_case(2, args.l, h, g, p, n, dt, OPTION_SETS[oname], gen, chunk=args.chunk)
         worst_k = max(errs, key=lambda k: float("inf") if errs[k] != errs[k] else errs[k])
         worst = errs[worst_k]
@@ -171,8 +188,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for p, n, g, dt, o, k, e, ok in rows:
         print(f"| {p} | {n} | {g} | {dt} | {o} | {k} | {e:.2e} | {'ok' if ok else 'FAIL'} |")
-    gerr = graph_check(args.chunk) if shard == 0 else 0.0
-    print(f"CUDA graph capture of fwd+bwd: replay vs eager rel diff {gerr:.1e}")
+    gerr = graph_check(args.chunk) if shard == 0 and DEV == "cuda" else 0.0
+    if DEV == "cuda":
+        print(f"CUDA graph capture of fwd+bwd: replay vs eager rel diff {gerr:.1e}")
     for row, errs in fails:
         print("FAILED", row, {k: f"{v:.2e}" for k, v in errs.items()})
     worst_by_dtype = {}

@@ -162,7 +162,8 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
     ("state", "split", "rowscale", "bf16", "fp32"), ("all", "split", "rowscale", "bf16x2", "fp32"),
     ("off", "split", "rowscale", "tf32", "fp32"), ("state", "fused", "rowscale", "bf16", "fp32"),
     ("state", "split", "fp32", "bf16x2", "fp32"), ("state", "split", "rowscale", "bf16", "bf16"),
-    ("state", "fused", "rowscale", "bf16", "bf16"), ("state", "fused", "rowscale", "bf16", "fp16,fp32")])
+    ("state", "fused", "rowscale", "bf16", "bf16"), ("state", "fused", "rowscale", "bf16", "fp16,fp32"),
+    ("state", "split", "rowscale", "bf16", "fp16,fp16")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
 def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
@@ -512,7 +513,7 @@ def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
 
 def test_state_storage_setting(monkeypatch):
     """HMSCALE_SSD_STATES: fp32 by default; S[,dS] for bf16 inputs (dS follows a bf16 S, else fp32); fp16 and fp32
-    inputs keep fp32 whatever it says; dS in fp16 or an unknown name is a one-line error naming the variable."""
+    inputs keep fp32 whatever it says; an unknown name is a one-line error naming the variable."""
     from kernels.ssd_triton_fwd import state_dtype
 
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
@@ -525,7 +526,9 @@ def test_state_storage_setting(monkeypatch):
     assert state_dtype(bf16) == f16 and state_dtype(bf16, grad=True) == f32
     monkeypatch.setenv("HMSCALE_SSD_STATES", "bf16,fp32")
     assert state_dtype(bf16) == bf16 and state_dtype(bf16, grad=True) == f32
-    for bad in ("fp16,fp16", "fp8", "bf16,bf16,bf16"):
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16,fp16")
+    assert state_dtype(bf16) == f16 and state_dtype(bf16, grad=True) == f16
+    for bad in ("fp16,fp8", "fp8", "bf16,bf16,bf16"):
         monkeypatch.setenv("HMSCALE_SSD_STATES", bad)
         with pytest.raises(ValueError, match="HMSCALE_SSD_STATES must be"):
             state_dtype(bf16)
