@@ -4,6 +4,8 @@
     python benchmarks/ssd_gpu_check.py --quick    # a handful of cases
     python benchmarks/ssd_gpu_check.py --cpu --dtypes bf16   # the same cases on the CPU under TRITON_INTERPRET=1
                                                              # (slow: ~minutes per 25 cases; no CUDA graph check)
+    python benchmarks/ssd_gpu_check.py --cpu --dtypes bf16 --case 64,512,1,plain --seeds 0,1,2
+                                                 # chosen cases only, each from a generator seeded per case
 
 For each case: fresh random inputs (never zeros), outputs and all gradients (x, dt, A, B, C, D,
 initial_state) compared by ||ours - ref|| / ||ref|| to ``kernels.ssd_reference`` in float64 on the same
@@ -141,6 +143,26 @@ def graph_check(chunk=64):
     return max(((a.float() - e.float()).norm() / e.float().norm()).item() for a, e in zip(out, eager))
 
 
+def chosen_cases(specs, seeds, dtypes, l, h, chunk):
+    """--case: each (P, N, G, option set) x dtype x seed, its inputs from a generator seeded with the seed; prints
+    every output's error and exits 1 if one is over its dtype's limit."""
+    fails = 0
+    for seed in seeds:
+        for spec in specs:
+            p, n, g, oname = spec.split(",")
+            if oname not in OPTION_SETS:
+                raise SystemExit(f"--case {spec}: options must be one of {', '.join(OPTION_SETS)}")
+            for dt in dtypes:
+                gen = torch.Generator(device=DEV).manual_seed(seed)
+                errs = run_case(2, l, h, int(g), int(p), int(n), dt, OPTION_SETS[oname], gen, chunk=chunk)
+                worst = max(errs.values())
+                fails += not (worst <= TOL[dt])
+                print(f"seed {seed} P={p} N={n} g={g} {oname} {str(dt).replace('torch.', '')}: "
+                      + " ".join(f"{k} {v:.2e}" for k, v in errs.items()) + ("" if worst <= TOL[dt] else " FAIL"),
+                      flush=True)
+    sys.exit(1 if fails else 0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -150,6 +172,10 @@ def main():
                     help="i/n: this process's share of the (dtype, option set) pairs (9 of them); run n in parallel")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (no CUDA graph check)")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32", help="the input dtypes to check, of bf16, fp16, fp32")
+    ap.add_argument("--case", action="append", default=[],
+                    help="P,N,G,OPTIONS (OPTIONS one of " + ", ".join(OPTION_SETS) + "): check only these cases "
+                         "(repeatable), with --dtypes, once per seed of --seeds")
+    ap.add_argument("--seeds", default="0", help="with --case: comma-separated seeds, each case's generator seeded anew")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -166,6 +192,8 @@ def main():
         cases = [(64, 128, 8, torch.bfloat16), (80, 16, 1, torch.float32), (256, 512, 2, torch.float16),
                  (32, 64, 2, torch.float32)]
     opt_names = list(OPTION_SETS)
+    if args.case:
+        return chosen_cases(args.case, [int(v) for v in args.seeds.split(",")], wanted, args.l, h, args.chunk)
     shard, nshard = (int(v) for v in args.shard.split("/"))
     rows, fails = [], []
     t0 = time.time()
