@@ -101,3 +101,19 @@ def test_ssd_long_check_smoke(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| 1.4b") or line.startswith("| 410m")]
     assert [r.split("|")[3].strip() for r in rows] == ["fused", "split", "fused", "split"], out
     assert "PASS: worst relative error" in out
+
+
+def test_ssd_gpu_check_on_the_cpu(tmp_path):
+    """ssd_gpu_check.py --cpu --case: chosen grid cases under the interpreter, each output's error printed, exit 0
+    when within the dtype's limit; an unknown option set is a one-line error."""
+    out = _run([str(REPO / "benchmarks" / "ssd_gpu_check.py"), "--cpu", "--dtypes", "fp32,bf16", "--l", "70",
+                "--case", "32,16,2,norm+init+seq+D", "--seeds", "0,1"], tmp_path)
+    lines = [s for s in out.splitlines() if s.startswith("seed ")]
+    assert len(lines) == 4 and not any("FAIL" in s for s in lines), out
+    for s in lines:  # every gradient of this option set, with an error well inside the fp32 / bf16 limits
+        errs = dict(zip(s.split(": ")[1].split()[::2], map(float, s.split(": ")[1].split()[1::2])))
+        assert set(errs) == {"y", "final", "dx", "ddt", "dA", "dB", "dC", "dD", "dinitial_state"}, s
+        assert max(errs.values()) < (1e-4 if "float32" in s else 1e-2), s
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_gpu_check.py"), "--cpu", "--case",
+                           "32,16,2,everything"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "options must be one of" in proc.stderr
