@@ -145,7 +145,7 @@ def graph_check(chunk=64):
 
 def chosen_cases(specs, seeds, dtypes, l, h, chunk):
     """--case: each (P, N, G, option set) x dtype x seed, its inputs from a generator seeded with the seed; prints
-    every output's error and exits 1 if one is over its dtype's limit."""
+    every output's error; returns the exit code (1 if one is over its dtype's limit)."""
     fails = 0
     for seed in seeds:
         for spec in specs:
@@ -160,7 +160,7 @@ def chosen_cases(specs, seeds, dtypes, l, h, chunk):
                 print(f"seed {seed} P={p} N={n} g={g} {oname} {str(dt).replace('torch.', '')}: "
                       + " ".join(f"{k} {v:.2e}" for k, v in errs.items()) + ("" if worst <= TOL[dt] else " FAIL"),
                       flush=True)
-    sys.exit(1 if fails else 0)
+    return 1 if fails else 0
 
 
 def main():
@@ -181,6 +181,8 @@ def main():
     torch.backends.cudnn.allow_tf32 = False
     gen = torch.Generator(device=DEV).manual_seed(0)
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if not set(t.strip() for t in args.dtypes.split(",")) <= set(names):
+        ap.error(f"--dtypes must name some of bf16, fp16, fp32, got {args.dtypes!r}")
     wanted = [names[t.strip()] for t in args.dtypes.split(",")]
     Ps = [32, 64, 80, 128, 256]
     Ns = [16, 64, 128, 256, 512]
@@ -193,7 +195,7 @@ def main():
                  (32, 64, 2, torch.float32)]
     opt_names = list(OPTION_SETS)
     if args.case:
-        return chosen_cases(args.case, [int(v) for v in args.seeds.split(",")], wanted, args.l, h, args.chunk)
+        sys.exit(chosen_cases(args.case, [int(v) for v in args.seeds.split(",")], wanted, args.l, h, args.chunk))
     shard, nshard = (int(v) for v in args.shard.split("/"))
     rows, fails = [], []
     t0 = time.time()
@@ -216,8 +218,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for p, n, g, dt, o, k, e, ok in rows:
         print(f"| {p} | {n} | {g} | {dt} | {o} | {k} | {e:.2e} | {'ok' if ok else 'FAIL'} |")
-    gerr = graph_check(args.chunk) if shard == 0 and DEV == "cuda" else 0.0
-    if DEV == "cuda":
+    gerr = 0.0
+    if shard == 0 and DEV == "cuda":
+        gerr = graph_check(args.chunk)
         print(f"CUDA graph capture of fwd+bwd: replay vs eager rel diff {gerr:.1e}")
     for row, errs in fails:
         print("FAILED", row, {k: f"{v:.2e}" for k, v in errs.items()})

@@ -489,13 +489,13 @@ _STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 def state_storage() -> tuple:
     """``HMSCALE_SSD_STATES=S[,dS]``: the storage dtypes, for bf16 inputs, of the chunk-boundary states S that one
     kernel writes and later kernels read, and of the backward's state gradients dS (``fp32`` (default), ``bf16`` or
-    ``fp16`` for each; dS defaults to S's dtype, fp32 for fp16 S). fp16 dS is for measurements only: stored unscaled,
-    gradients under fp16's normal range (6.1e-5), as in real training, lose bits or flush to zero. Only the stored
-    copies are rounded: the running state is carried in fp32 registers along the
-    walk (the split passes' per-chunk local states stay fp32 too) and every consumer accumulates in fp32. 16-bit
-    storage halves the state sweeps' bytes (and with bf16 both dot operands are bf16: one exact-product dot), at a
-    cost in the decay gradients (dt, A), which sum state terms that cancel (kernels/NOTES.md, 2026-12-04). fp16 and
-    fp32 inputs always keep fp32."""
+    ``fp16`` for each; dS defaults to S's dtype, fp32 for fp16 S). fp16 dS is for measurements only: stored
+    unscaled, gradients under fp16's normal range (6.1e-5), as in real training, lose bits or flush to zero. Only
+    the stored copies are rounded: the running state is carried in fp32 registers along the walk (the split passes'
+    per-chunk local states stay fp32 too) and every consumer accumulates in fp32. 16-bit storage halves the state
+    sweeps' bytes (and with bf16 both dot operands are bf16: one exact-product dot), at a cost in the decay
+    gradients (dt, A), which sum state terms that cancel (kernels/NOTES.md, 2026-12-04). fp16 and fp32 inputs always
+    keep fp32."""
     v = env("HMSCALE_SSD_STATES", "fp32").lower()
     parts = [t.strip() for t in v.split(",")]
     s_name = parts[0]
