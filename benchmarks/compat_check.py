@@ -1,0 +1,168 @@
+"""``kernels.compat.mamba_chunk_scan_combined`` against mamba_ssm's own function, same arguments, same inputs.
+
+    python benchmarks/compat_check.py                 # on a GPU (mamba_ssm from /tmp/anchors, as .whl/preamble.sh unpacks it)
+    python benchmarks/compat_check.py --cpu           # on the CPU: both sides' Triton kernels under TRITON_INTERPRET=1
+                                                      # (mamba_ssm from .anchors/mamba_ssm-*.tar.gz, `make gpu-wheels`)
+
+For each case (its options: dt_bias with softplus and a binding dt_limit, D per head or per channel, the z gate,
+initial_states, seq_idx, g = 1 / 1 < g < h / g = h, l not a multiple of the chunk): fresh random inputs, the output,
+the final state and the gradients of every input (x, dt, A, B, C, D, z, dt_bias, initial_states), each compared by
+||a - b|| / ||b|| between the two implementations and from each to the definition on the float64 reference
+(``kernels.compat``'s docstring). Limits for ours against mamba_ssm: 1e-4 in fp32 (tf32 off), 3e-2 in bf16 (two
+bf16 implementations, each ~1e-2 from float64). Exit code 1 if a case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import math
+import os
+import sys
+import tarfile
+import tempfile
+import time
+import types
+from pathlib import Path
+
+if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import ssd_reference  # noqa: E402
+from kernels.compat import mamba_chunk_scan_combined  # noqa: E402
+
+DEV = "cpu" if "--cpu" in sys.argv else "cuda"
+LIMIT = (0.05, 1.5)
+CASES = [  # (name, b, l, h, g, p, n, chunk of mamba_ssm)
+    ("g=1", 2, 200, 4, 1, 32, 32, 64),
+    ("1<g<h", 1, 150, 4, 2, 24, 48, 64),
+    ("g=h", 2, 100, 4, 4, 16, 16, 32),
+]
+
+
+def unpack_mamba() -> str:
+    """A directory holding the mamba_ssm package with an empty ``__init__`` (it imports CUDA extensions)."""
+    if Path("/tmp/anchors/mamba_ssm/ops/triton/ssd_combined.py").exists():
+        return "/tmp/anchors"
+    tars = sorted(glob.glob(str(ROOT / ".anchors" / "mamba_ssm-*.tar.gz")))
+    if not tars:
+        sys.exit("mamba_ssm not found: run `make gpu-wheels` (it puts its source in .anchors/) or unpack it to "
+                 "/tmp/anchors")
+    out = Path(tempfile.mkdtemp(prefix="mamba_ssm_"))
+    with tarfile.open(tars[-1]) as tf:
+        members = [m for m in tf.getmembers() if "/mamba_ssm/" in m.name and m.isfile()]
+        for m in members:
+            m.name = m.name.split("/", 1)[1]
+        tf.extractall(out, members=members, filter="data")
+    (out / "mamba_ssm" / "__init__.py").write_text("")
+    return str(out)
+
+
+def load_mamba():
+    sys.path.insert(0, unpack_mamba())
+    if DEV == "cpu":
+        # mamba_ssm enters torch.cuda.device(x.device.index) around its launches (None on CPU tensors) and sizes
+        # one backward grid by the multiprocessor count (an H200's 132 here); the interpreter has no benchmarker
+        # for its autotuner: each autotuned kernel runs its first config
+        torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
+        torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(multi_processor_count=132)
+        from triton.runtime.autotuner import Autotuner
+        prune = Autotuner.prune_configs
+        Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as theirs
+    return theirs
+
+
+def inputs(b, l, h, g, p, n, dtype, d_per_channel, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    t = dict(x=rn(b, l, h, p), dt=rn(b, l, h), A=-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.2),
+             B=rn(b, l, g, n) / n ** 0.5, C=rn(b, l, g, n) / n ** 0.5, D=rn(h, p) if d_per_channel else rn(h),
+             z=rn(b, l, h, p), dt_bias=rn(h) * 0.5, initial_states=rn(b, h, p, n))
+    seq_idx = torch.zeros(b, l, dtype=torch.int32)
+    seq_idx[:, l // 3:] = 1
+    seq_idx[-1, 2 * l // 3:] = 2
+    for k in ("x", "B", "C", "z"):  # the rest stays fp32 (mamba_ssm's dt, A, D, dt_bias may be any; ours fp32)
+        t[k] = t[k].to(dtype)
+    for k in ("dt", "A", "D", "dt_bias", "initial_states"):
+        t[k] = t[k].float()
+    return t, seq_idx
+
+
+def definition(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+    d = F.softplus(dt + dt_bias).clamp(*LIMIT)
+    y, s = ssd_reference(x, d, A, B, C, D=D, initial_state=initial_states, seq_idx=seq_idx, return_final_state=True)
+    return y * F.silu(z), s
+
+
+def run(fn, t, seq_idx, gy, gs, device, **kw):
+    leaves = {k: v.to(device).clone().requires_grad_() for k, v in t.items()}
+    y, s = fn(**leaves, seq_idx=seq_idx.to(device), **kw)
+    loss = (y.double() * gy.to(device)).sum() + (s.double() * gs.to(device)).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return {"y": y, "final": s, **{f"d{k}": g for k, g in zip(leaves, grads)}}
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="both sides under TRITON_INTERPRET=1 on the CPU (fp32 only)")
+    ap.add_argument("--dtypes", default=None, help="bf16,fp32 (default: both on a GPU, fp32 on the CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if DEV == "cuda" and not torch.cuda.is_available():
+        sys.exit("no GPU here: pass --cpu to run both sides under the Triton interpreter")
+    names = (args.dtypes or ("fp32" if DEV == "cpu" else "bf16,fp32")).split(",")
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    bad = [d for d in names if d not in dtypes]
+    if bad:
+        sys.exit(f"--dtypes: unknown {bad}; choose from bf16, fp32")
+    if DEV == "cpu" and "bf16" in names:
+        sys.exit("--cpu checks fp32 only: the interpreter's bf16 dots differ from the GPU's on mamba_ssm's side")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    theirs = load_mamba()
+    print(f"device: {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu (TRITON_INTERPRET=1)'}, torch "
+          f"{torch.__version__}")
+    print("case            dtype  D      | worst ours vs mamba_ssm (field) | ours vs fp64 | mamba_ssm vs fp64 | s")
+    fails = 0
+    for (name, b, l, h, g, p, n, chunk), dname in [(c, d) for c in CASES for d in names]:
+        for d_per_channel in (False, True):
+            t0 = time.time()
+            t, seq_idx = inputs(b, l, h, g, p, n, dtypes[dname], d_per_channel, args.seed)
+            gen = torch.Generator().manual_seed(args.seed + 1)
+            gy = torch.randn(b, l, h, p, generator=gen, dtype=torch.float64)
+            gs = torch.randn(b, h, p, n, generator=gen, dtype=torch.float64)
+            kw = dict(dt_softplus=True, dt_limit=LIMIT, return_final_states=True)
+            ours = run(lambda **k: mamba_chunk_scan_combined(chunk_size=chunk, **k), t, seq_idx, gy, gs, DEV, **kw)
+            them = run(lambda **k: theirs(chunk_size=chunk, **k), t, seq_idx, gy, gs, DEV, **kw)
+            ref = run(definition, {k: v.double() for k, v in t.items()}, seq_idx, gy, gs, "cpu")
+            vs = {k: rel(ours[k], them[k]) for k in ref}
+            worst = max(vs, key=vs.get)
+            limit = 1e-4 if dname == "fp32" else 3e-2
+            ok = all(math.isfinite(v) and v <= limit for v in vs.values())
+            fails += not ok
+            ours_ref = max(rel(ours[k], ref[k]) for k in ref)
+            them_ref = max(rel(them[k], ref[k]) for k in ref)
+            print(f"{name:<15} {dname:<6} {'(h,p)' if d_per_channel else '(h,)':<6} | {vs[worst]:.2e} ({worst:<15}) "
+                  f"{'ok' if ok else 'FAIL'} | {ours_ref:.2e}    | {them_ref:.2e}         | {time.time() - t0:.0f}")
+    print("PASS" if not fails else f"FAIL: {fails} case(s) over the limit")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""``mamba_chunk_scan_combined`` with mamba_ssm's signature, computed by :func:`kernels.ssd`: a drop-in for code
+written against mamba_ssm (``from kernels.compat import mamba_chunk_scan_combined``).
+
+What it adds around ``kernels.ssd`` is what mamba_ssm folds into its scan: ``dt + dt_bias``, the softplus, the
+clamp to ``dt_limit`` (all in fp32, on dt's (b, l, h) elements) and the output gate ``y * silu(z)`` (after the D
+skip, as mamba_ssm applies it). Gradients reach x, dt, A, B, C, D, z, dt_bias and initial_states.
+
+Differences, by design:
+
+- ``chunk_size`` is accepted (mamba_ssm requires it) but does not choose the kernels' chunk: hmscale runs its own
+  tuned chunk (``HMSCALE_COMPAT_CHUNK``, default 64). The chunk changes the order of the sums, not the function:
+  outputs agree with mamba_ssm's to rounding whatever chunk either side uses.
+- ``cu_seqlens`` / ``return_varlen_states`` (per-document final states) are not supported: pass ``seq_idx`` for
+  packed documents (the state restarts where it changes, as in mamba_ssm).
+- the gate is applied by PyTorch after the scan's output is rounded to x's dtype (mamba_ssm gates the fp32
+  accumulator): in bf16 the two differ by about one rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["mamba_chunk_scan_combined"]
+
+
+def _chunk() -> int:
+    raw = os.environ.get("HMSCALE_COMPAT_CHUNK", "64")
+    try:
+        q = int(raw)
+    except ValueError:
+        q = -1
+    if q < 16 or q & (q - 1):
+        raise ValueError(f"HMSCALE_COMPAT_CHUNK must be a power of two >= 16 (64 is the tuned one), got {raw!r}")
+    return q
+
+
+def _fp32(t):
+    """fp32, or float64 kept (the references' precision)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _dt_processed(dt, dt_bias, dt_softplus, dt_limit):
+    h = dt.shape[-1]
+    d = _fp32(dt)
+    if dt_bias is not None:
+        if dt_bias.shape != (h,):
+            raise ValueError(f"dt_bias must be (h,) = ({h},), got {tuple(dt_bias.shape)}")
+        d = d + dt_bias.to(d.dtype)
+    if dt_softplus:
+        d = F.softplus(d)  # the identity above 20, as mamba_ssm's
+    lo, hi = dt_limit
+    if lo > 0.0 or hi != math.inf:
+        d = d.clamp(min=lo, max=hi)
+    return d
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False, backend=None):
+    """mamba_ssm's ``mamba_chunk_scan_combined`` on hmscale's kernels.
+
+    x (b, l, h, p); dt (b, l, h); A (h,); B, C (b, l, g, n) with h % g == 0; D (h,) or (h, p); z (b, l, h, p);
+    dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l). Returns y (b, l, h, p) in x's dtype, and the
+    final state (b, h, p, n) fp32 with ``return_final_states``. ``backend`` as in :func:`kernels.ssd`.
+    """
+    if cu_seqlens is not None or return_varlen_states:
+        raise ValueError("cu_seqlens / return_varlen_states are not supported; pass seq_idx (b, l) for packed "
+                         "documents instead")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    del chunk_size  # the function does not depend on it; see the module docstring
+    from kernels import ssd
+
+    d = _dt_processed(dt, dt_bias, dt_softplus, dt_limit)
+    out = ssd(x, d, _fp32(A), B, C, chunk_size=_chunk(), D=D, initial_state=initial_states, seq_idx=seq_idx,
+              return_final_state=return_final_states, backend=backend)
+    y, final = out if return_final_states else (out, None)
+    if z is not None:
+        y = (_fp32(y) * F.silu(_fp32(z))).to(x.dtype)
+    return (y, final) if return_final_states else y

@@ -1,0 +1,129 @@
+"""kernels.compat.mamba_chunk_scan_combined (mamba_ssm's signature) against its definition written out on the
+float64 reference: dt + dt_bias, softplus, clamp to dt_limit, the scan with D, then y * silu(z). Random inputs;
+tolerances: 1e-10 relative on the float64 torch path, 1e-5 on the fp32 Triton path (interpreter or GPU)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import ssd_reference
+from kernels.compat import mamba_chunk_scan_combined
+
+from ._helpers import TRITON_DEVICE, needs_triton, rel
+
+
+def _inputs(dtype, b=2, l=37, h=4, g=2, p=12, n=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    t = dict(x=rn(b, l, h, p), dt=rn(b, l, h), A=-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.2),
+             B=rn(b, l, g, n) / n ** 0.5, C=rn(b, l, g, n) / n ** 0.5, D=rn(h, p), z=rn(b, l, h, p),
+             dt_bias=rn(h) * 0.5, initial_states=rn(b, h, p, n))
+    seq_idx = torch.zeros(b, l, dtype=torch.int32)
+    seq_idx[:, l // 3:] = 1
+    seq_idx[1, 2 * l // 3:] = 2
+    for k in ("x", "B", "C", "z"):
+        t[k] = t[k].to(dtype)
+    if dtype != torch.float64:
+        for k in ("dt", "A", "D", "dt_bias", "initial_states"):
+            t[k] = t[k].float()
+    return t, seq_idx
+
+
+def _definition(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+    d = F.softplus(dt + dt_bias).clamp(*dt_limit)
+    y, s = ssd_reference(x, d, A, B, C, D=D, initial_state=initial_states, seq_idx=seq_idx, return_final_state=True)
+    return y * F.silu(z), s
+
+
+def _with_grads(fn, ins, seq_idx, device):
+    leaves = {k: v.to(device).clone().requires_grad_() for k, v in ins.items()}
+    y, s = fn(**leaves, seq_idx=None if seq_idx is None else seq_idx.to(device))
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    gs = torch.randn(s.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((y.double() * gy.to(device)).sum() + (s.double() * gs.to(device)).sum(),
+                                list(leaves.values()))
+    return y, s, dict(zip(leaves, grads))
+
+
+LIMIT = (0.2, 1.5)  # inside softplus's range on these inputs: the clamp binds on both sides
+
+
+def _ours(backend, dt_limit=LIMIT):
+    def fn(**k):
+        return mamba_chunk_scan_combined(**k, chunk_size=256, dt_softplus=True, dt_limit=dt_limit,
+                                         return_final_states=True, backend=backend)
+    return fn
+
+
+def _ref(dt_limit=LIMIT):
+    def fn(**k):
+        return _definition(**k, dt_limit=dt_limit)
+    return fn
+
+
+def test_the_clamp_binds_on_these_inputs():
+    ins, _ = _inputs(torch.float64)
+    d = F.softplus(ins["dt"] + ins["dt_bias"])
+    assert (d < LIMIT[0]).any() and (d > LIMIT[1]).any()
+
+
+@pytest.mark.parametrize("dt_limit", [LIMIT, (0.0, math.inf)])
+def test_torch_path_matches_definition(dt_limit):
+    ins, seq = _inputs(torch.float64)
+    y, s, g = _with_grads(_ours("torch", dt_limit), ins, seq, "cpu")
+    yr, sr, gr = _with_grads(_ref(dt_limit), ins, seq, "cpu")
+    assert rel(y, yr) < 1e-10 and rel(s, sr) < 1e-10
+    for k in ins:
+        assert rel(g[k], gr[k]) < 1e-10, k
+
+
+@needs_triton
+def test_triton_path_matches_definition():
+    ins, seq = _inputs(torch.float32)
+    y, s, g = _with_grads(_ours("triton"), ins, seq, TRITON_DEVICE)
+    yr, sr, gr = _with_grads(_ref(), {k: v.double() for k, v in ins.items()}, seq, "cpu")
+    assert y.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel(y, yr) < 1e-5 and rel(s, sr) < 1e-5
+    for k in ins:
+        assert rel(g[k], gr[k]) < 1e-5, k
+
+
+def test_optional_arguments_off_is_the_plain_scan():
+    ins, seq = _inputs(torch.float64)
+    y = mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, backend="torch")
+    yr = ssd_reference(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"])
+    assert rel(y, yr) < 1e-10
+
+
+def test_softplus_is_the_identity_above_20():
+    ins, _ = _inputs(torch.float64)
+    dt = ins["dt"].abs() + 25.0  # softplus(dt) == dt to double precision there too
+    y = mamba_chunk_scan_combined(ins["x"], dt, ins["A"] * 0.01, ins["B"], ins["C"], 64, dt_softplus=True,
+                                  backend="torch")
+    yr = ssd_reference(ins["x"], dt, ins["A"] * 0.01, ins["B"], ins["C"])
+    assert rel(y, yr) < 1e-10
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cu_seqlens=torch.tensor([0, 5])), "seq_idx"),
+    (dict(return_varlen_states=True), "seq_idx"),
+    (dict(dt_bias=torch.zeros(3)), r"dt_bias must be \(h,\)"),
+    (dict(z=torch.zeros(1, 2, 3)), "z must have x's shape"),
+])
+def test_unsupported_or_bad_arguments_say_what_to_change(kwargs, match):
+    ins, _ = _inputs(torch.float64)
+    with pytest.raises(ValueError, match=match):
+        mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, backend="torch", **kwargs)
+
+
+def test_bad_chunk_setting_is_one_line(monkeypatch):
+    monkeypatch.setenv("HMSCALE_COMPAT_CHUNK", "48")
+    ins, _ = _inputs(torch.float64)
+    with pytest.raises(ValueError, match="HMSCALE_COMPAT_CHUNK must be a power of two"):
+        mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, backend="torch")
