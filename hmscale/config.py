@@ -183,11 +183,23 @@ class Stage2Config(_Section):
     # (more compute, no new tokens: for a fixed token budget such as the fidelity benchmark's 3 %)
     epochs: int = Field(1, ge=1)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
+    # LoRA, as LoLCATs fine-tunes a linearised model: 0 = off (every weight but the embeddings trains); r > 0 wraps
+    # the linear layers named in lora_targets (last name component) with rank-r adapters scaled by lora_alpha / r
+    # and freezes every teacher weight; HedgeMamba's added parts and the feature maps still train in full. The
+    # exported model has the adapters folded in (a plain HedgeMamba)
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_targets: list[str] = Field(default_factory=lambda: ["in_proj", "out_proj"])
 
     @model_validator(mode="after")
     def _check_loss(self):
         if self.ce_weight == 0 and self.kd_weight == 0:
             raise ValueError("stage2.ce_weight: 0 with stage2.kd_weight=0 leaves no loss; set ce_weight > 0 or kd_weight > 0")
+        if self.lora_rank and self.trainable != "all":
+            raise ValueError(f"stage2.lora_rank: LoRA chooses what trains itself; set stage2.trainable=all (got "
+                             f"{self.trainable!r}) or lora_rank=0")
+        if self.lora_rank and not self.lora_targets:
+            raise ValueError("stage2.lora_targets: empty; name the linear layers to adapt (e.g. [in_proj, out_proj])")
         if self.epochs > 1 and self.steps:
             raise ValueError(f"stage2.epochs: {self.epochs} passes and stage2.steps={self.steps} both set the "
                              "step count; set one of them (epochs=1, or steps=null)")
@@ -277,6 +289,9 @@ class RunConfig(_Section):
             heads = flavor.n_heads
         else:
             heads = _heads_of(self.teacher.name_or_path)
+        if self.stage2.lora_rank and self.parallel.tp > 1:
+            raise ValueError("stage2.lora_rank: LoRA runs with ZeRO data parallelism only; set parallel.tp=1 or "
+                             "stage2.lora_rank=0")
         if heads is not None and heads % self.parallel.tp:
             raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's {heads} heads; pick a divisor of {heads}")
         if self.teacher.name_or_path and self.tokenizer.name_or_path is None:

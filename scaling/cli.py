@@ -60,6 +60,7 @@ def plan_cmd(
     split: str = typer.Option("10/90", "--split", help="stage-1/stage-2 split"),
     token_fraction: float = typer.Option(1.0, "--token-fraction", help="fraction of tokens whose per-layer tensors are cached"),
     topk: int = typer.Option(0, "--topk", help="teacher top-k log-probs cached for KD"),
+    lora_rank: int = typer.Option(0, "--lora-rank", help="stage 2 with LoRA adapters of this rank on the mixers' in_proj and out_proj (teacher weights frozen)"),
     throughput: Optional[List[str]] = typer.Option(None, "--throughput", help="measured tokens/s per GPU (repeatable): JSON {size: {cache|stage1|stage2: tok/s}}, CSV size,stage,tokens_per_s, or the JSON of benchmarks/train_throughput.py / cache_throughput.py"),
     csv_out: Optional[str] = typer.Option(None, "--csv", help="write the plan as CSV"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the plan as JSON"),
@@ -77,7 +78,7 @@ def plan_cmd(
         )
         settings = PlanSettings(
             gpu_mem_gb=gpu_mem, seq_len=seq_len, micro_batch=micro_batch, zero_stage=zero, tp=tp, max_tp=max_tp,
-            token_fraction=token_fraction, topk=topk, budget=rule,
+            token_fraction=token_fraction, topk=topk, budget=rule, lora_rank=lora_rank,
             throughput=load_throughput(*throughput) if throughput else None,
         )
         plans = plan(sizes or None, settings)

@@ -17,7 +17,8 @@ Memory per GPU (bytes; bf16 mixed precision with Adam, the ZeRO paper's accounti
     parameters 2 B/param, gradients 2 B/trainable param, optimizer 12 B/trainable param (fp32 master,
     Adam m and v). Tensor parallelism divides all three by tp. ZeRO-1 divides the optimizer states by
     dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Stage 2 trains everything except the
-    input embedding (frozen: parameters only).
+    input embedding (frozen: parameters only); with LoRA (``lora_rank``) only the adapters, ``r (in + out)`` per
+    adapted layer, and HedgeMamba's added parts (the FLOP model still counts a full backward: an upper bound).
     Activations per token per HedgeMamba block (saved for backward, bf16): LN1 in/out 2d, qkv 3d,
     conv out 3d, rotary q,k 2d, feature-map pre-activations 2 H F, phi(q), phi(k) 2 H 2F, SSD output d,
     gate z, silu(z), gated output 3d, LN2 in/out 2d, MLP 4d + 4d; plus the SSD chunk states in fp32,
@@ -108,6 +109,9 @@ class PlanSettings:
     conv_width: int = 4
     chunk_size: int = 64
     freeze_embed_out: bool = False
+    # stage 2 with LoRA (stage2.lora_rank > 0): every teacher weight frozen, rank-r adapters on these layers
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ("in_proj", "out_proj")
     # cache
     capture_layers: int | None = None  # None = all layers
     capture_tensors: int = 2  # attn_input, attn_output
@@ -149,6 +153,8 @@ class PlanSettings:
             topk=cap.topk,
             capture_layers=None if cap.layers == "all" else len(cap.layers),
             budget=BudgetRule(split=tuple(cfg.budget.split)),
+            lora_rank=cfg.stage2.lora_rank,
+            lora_targets=tuple(cfg.stage2.lora_targets),
             # a miniature teacher's vocabulary is the tokenizer's (trained on the data)
             vocab_size=cfg.tokenizer.vocab_size if cfg.teacher.name_or_path is None and cfg.tokenizer.name_or_path is None else None,
         )
@@ -189,10 +195,29 @@ def student_param_breakdown(flavor: Flavor | Size | str, settings: PlanSettings 
         "gate": L * (d * d + d) if s.gate else 0,
         "ssm": L * (d * H + 4 * H) if s.ssm else 0,  # dt projection (weight + bias), A_log, A_scale, D
     }
+    if s.lora_rank:
+        parts["lora"] = s.lora_rank * sum(_lora_dims(t, f, V, d, H) for t in s.lora_targets)
     parts["total"] = sum(parts.values())
+    if s.lora_rank:  # the adapters and HedgeMamba's added parts train; the teacher's weights (and adapted bases) not
+        gate = 0 if "z_proj" in s.lora_targets else parts["gate"]
+        ssm = parts["ssm"] - (L * (d * H + H) if "dt_proj" in s.lora_targets and s.ssm else 0)
+        parts["trainable"] = parts["lora"] + parts["feature_maps"] + parts["conv"] + gate + ssm
+        return parts
     frozen = parts["embed_in"] + (parts["embed_out"] if s.freeze_embed_out else 0)
     parts["trainable"] = parts["total"] - frozen
     return parts
+
+
+def _lora_dims(target: str, f: Flavor, V: int, d: int, H: int) -> int:
+    """in + out features summed over the model's layers of that name (the adapters of one rank)."""
+    L = f.n_layers
+    per_layer = {"in_proj": d + 3 * d, "out_proj": 2 * d, "z_proj": 2 * d, "dt_proj": d + H,
+                 "dense_h_to_4h": d + f.d_ff, "dense_4h_to_h": f.d_ff + d}
+    if target == "lm_head":
+        return d + V
+    if target not in per_layer:
+        raise ValueError(f"plan: LoRA target {target!r} unknown; choose from {', '.join([*per_layer, 'lm_head'])}")
+    return L * per_layer[target]
 
 
 def student_params(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> int:
@@ -284,6 +309,10 @@ def choose_layout(flavor: Flavor | Size | str, settings: PlanSettings | None = N
     f = _flavor(flavor)
     budget = s.usable_bytes
     tps = [s.tp] if s.tp else _divisors(f.n_heads, s.max_tp)
+    if s.lora_rank:
+        if s.tp and s.tp > 1:
+            raise ValueError("plan: LoRA runs with ZeRO data parallelism only (tp=1); drop --tp or --lora-rank")
+        tps = [1]  # hmscale's stage 2 runs LoRA without tensor parallelism
     zeros = [s.zero_stage] if s.zero_stage is not None else [0, 1, 2, 3]
     ckpts = [s.activation_checkpointing] if s.activation_checkpointing is not None else [False, True]
     n = 1

@@ -62,6 +62,8 @@ def export_hf(engine, out_dir: Path, layout: Layout, zero_stage: int, extra_file
     """save_pretrained of the trained module (ZeRO-3 params gathered, tp shards gathered) by rank 0."""
     import deepspeed
 
+    from hmscale.models.lora import merged_state_dict
+
     module = engine.module
     out_dir = Path(out_dir)
     params = list(module.parameters())
@@ -73,6 +75,7 @@ def export_hf(engine, out_dir: Path, layout: Layout, zero_stage: int, extra_file
             state = gather_tensor_parallel_state_dict(module, layout.mesh)
         else:
             state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        state = merged_state_dict(module, state)  # LoRA adapters folded in (none: unchanged)
         if layout.rank == 0:
             tmp = out_dir.with_name(out_dir.name + ".tmp")
             if tmp.exists():

@@ -197,6 +197,27 @@ def freeze_all_but_mixers(model: torch.nn.Module) -> int:
     return n
 
 
+def apply_stage2_lora(model: torch.nn.Module, s2, seed: int = 0) -> tuple[int, list[str]]:
+    """stage2.lora_rank > 0: wrap the ``stage2.lora_targets`` layers with adapters (``hmscale.models.lora``) and
+    freeze every teacher weight, the wrapped layers' own weights included; what trains: the adapters, HedgeMamba's
+    added recurrent parts and the feature maps. Returns (parameters newly frozen, the wrapped layers' names)."""
+    from hmscale.models.hedgemamba import param_kind
+    from hmscale.models.lora import apply_lora, is_lora_param
+
+    try:
+        wrapped = apply_lora(model, s2.lora_targets, s2.lora_rank, s2.lora_alpha, seed=seed)
+    except ValueError as e:
+        raise TrainingError(f"stage2.lora_targets: {e}") from None
+    bases = {f"{w}.{k}" for w in wrapped for k in ("weight", "bias")}
+    n = 0
+    for name, p in model.named_parameters():
+        train = is_lora_param(name) or (param_kind(name) != "teacher" and name not in bases)
+        if p.requires_grad and not train:
+            p.requires_grad_(False)
+            n += p.numel()
+    return n, wrapped
+
+
 def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feature_map_scale: float = 1.0):
     """The trainable parameters as optimizer groups: the teacher's weights at `lr`, HedgeMamba's added
     recurrent parts (`ADDED_PARAM_NAMES`) at `lr * new_scale`, the feature maps at `lr * feature_map_scale`.
@@ -372,6 +393,10 @@ def run_stage2(
     frozen = freeze_embeddings(model)
     if getattr(s2, "trainable", "all") == "mixers":
         frozen += freeze_all_but_mixers(model)
+    lora_layers: list[str] = []
+    if getattr(s2, "lora_rank", 0):
+        n, lora_layers = apply_stage2_lora(model, s2, seed=cfg.seed)
+        frozen += n
     if layout.tp_size > 1:
         from hmscale import parallel as hp
 
@@ -434,7 +459,8 @@ def run_stage2(
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.log(0, {"event": "start", "trainable_params": n_train, "frozen_params": frozen,
                        "total_steps": total_steps, "tokens_per_step": tokens_per_step,
-                       "zero_stage": par.zero_stage, "tp": layout.tp_size, "dp": layout.dp_size}, kind="event")
+                       "zero_stage": par.zero_stage, "tp": layout.tp_size, "dp": layout.dp_size,
+                       "lora_layers": len(lora_layers)}, kind="event")
 
     def micro_step(step: int, micro: int):
         batch = get_batch(source, sampler, bplan, step, micro, layout.device)

@@ -63,6 +63,30 @@ def test_student_param_count_matches_the_real_hedgemamba(components):
     assert real == student_param_breakdown("pythia-micro", PlanSettings(**components))["total"]
 
 
+@pytest.mark.parametrize("targets", [("in_proj", "out_proj"), ("in_proj", "z_proj", "dense_h_to_4h", "lm_head")])
+def test_lora_counts_match_the_real_stage2_model(targets):
+    convert = pytest.importorskip("hmscale.models.convert")
+    from types import SimpleNamespace
+
+    from transformers import GPTNeoXForCausalLM
+
+    from hmscale.train.stage2 import apply_stage2_lora
+
+    teacher = GPTNeoXForCausalLM(neox_config("pythia-micro"))
+    model = convert.to_hedgemamba(convert.to_hedgehog(teacher))
+    apply_stage2_lora(model, SimpleNamespace(lora_targets=list(targets), lora_rank=3, lora_alpha=6.0))
+    parts = student_param_breakdown("pythia-micro", PlanSettings(lora_rank=3, lora_targets=targets))
+    assert parts["total"] == sum(p.numel() for p in model.parameters())
+    assert parts["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert parts["trainable"] < student_param_breakdown("pythia-micro")["trainable"] / 5
+    lay = choose_layout("pythia-6.9b", PlanSettings(gpu_mem_gb=80, lora_rank=16))
+    assert lay.tp == 1 and choose_layout("pythia-6.9b", PlanSettings(gpu_mem_gb=80)).tp > 1
+    with pytest.raises(ValueError, match="LoRA runs with ZeRO data parallelism only"):
+        choose_layout("pythia-1b", PlanSettings(lora_rank=8, tp=2))
+    with pytest.raises(ValueError, match="LoRA target 'q_proj' unknown"):
+        student_param_breakdown("pythia-micro", PlanSettings(lora_rank=3, lora_targets=("q_proj",)))
+
+
 def test_student_params_add_the_new_parts():
     parts = student_param_breakdown("pythia-1b")
     assert parts["total"] == count_params("pythia-1b") + parts["feature_maps"] + parts["conv"] + parts["gate"] + parts["ssm"]
