@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -55,12 +56,15 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
           profile: bool = False, compile_blocks: bool = False, sync_debug: bool = False,
           ds_config: str | None = None, cuda_graphs: bool = False, zero_stage: int = 2, phases: bool = False,
           grad_checks: str = "hmscale", grad_buckets: bool = True, compile_mode: str | None = None, adam: str = "auto",
-          fused_ce: bool | None = None, kd_topk: int = 0, gaps: bool = False) -> dict:
+          fused_ce: bool | None = None, kd_topk: int = 0, gaps: bool = False, lora_rank: int = 0) -> dict:
     from hmscale.train.engine import OptimSpec, build_engine
-    from hmscale.train.stage2 import causal_lm_losses, freeze_embeddings
+    from hmscale.train.stage2 import apply_stage2_lora, causal_lm_losses, freeze_embeddings
 
     n_params = sum(p.numel() for p in model.parameters())
     freeze_embeddings(model)
+    if lora_rank:  # stage2.lora_rank: adapters on the mixers' in_proj / out_proj, every teacher weight frozen
+        apply_stage2_lora(model, SimpleNamespace(lora_targets=["in_proj", "out_proj"], lora_rank=lora_rank,
+                                                 lora_alpha=2.0 * lora_rank))
     model.to(device)
     if compile_blocks:
         from hmscale.parallel import apply_compile
@@ -202,7 +206,8 @@ def bench(name: str, model, *, seq: int, micro_batch: int, steps: int, warmup: i
     graphed = cuda_graphs or compile_mode == "reduce-overhead"
     act = (torch.cuda.max_memory_allocated() - base) / (micro_batch * seq) if cuda and not graphed else None
     out = {"model": name, "params": n_params, "seq": seq, "micro_batch": micro_batch, "steps": steps,
-           "step_ms": 1e3 * dt / steps, "tokens_per_s": tps, "mfu": 6 * n_params * tps / PEAK_FLOPS,
+           # MFU's 6 x params counts every weight's gradient: not what a LoRA step computes (no MFU for it)
+           "step_ms": 1e3 * dt / steps, "tokens_per_s": tps, "mfu": None if lora_rank else 6 * n_params * tps / PEAK_FLOPS,
            "act_bytes_per_token": act, "final_loss": float(loss)}
     if phase_ms is not None:
         out["phase_ms"] = phase_ms
@@ -252,6 +257,9 @@ def main(argv=None) -> int:
                          "(F.cross_entropy one sequence at a time under activation checkpointing)")
     ap.add_argument("--kd-topk", type=int, default=0,
                     help="add stage 2's KD term against k random cached teacher log-probs per position (weight 0.5)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="the student as stage2.lora_rank=R trains it (adapters on in_proj / out_proj, teacher weights "
+                         "frozen); tokens/s only (no MFU)")
     ap.add_argument("--sync-debug", action="store_true", help="report the host-device synchronisations of one step")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel CUDA time table of one step per model")
     ap.add_argument("--gaps", action="store_true",
@@ -308,14 +316,15 @@ def main(argv=None) -> int:
                 name = (f"{flavor} {kind}{suffix}{' cuda-graphs' if graphs else ''}"
                         f"{'' if check == 'hmscale' else f' checks={check}'}{'' if bucket == 'hmscale' else ' deepspeed-buckets'}"
                         f"{'' if adams == ['auto'] else f' adam={adam}'}"
-                        f"{'' if args.ce == 'auto' else f' ce={args.ce}'}{f' kd-top{args.kd_topk}' if args.kd_topk else ''}")
+                        f"{'' if args.ce == 'auto' else f' ce={args.ce}'}{f' kd-top{args.kd_topk}' if args.kd_topk else ''}"
+                        f"{f' lora-r{args.lora_rank}' if args.lora_rank and kind == 'hedgemamba' else ''}")
                 r = bench(name, make(flavor, v), seq=seq, micro_batch=mb, steps=steps, warmup=warmup,
                           device=device, bf16=bf16, vocab=v, profile=args.profile,
                           compile_blocks=args.compile, sync_debug=args.sync_debug, ds_config=args.ds_config,
                           cuda_graphs=graphs, zero_stage=args.zero_stage, phases=args.phases,
                           grad_checks=check, grad_buckets=bucket == "hmscale", adam=adam,
                           fused_ce={"auto": None, "fused": True, "rows": False}[args.ce], kd_topk=args.kd_topk,
-                          gaps=args.gaps,
+                          gaps=args.gaps, lora_rank=args.lora_rank if kind == "hedgemamba" else 0,
                           compile_mode=None if args.compile_mode == "default" else args.compile_mode)
             except torch.OutOfMemoryError as err:  # record it and go on with the next model
                 gc.collect()
@@ -342,8 +351,9 @@ def main(argv=None) -> int:
             continue
         act = (f"{r['act_bytes_per_token'] / 1024:.1f} KiB" if r["act_bytes_per_token"] is not None
                else "n/a (graph pool)" if ("cuda-graphs" in r["model"] or "reduce-overhead" in r["model"]) else "n/a (CPU)")
+        mfu = "n/a (LoRA)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['seq']} x {r['micro_batch']} | {r['step_ms']:.1f} ms "
-              f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {act} |")
+              f"| {r['tokens_per_s']:,.0f} | {mfu} | {act} |")
     return 0
 
 

@@ -43,6 +43,14 @@ def test_train_throughput_smoke(tmp_path):
     assert out.count("GPU idle in one step of pythia-nano") == 12 and "no device events in the trace" in out
 
 
+def test_train_throughput_lora_smoke(tmp_path):
+    out = _run([str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--lora-rank", "4", "--no-teacher",
+                "--out", str(tmp_path / "t.json")], tmp_path)
+    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert row["model"] == "pythia-nano hedgemamba lora-r4" and row["mfu"] is None and row["tokens_per_s"] > 0
+    assert "| pythia-nano hedgemamba lora-r4 |" in out and "n/a (LoRA)" in out
+
+
 def test_ssd_registers_reports_every_kernel(tmp_path):
     """benchmarks/ssd_registers.py compiles each launch of one fwd+bwd call for sm_90 on the CPU and reads its
     registers and spill bytes (also when the environment asks for the interpreter, as the test suite does), and
