@@ -204,6 +204,9 @@ def apply_stage2_lora(model: torch.nn.Module, s2, seed: int = 0) -> tuple[int, l
     from hmscale.models.hedgemamba import param_kind
     from hmscale.models.lora import apply_lora, is_lora_param
 
+    if "lm_head" in s2.lora_targets and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise TrainingError("stage2.lora_targets: lm_head is tied to the input embeddings in this model (its export "
+                            "would drop the folded adapter); leave lm_head out")
     try:
         wrapped = apply_lora(model, s2.lora_targets, s2.lora_rank, s2.lora_alpha, seed=seed)
     except ValueError as e:

@@ -125,3 +125,14 @@ def test_a_target_that_matches_nothing_names_the_choices(tmp_path):
 
     with pytest.raises(TrainingError, match=r"stage2.lora_targets: .*'q_proj'.*choose from .*dense_h_to_4h.*in_proj"):
         run_stage2(cfg(["stage2.lora_targets=[q_proj]"]), tmp_path, model=student(), source=ArraySource(toks()))
+
+
+def test_a_tied_lm_head_is_refused():
+    from types import SimpleNamespace
+
+    from hmscale.train.stage2 import apply_stage2_lora
+
+    model = student()
+    model.config.tie_word_embeddings = True
+    with pytest.raises(TrainingError, match="lm_head is tied to the input embeddings"):
+        apply_stage2_lora(model, SimpleNamespace(lora_targets=["in_proj", "lm_head"], lora_rank=2, lora_alpha=2.0))
