@@ -47,13 +47,30 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
 @app.command()
 def cache(
     config: Optional[str] = ConfigArg,
-    target: Optional[str] = typer.Argument(None, help="with `verify`: the cache directory to check"),
+    target: Optional[str] = typer.Argument(None, help="with `verify`: the cache directory to check; with `list`: "
+                                                       "the cache root (default: the embedded config's cache.root)"),
     overrides: Optional[List[str]] = OverridesOpt,
     engine: Optional[str] = typer.Option(None, help="local | ray (default: cache.engine, else parallel.engine)"),
+    as_json: bool = typer.Option(False, "--json", help="with `list`: one JSON object per cache"),
 ):
-    """Cache the teacher's per-layer tensors over the data plan (`hmscale cache CONFIG`); `hmscale cache verify DIR` checks one."""
+    """Cache the teacher's per-layer tensors over the data plan (`hmscale cache CONFIG`); `hmscale cache verify DIR`
+    checks one; `hmscale cache list [ROOT]` lists a root's caches from their manifests."""
     from hmscale.teacher.cache import CacheError, build_cache, verify_cache
 
+    if config == "list":
+        from hmscale.teacher.cache.catalog import format_catalog, list_caches
+
+        root = target or _config(None, overrides).cache.root
+        try:
+            entries = list_caches(root)
+        except CacheError as err:
+            fail(f"cache list: {err}")
+        if as_json:
+            for e in entries:
+                typer.echo(json.dumps(e.row()))
+        else:
+            typer.echo(format_catalog(entries, root))
+        return
     if config == "verify":
         if not target:
             fail("cache verify: name the cache directory, e.g. hmscale cache verify .cache/hmscale/teacher/v1-...")
@@ -61,7 +78,8 @@ def cache(
         typer.echo(report.summary(), err=not report.ok)
         raise typer.Exit(0 if report.ok else 1)
     if target:
-        fail(f"cache: unexpected argument {target!r}; use `hmscale cache CONFIG` or `hmscale cache verify DIR`")
+        fail(f"cache: unexpected argument {target!r}; use `hmscale cache CONFIG`, `hmscale cache verify DIR` or "
+             "`hmscale cache list [ROOT]`")
     cfg = _config(config, overrides)
     try:
         path = build_cache(cfg, engine=engine)

@@ -1,0 +1,129 @@
+"""What a cache root holds: one row per cache directory, read from the manifests only (no shard is opened).
+
+``hmscale cache list [ROOT]`` prints it: for a team that keeps one teacher pass per (teacher, data plan, capture
+spec) and reuses it across runs, which caches exist, how far each got, what they weigh on disk and when each was
+last written; directories under the root that are not readable caches are listed with the reason, and leftover
+temporary shard files (a worker killed mid-shard; the next build of that cache removes them) are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hmscale.teacher.cache.format import MANIFEST, CacheError
+from hmscale.teacher.cache.manifest import Manifest
+
+__all__ = ["CacheEntry", "list_caches", "format_catalog"]
+
+
+@dataclass
+class CacheEntry:
+    path: Path
+    error: str | None = None  # not a readable cache: why
+    key: str = ""
+    teacher: str = ""
+    fingerprint: str = ""
+    plan: str = ""
+    layers: str = ""
+    tensors: str = ""
+    dtype: str = ""
+    token_fraction: float = 1.0
+    topk: int = 0
+    shards_done: int = 0
+    shards_requested: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    complete: bool = False
+    updated: str = ""
+    temporaries: list[Path] = field(default_factory=list)
+
+    def row(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("path", "temporaries")}
+        d["path"] = str(self.path)
+        d["temporaries"] = len(self.temporaries)
+        d["temporary_bytes"] = sum(_size(p) for p in self.temporaries)
+        return d
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _layers(spec) -> str:
+    if spec == "all" or not isinstance(spec, list):
+        return str(spec)
+    if spec and spec == list(range(spec[0], spec[-1] + 1)):
+        return f"{spec[0]}-{spec[-1]}" if len(spec) > 1 else str(spec[0])
+    return ",".join(str(i) for i in spec)
+
+
+def _entry(d: Path) -> CacheEntry:
+    e = CacheEntry(path=d, temporaries=sorted(d.glob(".shard-*.tmp")))
+    try:
+        m = Manifest.load(d)
+    except CacheError as err:
+        e.error = str(err)
+        return e
+    data = m.data
+    t, cap, plan = data.get("teacher", {}), data.get("capture", {}), data.get("plan", {})
+    shards = m.shards
+    e.key = data.get("key", d.name)
+    e.teacher = str(t.get("name_or_path") or t.get("flavor") or "?")
+    e.fingerprint = str(t.get("fingerprint", ""))[:12]
+    e.plan = str(plan.get("hash", ""))
+    e.layers = _layers(cap.get("layers"))
+    e.tensors = "+".join(cap.get("tensors", []))
+    e.dtype = str(cap.get("dtype", ""))
+    e.token_fraction = float(cap.get("token_fraction", 1.0))
+    e.topk = int(cap.get("topk", 0))
+    e.shards_done = len(shards)
+    e.shards_requested = len(data.get("requested_shards", []))
+    e.tokens = sum(int(s.get("tokens", 0)) for s in shards.values())
+    e.bytes = sum(int(s.get("bytes", 0)) for s in shards.values())
+    e.complete = m.complete
+    e.updated = str(data.get("updated", ""))
+    return e
+
+
+def list_caches(root) -> list[CacheEntry]:
+    """Every directory directly under ``root`` (and ``root`` itself if it is a cache), in name order."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CacheError(f"{root} is not a directory; pass a cache root such as .cache/hmscale/teacher (cache.root)")
+    if (root / MANIFEST).exists():
+        return [_entry(root)]
+    return [_entry(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")]
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def format_catalog(entries: list[CacheEntry], root) -> str:
+    """The table ``hmscale cache list`` prints, and a total line."""
+    if not entries:
+        return f"{root}: no caches (build one with `hmscale cache CONFIG`)"
+    lines = [f"{'cache':<26} {'teacher':<22} {'layers':<9} {'tensors':<22} {'dtype':<9} {'tok':>4} {'top-k':>5} "
+             f"{'shards':>11} {'tokens':>13} {'size':>10}  {'state':<9} updated"]
+    total = stale = 0
+    for e in entries:
+        tmp = sum(_size(p) for p in e.temporaries)
+        stale += tmp
+        if e.error:
+            lines.append(f"{e.path.name:<26} not a cache: {e.error}")
+            continue
+        total += e.bytes
+        teacher = f"{e.teacher[-13:]}@{e.fingerprint[:8]}"
+        state = "complete" if e.complete else "partial"
+        lines.append(f"{e.key:<26} {teacher:<22} {e.layers:<9} {e.tensors:<22} {e.dtype:<9} {e.token_fraction:>4g} "
+                     f"{e.topk:>5} {e.shards_done:>5}/{e.shards_requested:<5} {e.tokens:>13,} {_gb(e.bytes):>10}  "
+                     f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {_gb(tmp)})" if tmp else ""))
+    n = sum(1 for e in entries if not e.error)
+    lines.append(f"{n} cache(s), {_gb(total)} in shards" + (f"; {_gb(stale)} in temporary files of interrupted "
+                                                            "shards (the next build of their cache removes them)"
+                                                            if stale else ""))
+    return "\n".join(lines)
