@@ -1,4 +1,5 @@
-"""``kernels.compat.mamba_chunk_scan_combined`` against mamba_ssm's own function, same arguments, same inputs.
+"""``kernels.compat`` against mamba_ssm's own functions, same arguments, same inputs: ``mamba_chunk_scan_combined``
+(outputs, final state, every gradient) and ``selective_state_update`` (one decode step: output and updated state).
 
     python benchmarks/compat_check.py                 # on a GPU (mamba_ssm from /tmp/anchors, as .whl/preamble.sh unpacks it)
     python benchmarks/compat_check.py --cpu           # on the CPU: both sides' Triton kernels under TRITON_INTERPRET=1
@@ -8,8 +9,9 @@ For each case (its options: dt_bias with softplus and a binding dt_limit, D per 
 initial_states, seq_idx, g = 1 / 1 < g < h / g = h, l not a multiple of the chunk): fresh random inputs, the output,
 the final state and the gradients of every input (x, dt, A, B, C, D, z, dt_bias, initial_states), each compared by
 ||a - b|| / ||b|| between the two implementations and from each to the definition on the float64 reference
-(``kernels.compat``'s docstring). Limits for ours against mamba_ssm: 1e-4 in fp32 (tf32 off), 3e-2 in bf16 (two
-bf16 implementations, each ~1e-2 from float64). Exit code 1 if a case fails.
+(``kernels.compat``'s docstring). The decode step: Mamba-2's tied form (one dt, A, dt_bias per head, expanded) and a
+per-channel form, with D, z, dt_bias, softplus and state_batch_indices. Limits for ours against mamba_ssm: 1e-4 in
+fp32 (tf32 off), 3e-2 in bf16 (two bf16 implementations, each ~1e-2 from float64). Exit code 1 if a case fails.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels import ssd_reference  # noqa: E402
-from kernels.compat import mamba_chunk_scan_combined  # noqa: E402
+from kernels.compat import mamba_chunk_scan_combined, selective_state_update  # noqa: E402
 
 DEV = "cpu" if "--cpu" in sys.argv else "cuda"
 LIMIT = (0.05, 1.5)
@@ -76,8 +78,9 @@ def load_mamba():
         from triton.runtime.autotuner import Autotuner
         prune = Autotuner.prune_configs
         Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update as their_step
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as theirs
-    return theirs
+    return theirs, their_step
 
 
 def inputs(b, l, h, g, p, n, dtype, d_per_channel, seed):
@@ -135,7 +138,7 @@ def main() -> int:
         sys.exit("--cpu checks fp32 only: the interpreter's bf16 dots differ from the GPU's on mamba_ssm's side")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    theirs = load_mamba()
+    theirs, their_step = load_mamba()
     print(f"device: {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu (TRITON_INTERPRET=1)'}, torch "
           f"{torch.__version__}")
     print("case            dtype  D      | worst ours vs mamba_ssm (field) | ours vs fp64 | mamba_ssm vs fp64 | s")
@@ -160,6 +163,33 @@ def main() -> int:
             them_ref = max(rel(them[k], ref[k]) for k in ref)
             print(f"{name:<15} {dname:<6} {'(h,p)' if d_per_channel else '(h,)':<6} | {vs[worst]:.2e} ({worst:<15}) "
                   f"{'ok' if ok else 'FAIL'} | {ours_ref:.2e}    | {them_ref:.2e}         | {time.time() - t0:.0f}")
+    print()
+    print("decode step      dtype  form         | ours vs mamba_ssm: out, state | ok")
+    for dname, tied in [(d, t) for d in names for t in (True, False)]:
+        b, h, g, p, n, pool = 3, 8, 2, 32, 64, 5
+        gen = torch.Generator().manual_seed(args.seed + 2)
+        rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+        dt_dtype = dtypes[dname]
+        if tied:
+            dt = rn(b, h)[..., None].expand(b, h, p)
+            A = -(torch.rand(h, generator=gen) + 0.2)[:, None, None].expand(h, p, n)
+            bias = (rn(h) * 0.5)[:, None].expand(h, p)
+        else:
+            dt, A, bias = rn(b, h, p), -(torch.rand(h, p, n, generator=gen) + 0.2), rn(h, p) * 0.5
+        t = dict(x=rn(b, h, p).to(dt_dtype), dt=dt.to(dt_dtype), A=A, B=rn(b, g, n).to(dt_dtype),
+                 C=rn(b, g, n).to(dt_dtype), D=rn(h, p), z=rn(b, h, p).to(dt_dtype), dt_bias=bias)
+        t = {k: v.to(DEV) for k, v in t.items()}
+        idx = torch.tensor([3, 0, 4], device=DEV)
+        pool_state = rn(pool, h, p, n).to(DEV)
+        s_ours, s_them = pool_state.clone(), pool_state.clone()
+        y_ours = selective_state_update(s_ours, **t, dt_softplus=True, state_batch_indices=idx)
+        y_them = their_step(s_them, **t, dt_softplus=True, state_batch_indices=idx)
+        e_y, e_s = rel(y_ours, y_them), rel(s_ours, s_them)
+        limit = 1e-4 if dname == "fp32" else 3e-2
+        ok = all(math.isfinite(v) and v <= limit for v in (e_y, e_s))
+        fails += not ok
+        print(f"{'b3 h8 g2 p32 n64':<16} {dname:<6} {'tied (Mamba-2)' if tied else 'per-channel':<12} | {e_y:.2e}, {e_s:.2e}"
+              f"              | {'ok' if ok else 'FAIL'}")
     print("PASS" if not fails else f"FAIL: {fails} case(s) over the limit")
     return 1 if fails else 0
 

@@ -13,7 +13,8 @@ Public API (see DESIGN.md, "Contracts"):
   ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
   ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
   ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
-- ``compat.mamba_chunk_scan_combined``: mamba_ssm's signature (dt_bias, softplus, dt_limit, the z gate) on ``ssd``.
+- ``compat.mamba_chunk_scan_combined`` / ``compat.selective_state_update``: mamba_ssm's signatures (dt_bias,
+  softplus, dt_limit, the z gate; the decode step in place) on ``ssd`` / ``ssd_step``.
 - The training loss: ``cross_entropy_sum_triton(logits, target)`` and ``next_token_loss_sums(logits, input_ids,
   topk_ids=None, topk_logprobs=None, temperature=1.0)`` (cross-entropy and the cached top-k KD term;
   ``cross_entropy.py``; ``cross_entropy_reference``).

@@ -1,5 +1,9 @@
-"""``mamba_chunk_scan_combined`` with mamba_ssm's signature, computed by :func:`kernels.ssd`: a drop-in for code
-written against mamba_ssm (``from kernels.compat import mamba_chunk_scan_combined``).
+"""mamba_ssm's two SSD entry points with their signatures, computed by hmscale's kernels: a drop-in for code written
+against mamba_ssm (``from kernels.compat import mamba_chunk_scan_combined, selective_state_update``).
+
+``mamba_chunk_scan_combined`` (training / prefill) runs :func:`kernels.ssd`; ``selective_state_update`` (one decode
+step, the state updated in place) runs :func:`kernels.ssd_step` where dt, A and dt_bias are tied across a head's
+channels (Mamba-2: mamba_ssm's callers pass them expanded with stride 0) and plain PyTorch otherwise.
 
 What it adds around ``kernels.ssd`` is what mamba_ssm folds into its scan: ``dt + dt_bias``, the softplus, the
 clamp to ``dt_limit`` (all in fp32, on dt's (b, l, h) elements) and the output gate ``y * silu(z)`` (after the D
@@ -24,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mamba_chunk_scan_combined"]
+__all__ = ["mamba_chunk_scan_combined", "selective_state_update"]
 
 
 def _chunk() -> int:
@@ -82,3 +86,52 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     if z is not None:
         y = (_fp32(y) * F.silu(_fp32(z))).to(x.dtype)
     return (y, final) if return_final_states else y
+
+
+def _tied(t, dims) -> bool:
+    """Whether ``t`` is broadcast (stride 0) along ``dims``: one value per head, as Mamba-2 passes dt, A, dt_bias."""
+    return t is None or all(t.stride(d) == 0 or t.shape[d] == 1 for d in dims)
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None, backend=None):
+    """mamba_ssm's ``selective_state_update``: one token, ``state`` updated in place, the output returned.
+
+    state (b, h, p, n) (or (b, p, n) without heads); x, dt, z (b, h, p); A (h, p, n); B, C (b, g, n); D, dt_bias
+    (h, p); ``state_batch_indices`` (b,): the state rows this batch updates. Returns out (b, h, p) in x's dtype.
+    """
+    heads = state.dim() == 4
+    if not heads:  # (b, p, n): one head
+        state, x, dt, A, B, C = state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0), B.unsqueeze(1), C.unsqueeze(1)
+        D = None if D is None else D.unsqueeze(0)
+        z = None if z is None else z.unsqueeze(1)
+        dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
+    b, h, p = x.shape
+    rows = state if state_batch_indices is None else state[state_batch_indices]
+    if rows.shape[:3] != (b, h, p) or A.shape != (h, p, rows.shape[3]) or dt.shape != x.shape:
+        raise ValueError(f"selective_state_update: state {tuple(rows.shape)}, x {tuple(x.shape)}, dt {tuple(dt.shape)} "
+                         f"and A {tuple(A.shape)} must be (b, h, p, n), (b, h, p), (b, h, p) and (h, p, n)")
+    if _tied(dt, [2]) and _tied(A, [1, 2]) and _tied(dt_bias, [1]):  # Mamba-2: one dt and A per head: ssd_step
+        from kernels import ssd_step
+
+        d = _dt_processed(dt[..., 0], None if dt_bias is None else dt_bias[:, 0], dt_softplus, (0.0, math.inf))
+        y, new = ssd_step(rows, x, d, _fp32(A[:, 0, 0]), B, C, D=D, backend=backend)
+    else:  # per-channel dt or A (Mamba-1 style): plain PyTorch
+        d = _fp32(dt) + (0 if dt_bias is None else _fp32(dt_bias))
+        d = F.softplus(d) if dt_softplus else d
+        g = B.shape[1]
+        Bh = _fp32(B).repeat_interleave(h // g, dim=1)[:, :, None, :]  # (b, h, 1, n)
+        Ch = _fp32(C).repeat_interleave(h // g, dim=1)[:, :, None, :]
+        new = torch.exp(d[..., None] * _fp32(A)) * _fp32(rows) + (d * _fp32(x))[..., None] * Bh
+        y = (new * Ch).sum(-1)
+        if D is not None:
+            y = y + _fp32(D) * _fp32(x)
+        y = y.to(x.dtype)
+    with torch.no_grad():
+        if state_batch_indices is None:
+            state.copy_(new)
+        else:
+            state[state_batch_indices] = new.to(state.dtype)
+    if z is not None:
+        y = (_fp32(y) * F.silu(_fp32(z))).to(x.dtype)
+    return y if heads else y[:, 0]

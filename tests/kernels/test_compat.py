@@ -127,3 +127,90 @@ def test_bad_chunk_setting_is_one_line(monkeypatch):
     ins, _ = _inputs(torch.float64)
     with pytest.raises(ValueError, match="HMSCALE_COMPAT_CHUNK must be a power of two"):
         mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, backend="torch")
+
+
+# ---------------------------------------------------------------- selective_state_update (one decode step)
+
+from kernels.compat import selective_state_update  # noqa: E402
+
+
+def _step_inputs(b=3, h=4, g=2, p=6, n=8, pool=None, seed=3, tied=False):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    t = dict(x=rn(b, h, p), B=rn(b, g, n), C=rn(b, g, n), D=rn(h, p), z=rn(b, h, p))
+    if tied:  # Mamba-2: one dt, A and dt_bias per head, passed expanded with stride 0
+        t["dt"] = rn(b, h)[..., None].expand(b, h, p)
+        t["A"] = (-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.2))[:, None, None].expand(h, p, n)
+        t["dt_bias"] = (rn(h) * 0.5)[:, None].expand(h, p)
+    else:
+        t["dt"], t["A"], t["dt_bias"] = rn(b, h, p), -(torch.rand(h, p, n, generator=gen, dtype=torch.float64) + 0.2), rn(h, p)
+    state = rn(pool or b, h, p, n)
+    return t, state
+
+
+def _step_definition(state, x, dt, A, B, C, D, z, dt_bias):
+    h, g = x.shape[1], B.shape[1]
+    d = F.softplus(dt + dt_bias)
+    Bh, Ch = B.repeat_interleave(h // g, 1)[:, :, None], C.repeat_interleave(h // g, 1)[:, :, None]
+    new = torch.exp(d[..., None] * A) * state + (d * x)[..., None] * Bh
+    return ((new * Ch).sum(-1) + D * x) * F.silu(z), new
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_step_matches_its_definition_and_updates_the_state_in_place(tied):
+    t, state = _step_inputs(tied=tied)
+    want_y, want_state = _step_definition(state, **t)
+    s = state.clone()
+    y = selective_state_update(s, **t, dt_softplus=True, backend="torch")
+    assert rel(y, want_y) < 1e-12 and rel(s, want_state) < 1e-12
+
+
+def test_step_with_state_batch_indices_touches_only_those_rows():
+    t, pool = _step_inputs(pool=6, b=2)
+    idx = torch.tensor([4, 1])
+    want_y, want_rows = _step_definition(pool[idx], **t)
+    s = pool.clone()
+    y = selective_state_update(s, **t, dt_softplus=True, state_batch_indices=idx, backend="torch")
+    assert rel(y, want_y) < 1e-12 and rel(s[idx], want_rows) < 1e-12
+    keep = [0, 2, 3, 5]
+    assert torch.equal(s[keep], pool[keep])
+
+
+def test_step_without_heads():
+    t, state = _step_inputs(h=1, g=1)
+    want_y, want_state = _step_definition(state, **t)
+    s = state[:, 0].clone()
+    one = {k: v[:, 0] if k in ("x", "dt", "z", "B", "C") else v[0] for k, v in t.items()}
+    y = selective_state_update(s, **one, dt_softplus=True, backend="torch")
+    assert y.shape == want_y[:, 0].shape and rel(y, want_y[:, 0]) < 1e-12 and rel(s, want_state[:, 0]) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_stepping_through_a_sequence_gives_the_chunked_scan(backend):
+    """Tied (Mamba-2) decode steps, token by token, reproduce mamba_chunk_scan_combined's outputs and final state."""
+    b, l, h, g, p, n = 2, 11, 4, 2, 6, 8
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    ins, _ = _inputs(dtype, b=b, l=l, h=h, g=g, p=p, n=n, seed=5)
+    ins = {k: v for k, v in ins.items() if k != "initial_states"}
+    dev = "cpu" if backend == "torch" else TRITON_DEVICE
+    ins = {k: v.to(dev) for k, v in ins.items()}
+    y, final = mamba_chunk_scan_combined(**ins, chunk_size=64, dt_softplus=True, return_final_states=True,
+                                         backend=backend)
+    state = torch.zeros(b, h, p, n, dtype=torch.float64 if backend == "torch" else torch.float32, device=dev)
+    outs = []
+    for t in range(l):
+        outs.append(selective_state_update(
+            state, ins["x"][:, t], ins["dt"][:, t, :, None].expand(b, h, p), ins["A"][:, None, None].expand(h, p, n),
+            ins["B"][:, t], ins["C"][:, t], D=ins["D"], z=ins["z"][:, t], dt_bias=ins["dt_bias"][:, None].expand(h, p),
+            dt_softplus=True, backend=backend))
+    tol = 1e-10 if backend == "torch" else 1e-5
+    assert rel(torch.stack(outs, 1), y) < tol and rel(state, final) < tol
+
+
+def test_step_shape_errors_say_what_is_expected():
+    t, state = _step_inputs()
+    with pytest.raises(ValueError, match=r"must be \(b, h, p, n\), \(b, h, p\), \(b, h, p\) and \(h, p, n\)"):
+        selective_state_update(state[:, :, :3], **t, backend="torch")
