@@ -58,6 +58,9 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.05, gt=0, lt=1)
     sequences_per_shard: int = Field(64, gt=0)
     max_documents: int | None = Field(None, gt=0)
+    # stop tokenising the train split after this many tokens (whole documents; validation gets the proportional
+    # share): a corpus larger than the run's budget is read only as far as needed. None = all of it
+    max_tokens: int | None = Field(None, gt=0)
     cache_dir: str = ".cache/hmscale"  # tokenizer and tokenised corpora
 
     @model_validator(mode="after")

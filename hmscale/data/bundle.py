@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ import numpy as np
 
 from hmscale.data.cachedir import atomic_dir, stable_hash
 from hmscale.data.packing import pack, tokenize_documents
-from hmscale.data.plan import ShardPlan, stream_digest
+from hmscale.data.plan import ShardPlan
 from hmscale.data.sources import TextSource, source_from_config
 from hmscale.data.tokenizer import get_tokenizer, tokenizer_fingerprint
 
@@ -32,11 +33,80 @@ class DataBundle:
     info: dict = field(default_factory=dict)
 
 
-def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str | Path, log=print) -> Path:
-    """Tokenise both splits once; cache `{split}.tokens.npy` (int32) and `{split}.doc_lens.npy` atomically."""
+class _StreamWriter:
+    """One split's token stream written as it is tokenised: int32 ids appended to a file, the document lengths kept,
+    the digest (``stream_digest``) updated on the way; ``close`` leaves ``{split}.tokens.npy`` / ``.doc_lens.npy``."""
+
+    def __init__(self, directory: Path, split: str):
+        self.directory, self.split = directory, split
+        self.raw = directory / f"{split}.tokens.raw"
+        self._f = open(self.raw, "wb")
+        self._sha = hashlib.sha256()
+        self.lens: list[np.ndarray] = []
+        self.tokens = 0
+
+    def append(self, tokens: np.ndarray, lens: np.ndarray) -> None:
+        data = np.ascontiguousarray(tokens, dtype="<i4")
+        self._f.write(data.tobytes())
+        self._sha.update(data.tobytes())
+        self.lens.append(np.asarray(lens, dtype=np.int64))
+        self.tokens += len(data)
+
+    def close(self) -> tuple[str, int]:
+        """(digest, documents)."""
+        self._f.close()
+        lens = np.concatenate(self.lens) if self.lens else np.zeros(0, dtype=np.int64)
+        self._sha.update(np.ascontiguousarray(lens, dtype="<i8").tobytes())
+        out = np.lib.format.open_memmap(self.directory / f"{self.split}.tokens.npy", mode="w+", dtype=np.int32,
+                                        shape=(self.tokens,))
+        buf = np.empty(1 << 16, dtype="<i4")  # chunked copy through one 256 KB buffer: never the whole stream
+        with open(self.raw, "rb", buffering=0) as f:
+            done = 0
+            while done < self.tokens:
+                n = f.readinto(memoryview(buf)[: min(len(buf), self.tokens - done)].cast("B")) // 4
+                if n == 0:
+                    raise OSError(f"{self.raw}: ended after {done} of {self.tokens} tokens")
+                out[done:done + n] = buf[:n]
+                done += n
+        out.flush()
+        del out
+        self.raw.unlink()
+        np.save(self.directory / f"{self.split}.doc_lens.npy", lens)
+        return self._sha.hexdigest(), len(lens)
+
+
+def _batches(it, n: int):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def token_caps(max_tokens: int | None, val_fraction: float) -> dict[str, int | None]:
+    """Tokens to tokenise per split: ``data.max_tokens`` for train (whole documents: the last one may pass it), the
+    proportional share for validation; None = the whole split."""
+    if max_tokens is None:
+        return {"train": None, "validation": None}
+    return {"train": int(max_tokens), "validation": max(1, int(round(max_tokens * val_fraction / (1.0 - val_fraction))))}
+
+
+def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str | Path, log=print,
+                      max_tokens: int | None = None, val_fraction: float = 0.05, batch_docs: int = 512,
+                      progress_s: float = 30.0) -> Path:
+    """Tokenise both splits once, streaming (documents read, tokenised and written in batches: memory stays bounded
+    whatever the source's size); cache `{split}.tokens.npy` (int32) and `{split}.doc_lens.npy` atomically.
+    ``max_tokens`` stops the train split after that many tokens (``token_caps``). Progress every ``progress_s``."""
     fp = tokenizer_fingerprint(tokenizer)
-    key = stable_hash({"v": STREAM_VERSION, "tokenizer": fp, "source": source.description,
-                       "train": source.key("train"), "validation": source.key("validation"), "eos": eos_id})
+    spec = {"v": STREAM_VERSION, "tokenizer": fp, "source": source.description,
+            "train": source.key("train"), "validation": source.key("validation"), "eos": eos_id}
+    caps = token_caps(max_tokens, val_fraction)
+    if max_tokens is not None:
+        spec["caps"] = caps
+    key = stable_hash(spec)
     target = Path(cache_dir) / "tokens" / key
     if (target / "meta.json").exists():
         meta = json.loads((target / "meta.json").read_text())
@@ -45,16 +115,29 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
 
     def build(tmp: Path):
         meta = {"source": source.description, "tokenizer_fingerprint": fp, "eos_id": eos_id}
+        if max_tokens is not None:
+            meta["caps"] = caps
         for split in SPLITS:
-            t0 = time.perf_counter()
-            docs = source.documents(split)
-            tokens, lens = tokenize_documents(tokenizer, docs, eos_id)
-            np.save(tmp / f"{split}.tokens.npy", tokens)
-            np.save(tmp / f"{split}.doc_lens.npy", lens)
-            meta[split] = {"documents": len(docs), "chars": sum(len(d) for d in docs), "tokens": int(len(tokens)),
-                           "digest": stream_digest(tokens, lens)}
-            log(f"[data] tokens: {split}: {len(docs)} documents -> {len(tokens):,} tokens "
-                f"in {time.perf_counter() - t0:.1f} s")
+            t0 = last = time.perf_counter()
+            w = _StreamWriter(tmp, split)
+            chars = 0
+            for batch in _batches(source.iter_documents(split), batch_docs):
+                tokens, lens = tokenize_documents(tokenizer, batch, eos_id)
+                if caps[split] is not None and w.tokens + len(tokens) > caps[split]:
+                    keep = int(np.searchsorted(np.cumsum(lens), caps[split] - w.tokens, side="left")) + 1
+                    tokens, lens, batch = tokens[: int(lens[:keep].sum())], lens[:keep], batch[:keep]
+                w.append(tokens, lens)
+                chars += sum(len(d) for d in batch)
+                now = time.perf_counter()
+                if now - last >= progress_s:
+                    last = now
+                    log(f"[data] tokens: {split}: {sum(len(x) for x in w.lens):,} documents, {w.tokens:,} tokens, "
+                        f"{w.tokens / (now - t0):,.0f} tokens/s")
+                if caps[split] is not None and w.tokens >= caps[split]:
+                    break
+            digest, docs = w.close()
+            meta[split] = {"documents": docs, "chars": chars, "tokens": int(w.tokens), "digest": digest}
+            log(f"[data] tokens: {split}: {docs} documents -> {w.tokens:,} tokens in {time.perf_counter() - t0:.1f} s")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
     atomic_dir(target, build)
@@ -70,7 +153,8 @@ def prepare_data(cfg, log=print) -> DataBundle:
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError("tokenizer.name_or_path: the tokenizer has no eos token; documents need one to be packed")
-    stream = tokenized_streams(source, tokenizer, int(eos_id), d.cache_dir, log=log)
+    stream = tokenized_streams(source, tokenizer, int(eos_id), d.cache_dir, log=log,
+                               max_tokens=getattr(d, "max_tokens", None), val_fraction=d.val_fraction)
     meta = json.loads((stream / "meta.json").read_text())
     tokens = np.load(stream / "train.tokens.npy", mmap_mode="r")
     lens = np.load(stream / "train.doc_lens.npy")

@@ -23,6 +23,10 @@ class TextSource:
     def documents(self, split: str) -> list[str]:
         raise NotImplementedError
 
+    def iter_documents(self, split: str):
+        """The documents of a split, in order, one at a time (a large source streams them: bounded memory)."""
+        yield from self.documents(split)
+
     def key(self, split: str) -> str:
         raise NotImplementedError
 
@@ -54,30 +58,43 @@ class EmbeddedSource(TextSource):
 
 
 class _TableSource(TextSource):
-    """Documents from a `datasets.Dataset` column, split by a hash of each text."""
+    """Documents from `datasets.Dataset` columns (Arrow, memory-mapped), split by a hash of each text, streamed in
+    batches: a source of any size is read with bounded memory."""
+
+    BATCH = 1000
 
     def __init__(self, val_fraction: float, max_documents: int | None):
         self.val_fraction = val_fraction
         self.max_documents = max_documents
-        self._splits: dict[str, list[str]] | None = None
 
-    def _load_texts(self) -> list[str]:
+    def _tables(self):
+        """(dataset, text column) pairs, in document order."""
         raise NotImplementedError
 
-    def _split(self) -> dict[str, list[str]]:
-        if self._splits is None:
-            texts = [t for t in self._load_texts() if isinstance(t, str) and t]
-            parts: dict[str, list[str]] = {"train": [], "validation": []}
-            for t in texts:
-                parts[split_of(hashlib.sha256(t.encode()).hexdigest(), self.val_fraction)].append(t)
-            caps = {"train": self.max_documents, "validation": val_cap(self.max_documents, self.val_fraction)}
-            self._splits = {s: (docs[: caps[s]] if caps[s] is not None else docs) for s, docs in parts.items()}
-        return self._splits
+    def _texts(self):
+        for ds, column in self._tables():
+            for batch in ds.select_columns([column]).iter(batch_size=self.BATCH):
+                yield from batch[column]
 
-    def documents(self, split: str) -> list[str]:
+    def iter_documents(self, split: str):
         if split not in ("train", "validation"):
             raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
-        return self._split()[split]
+        cap = self.max_documents if split == "train" else val_cap(self.max_documents, self.val_fraction)
+        if cap is not None and cap <= 0:
+            return
+        n = 0
+        for t in self._texts():
+            if not isinstance(t, str) or not t:
+                continue
+            if split_of(hashlib.sha256(t.encode()).hexdigest(), self.val_fraction) != split:
+                continue
+            yield t
+            n += 1
+            if cap is not None and n >= cap:
+                return
+
+    def documents(self, split: str) -> list[str]:
+        return list(self.iter_documents(split))
 
     def key(self, split: str) -> str:
         return _sha(self.description, split, self._identity())
@@ -114,8 +131,8 @@ class HFSource(_TableSource):
                 )
         return self._ds
 
-    def _load_texts(self) -> list[str]:
-        return list(self._dataset()[self.text_field])
+    def _tables(self):
+        yield self._dataset(), self.text_field
 
     def _identity(self) -> str:
         return getattr(self._dataset(), "_fingerprint", "") or ""
@@ -144,10 +161,14 @@ class FileSource(_TableSource):
         listing = _sha(*(f"{n}:{d}" for n, d in self._digests))[:16]
         self.description = f"files:{len(self.files)}:{listing}:{text_field}:val={val_fraction}:max_documents={max_documents}"
 
-    def _load_texts(self) -> list[str]:
+    def _tables(self):
+        if getattr(self, "_loaded", None) is None:  # Arrow tables, memory-mapped: cheap to keep for the second split
+            self._loaded = list(self._load_tables())
+        return self._loaded
+
+    def _load_tables(self):
         import datasets
 
-        texts: list[str] = []
         by_builder: dict[str, list[str]] = {}
         for f in self.files:
             by_builder.setdefault(self.BUILDERS[Path(f).suffix.lower()], []).append(f)
@@ -158,8 +179,7 @@ class FileSource(_TableSource):
                 field = "text" if builder == "text" else self.text_field
                 if field not in ds.column_names:
                     raise ValueError(f"data.text_field: {field!r} is not a column of {f!r}; choose one of {', '.join(ds.column_names)}")
-                texts.extend(ds[field])
-        return texts
+                yield ds, field
 
     def _identity(self) -> str:
         return self.description

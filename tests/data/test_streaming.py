@@ -1,0 +1,82 @@
+"""Streaming tokenisation: the cached stream is the one the whole-corpus path gives (bitwise, same digest), memory stays
+bounded by a batch whatever the corpus size, `data.max_tokens` tokenises a prefix, and progress is reported."""
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from hmscale.data.bundle import token_caps, tokenized_streams
+from hmscale.data.packing import tokenize_documents
+from hmscale.data.plan import stream_digest
+from hmscale.data.sources import FileSource
+from hmscale.data.tokenizer import train_bpe
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~6 MB of jsonl (3000 documents of ~2 KB) and a small byte-level BPE."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = np.array(["state", "space", "model", "chunk", "scan", "decay", "token", "head", "layer", "gate",
+                      "the", "of", "a", "to", "in", "mamba", "hedgehog", "teacher", "student", "cache"])
+    docs = [" ".join(words[rng.integers(0, len(words), size=int(rng.integers(200, 500)))]) + f" doc{i}"
+            for i in range(3000)]
+    path = root / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path, train_bpe(docs[:200], 300)
+
+
+def _whole(src, tok, split):
+    tokens, lens = tokenize_documents(tok, src.documents(split), tok.eos_token_id)
+    return tokens, lens, stream_digest(tokens, lens)
+
+
+def test_streamed_cache_equals_the_whole_corpus_path(corpus, tmp_path):
+    path, tok = corpus
+    src = FileSource([str(path)], val_fraction=0.1)
+    out = tokenized_streams(src, tok, tok.eos_token_id, tmp_path, log=lambda *a: None, batch_docs=97)
+    meta = json.loads((out / "meta.json").read_text())
+    for split in ("train", "validation"):
+        tokens, lens, digest = _whole(src, tok, split)
+        np.testing.assert_array_equal(np.load(out / f"{split}.tokens.npy"), tokens)
+        np.testing.assert_array_equal(np.load(out / f"{split}.doc_lens.npy"), lens)
+        assert meta[split]["digest"] == digest and meta[split]["tokens"] == len(tokens)
+    assert not list(out.glob("*.raw"))
+
+
+def test_memory_stays_bounded_by_a_batch(corpus, tmp_path, monkeypatch):
+    path, tok = corpus
+    monkeypatch.setattr(FileSource, "BATCH", 100)  # documents read from Arrow at a time (default 1000)
+    src = FileSource([str(path)], val_fraction=0.1)
+    list(src._tables())  # the Arrow tables load once (memory-mapped); what is measured is the streaming
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        out = tokenized_streams(src, tok, tok.eos_token_id, tmp_path, log=lambda *a: None, batch_docs=16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    tokens = int(json.loads((out / "meta.json").read_text())["train"]["tokens"])
+    # the whole-corpus path held every text (~size) and every token (4 B each) at once
+    assert tokens * 4 > size and peak < size / 4, (peak, size, tokens)
+
+
+def test_max_tokens_tokenises_a_prefix_and_a_proportional_validation_share(corpus, tmp_path):
+    path, tok = corpus
+    src = FileSource([str(path)], val_fraction=0.1)
+    full = tokenized_streams(src, tok, tok.eos_token_id, tmp_path, log=lambda *a: None)
+    logs = []
+    capped = tokenized_streams(src, tok, tok.eos_token_id, tmp_path, log=logs.append, max_tokens=50_000,
+                               val_fraction=0.1, batch_docs=16, progress_s=0.0)
+    assert capped != full
+    t_full, t_cap = np.load(full / "train.tokens.npy"), np.load(capped / "train.tokens.npy")
+    lens = np.load(capped / "train.doc_lens.npy")
+    assert 50_000 <= len(t_cap) < 50_000 + lens[-1]  # whole documents: the last one crosses the cap
+    np.testing.assert_array_equal(t_cap, t_full[: len(t_cap)])
+    v = np.load(capped / "validation.tokens.npy")
+    assert token_caps(50_000, 0.1)["validation"] <= len(v) < len(np.load(full / "validation.tokens.npy"))
+    assert any("tokens/s" in line for line in logs)  # progress while it works
+    meta = json.loads((capped / "meta.json").read_text())
+    assert meta["caps"] == {"train": 50_000, "validation": 5556}
