@@ -1,4 +1,4 @@
-"""`hmscale` command line: cache | stage1 | stage2 | eval | generate | run | scale | submit."""
+"""`hmscale` command line: check | prepare | cache | stage1 | stage2 | eval | generate | run | scale | submit."""
 
 from __future__ import annotations
 
@@ -86,6 +86,25 @@ def cache(
     except (CacheError, ConfigError) as err:
         fail(str(err), code=1)
     typer.echo(str(path))
+
+
+@app.command()
+def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+    """Prepare the data only (tokenizer, tokenised stream, shard plan; cached and reused by every later command): a
+    CPU step to run before the GPU jobs. Reports how far the train stream covers the token budget."""
+    cfg = _config(config, overrides)
+    from hmscale.data import prepare_data
+
+    try:
+        data = prepare_data(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        fail(str(err), code=1)
+    have, want = data.plan.total_tokens, cfg.budget.total_tokens
+    cover = (f"covers budget.total_tokens={want:,} {have / want:.2f}x" if have >= want else
+             f"holds {have / want:.0%} of budget.total_tokens={want:,}: the stages will revisit rows "
+             f"(~{want / max(have, 1):.1f} passes); add data or raise data.max_tokens / data.max_documents")
+    typer.echo(f"data: {data.stream_dir}: {have:,} train tokens in plan {data.plan.hash} "
+               f"({data.plan.num_shards} shards), {len(data.val_tokens)} validation rows; {cover}")
 
 
 def _run_stages(config, overrides, stages: tuple) -> None:
