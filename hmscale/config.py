@@ -61,12 +61,18 @@ class DataConfig(_Section):
     # stop tokenising the train split after this many tokens (whole documents; validation gets the proportional
     # share): a corpus larger than the run's budget is read only as far as needed. None = all of it
     max_tokens: int | None = Field(None, gt=0)
+    # hf: read the dataset from the hub as it is tokenised instead of downloading all of it first (with max_tokens:
+    # only the documents the run needs); the tokenised stream is cached either way
+    streaming: bool = False
     cache_dir: str = ".cache/hmscale"  # tokenizer and tokenised corpora
 
     @model_validator(mode="after")
     def _check_source(self):
         if self.source == "hf" and not self.dataset:
             raise ValueError("data.dataset: set a Hugging Face dataset name when data.source=hf")
+        if self.streaming and self.source != "hf":
+            raise ValueError(f"data.streaming: reads a Hugging Face dataset from the hub; data.source is {self.source!r} "
+                             "(set streaming=false, or source=hf)")
         if self.source == "files":
             if not self.paths:
                 raise ValueError("data.paths: list at least one file when data.source=files")

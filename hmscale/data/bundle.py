@@ -75,13 +75,15 @@ class _StreamWriter:
         return self._sha.hexdigest(), len(lens)
 
 
-def _batches(it, n: int):
-    batch = []
+def _batches(it, n: int, first: int = 16):
+    """Lists of up to ``n`` items, the first ones smaller (``first``, doubling): a capped split stops after reading
+    about what it needs, a long one soon runs at full batches."""
+    batch, size = [], min(first, n)
     for x in it:
         batch.append(x)
-        if len(batch) == n:
+        if len(batch) == size:
             yield batch
-            batch = []
+            batch, size = [], min(2 * size, n)
     if batch:
         yield batch
 

@@ -104,12 +104,15 @@ class _TableSource(TextSource):
 
 
 class HFSource(_TableSource):
-    """`datasets.load_dataset(dataset, dataset_config, split=split)[text_field]`."""
+    """`datasets.load_dataset(dataset, dataset_config, split=split)[text_field]`; with ``streaming`` the dataset is
+    read from the hub as it is tokenised (no full download: with ``data.max_tokens``, only what the run needs)."""
 
     def __init__(self, dataset: str, dataset_config: str | None = None, split: str = "train", text_field: str = "text",
-                 val_fraction: float = 0.05, max_documents: int | None = None):
+                 val_fraction: float = 0.05, max_documents: int | None = None, streaming: bool = False):
         super().__init__(val_fraction, max_documents)
         self.dataset, self.dataset_config, self.split, self.text_field = dataset, dataset_config, split, text_field
+        self.streaming = bool(streaming)
+        # (streaming or not, the documents are the same, so is the description; `_identity` tells the two apart)
         self.description = (
             f"hf:{dataset}:{dataset_config}:{split}:{text_field}:val={val_fraction}:max_documents={max_documents}"
         )
@@ -120,11 +123,12 @@ class HFSource(_TableSource):
             import datasets
 
             try:
-                self._ds = datasets.load_dataset(self.dataset, self.dataset_config, split=self.split)
+                self._ds = datasets.load_dataset(self.dataset, self.dataset_config, split=self.split,
+                                                 **({"streaming": True} if self.streaming else {}))
             except Exception as err:  # noqa: BLE001 - re-raised with the config field named
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise RuntimeError(f"data.dataset: could not load {self.dataset!r} (split {self.split!r}): {first}") from err
-            if self.text_field not in self._ds.column_names:
+            if self._ds.column_names is not None and self.text_field not in self._ds.column_names:
                 raise ValueError(
                     f"data.text_field: {self.text_field!r} is not a column of {self.dataset!r}; "
                     f"choose one of {', '.join(self._ds.column_names)}"
@@ -135,6 +139,8 @@ class HFSource(_TableSource):
         yield self._dataset(), self.text_field
 
     def _identity(self) -> str:
+        if self.streaming:  # nothing downloaded, no content hash: the name, config and split identify it
+            return "streaming"
         return getattr(self._dataset(), "_fingerprint", "") or ""
 
 
@@ -192,7 +198,7 @@ def source_from_config(data_cfg) -> TextSource:
                               include_site_packages=data_cfg.include_site_packages)
     if data_cfg.source == "hf":
         return HFSource(data_cfg.dataset, data_cfg.dataset_config, data_cfg.split, data_cfg.text_field,
-                        data_cfg.val_fraction, data_cfg.max_documents)
+                        data_cfg.val_fraction, data_cfg.max_documents, streaming=getattr(data_cfg, "streaming", False))
     if data_cfg.source == "files":
         return FileSource(list(data_cfg.paths), data_cfg.text_field, data_cfg.val_fraction, data_cfg.max_documents)
     raise ValueError(f"data.source: unknown source {data_cfg.source!r}; use embedded, hf or files")

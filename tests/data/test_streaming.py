@@ -80,3 +80,47 @@ def test_max_tokens_tokenises_a_prefix_and_a_proportional_validation_share(corpu
     assert any("tokens/s" in line for line in logs)  # progress while it works
     meta = json.loads((capped / "meta.json").read_text())
     assert meta["caps"] == {"train": 50_000, "validation": 5556}
+
+
+def test_hf_streaming_reads_the_same_documents_without_downloading(corpus, tmp_path, monkeypatch):
+    """data.streaming: datasets.load_dataset(..., streaming=True) (an IterableDataset; here the hub is stood in for by
+    the local jsonl) gives the stream the downloaded dataset gives, and a max_tokens prefix reads only a prefix."""
+    import datasets
+
+    from hmscale.data.sources import HFSource
+
+    path, tok = corpus
+    calls = []
+    real = datasets.load_dataset
+
+    def hub(name, config=None, split="train", **kw):  # the hub, offline: the name maps to the local file
+        calls.append(kw.get("streaming", False))
+        return real("json", data_files=[str(path)], split=split, **kw)
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    plain = HFSource("org/corpus", val_fraction=0.1)
+    streamed = HFSource("org/corpus", val_fraction=0.1, streaming=True)
+    a = tokenized_streams(plain, tok, tok.eos_token_id, tmp_path, log=lambda *x: None)
+    b = tokenized_streams(streamed, tok, tok.eos_token_id, tmp_path, log=lambda *x: None)
+    assert a != b and calls == [False, True]  # separate caches (the streamed one has no content fingerprint)
+    for split in ("train", "validation"):
+        np.testing.assert_array_equal(np.load(a / f"{split}.tokens.npy"), np.load(b / f"{split}.tokens.npy"))
+    seen = []
+    orig_texts = HFSource._texts
+
+    def counting(self):
+        for t in orig_texts(self):
+            seen.append(1)
+            yield t
+
+    monkeypatch.setattr(HFSource, "_texts", counting)
+    tokenized_streams(streamed, tok, tok.eos_token_id, tmp_path / "capped", log=lambda *x: None, max_tokens=20_000,
+                      val_fraction=0.1)
+    assert len(seen) < 3000 // 5  # both splits stopped early: most of the dataset was never read
+
+
+def test_streaming_is_for_the_hub_source():
+    from hmscale.config import build_config
+
+    with pytest.raises(Exception, match="data.streaming: reads a Hugging Face dataset"):
+        build_config({}, ["data.streaming=true"])
