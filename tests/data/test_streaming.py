@@ -124,3 +124,24 @@ def test_streaming_is_for_the_hub_source():
 
     with pytest.raises(Exception, match="data.streaming: reads a Hugging Face dataset"):
         build_config({}, ["data.streaming=true"])
+
+
+def test_txt_files_are_read_as_datasets_text_builder_reads_them(tmp_path):
+    """.txt documents come straight from the file (no per-file `datasets` preparation), exactly what
+    `load_dataset("text", sample_by="document")` gives: utf-8, universal newlines, the whole file."""
+    import datasets
+
+    texts = ["plain ascii\nsecond line\n", "crlf line one\r\nline two\r\n", "unicode: état, 状態空間, ✓", "x" * 5000,
+             "trailing spaces   \n\n\n"]
+    paths = []
+    for i, t in enumerate(texts * 8):
+        p = tmp_path / f"doc{i:03d}.txt"
+        p.write_bytes(f"{i} {t}".encode("utf-8"))
+        paths.append(p)
+    src = FileSource([str(tmp_path / "*.txt")], val_fraction=0.2)
+    ours = [t for split in ("train", "validation") for t in src.documents(split)]
+    want = []
+    for p in paths:
+        want.extend(datasets.load_dataset("text", data_files=[str(p)], split="train", sample_by="document")["text"])
+    assert sorted(ours) == sorted(want) and len(ours) == len(paths)
+    assert all(src._tables()[i][0] is None for i in range(len(paths)))  # no datasets table built for them
