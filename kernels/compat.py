@@ -28,6 +28,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .reference import expand_groups
+
 __all__ = ["mamba_chunk_scan_combined", "selective_state_update"]
 
 
@@ -119,9 +121,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     else:  # per-channel dt or A (Mamba-1 style): plain PyTorch
         d = _fp32(dt) + (0 if dt_bias is None else _fp32(dt_bias))
         d = F.softplus(d) if dt_softplus else d
-        g = B.shape[1]
-        Bh = _fp32(B).repeat_interleave(h // g, dim=1)[:, :, None, :]  # (b, h, 1, n)
-        Ch = _fp32(C).repeat_interleave(h // g, dim=1)[:, :, None, :]
+        Bh = expand_groups(_fp32(B)[:, None], h)[:, 0, :, None, :]  # (b, h, 1, n)
+        Ch = expand_groups(_fp32(C)[:, None], h)[:, 0, :, None, :]
         new = torch.exp(d[..., None] * _fp32(A)) * _fp32(rows) + (d * _fp32(x))[..., None] * Bh
         y = (new * Ch).sum(-1)
         if D is not None:
