@@ -47,8 +47,8 @@ class _StreamWriter:
 
     def append(self, tokens: np.ndarray, lens: np.ndarray) -> None:
         data = np.ascontiguousarray(tokens, dtype="<i4")
-        self._f.write(data.tobytes())
-        self._sha.update(data.tobytes())
+        self._f.write(data)  # the array's own buffer, to the file and to the digest: no copies
+        self._sha.update(data)
         self.lens.append(np.asarray(lens, dtype=np.int64))
         self.tokens += len(data)
 

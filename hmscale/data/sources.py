@@ -73,8 +73,12 @@ class _TableSource(TextSource):
 
     def _texts(self):
         for ds, column in self._tables():
-            for batch in ds.select_columns([column]).iter(batch_size=self.BATCH):
-                yield from batch[column]
+            yield from self._column(ds, column)
+
+    def _column(self, ds, column: str):
+        """One table's texts, ``BATCH`` rows at a time."""
+        for batch in ds.select_columns([column]).iter(batch_size=self.BATCH):
+            yield from batch[column]
 
     def iter_documents(self, split: str):
         if split not in ("train", "validation"):
@@ -170,7 +174,7 @@ class FileSource(_TableSource):
     def _tables(self):
         """(dataset or None, column or path) per file in document order: .jsonl / .parquet through `datasets` (Arrow,
         memory-mapped: kept for the second split), .txt as (None, path): one document per file, read directly as
-        `datasets`' text builder would (utf-8, whole file) without its per-file preparation (~0.25 s a file)."""
+        `datasets`' text builder would (utf-8, whole file) without its per-file preparation (0.17-0.25 s a file here)."""
         if getattr(self, "_loaded", None) is None:
             self._loaded = list(self._load_tables())
         return self._loaded
@@ -198,8 +202,7 @@ class FileSource(_TableSource):
                 with open(column, encoding="utf-8") as fh:
                     yield fh.read()
             else:
-                for batch in ds.select_columns([column]).iter(batch_size=self.BATCH):
-                    yield from batch[column]
+                yield from self._column(ds, column)
 
     def _identity(self) -> str:
         return self.description
