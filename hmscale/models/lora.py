@@ -55,11 +55,6 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
-    @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """W + s B A, computed in fp32 (float64 for float64 weights) and returned in W's dtype."""
-        return (_acc(self.weight) + self.scaling * (_acc(self.lora_B) @ _acc(self.lora_A))).to(self.weight.dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
 
