@@ -22,6 +22,7 @@ from hmscale.teacher.cache.format import (
     TeacherShape,
     bytes_per_sample,
     cache_key,
+    human_bytes,
     layout,
     layout_json,
     shard_name,
@@ -33,14 +34,6 @@ from hmscale.teacher.fingerprint import teacher_fingerprint
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @dataclass
@@ -66,7 +59,7 @@ class CachePlan:
             f"({','.join(self.spec.tensors) or 'no layer tensors'}, {self.spec.dtype}"
             f"{', top-%d' % self.spec.topk if self.spec.topk else ''}"
             f"{', %.0f%% of positions' % (100 * self.spec.token_fraction) if self.spec.token_fraction < 1 else ''}): "
-            f"{self.bytes_per_token:,.0f} bytes/token, {_human(self.total_bytes)} in total"
+            f"{self.bytes_per_token:,.0f} bytes/token, {human_bytes(self.total_bytes)} in total"
         )
 
 
@@ -105,8 +98,8 @@ def check_disk(cp: CachePlan, missing_bytes: int, allow_exceed: bool, log=_log) 
     free = shutil.disk_usage(probe).free
     if missing_bytes > free:
         msg = (
-            f"cache needs {_human(missing_bytes)} more ({cp.bytes_per_token:,.0f} bytes/token x {cp.tokens:,} tokens, "
-            f"{len(cp.spec.layers)} layers) but only {_human(free)} is free under {probe}; capture fewer layers/tokens "
+            f"cache needs {human_bytes(missing_bytes)} more ({cp.bytes_per_token:,.0f} bytes/token x {cp.tokens:,} tokens, "
+            f"{len(cp.spec.layers)} layers) but only {human_bytes(free)} is free under {probe}; capture fewer layers/tokens "
             f"(cache.capture.layers, cache.capture.token_fraction, cache.max_tokens) or set cache.allow_exceed_disk=true"
         )
         if not allow_exceed:
@@ -139,7 +132,7 @@ class Progress:
     def line(self) -> str:
         return (
             f"cache: {self.done}/{self.total} shards done | {self.rate():,.0f} tokens/s | "
-            f"{_human(self.bytes)} written | {time.perf_counter() - self.t0:.1f} s"
+            f"{human_bytes(self.bytes)} written | {time.perf_counter() - self.t0:.1f} s"
         )
 
 

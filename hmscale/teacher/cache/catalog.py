@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmscale.teacher.cache.format import MANIFEST, CacheError
+from hmscale.teacher.cache.format import MANIFEST, CacheError, human_bytes
 from hmscale.teacher.cache.manifest import Manifest
 
 __all__ = ["CacheEntry", "list_caches", "format_catalog"]
@@ -99,10 +99,6 @@ def list_caches(root) -> list[CacheEntry]:
     return [_entry(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")]
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
 def format_catalog(entries: list[CacheEntry], root) -> str:
     """The table ``hmscale cache list`` prints, and a total line."""
     if not entries:
@@ -120,10 +116,10 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
         teacher = f"{e.teacher[-13:]}@{e.fingerprint[:8]}"
         state = "complete" if e.complete else "partial"
         lines.append(f"{e.key:<26} {teacher:<22} {e.layers:<9} {e.tensors:<22} {e.dtype:<9} {e.token_fraction:>4g} "
-                     f"{e.topk:>5} {e.shards_done:>5}/{e.shards_requested:<5} {e.tokens:>13,} {_gb(e.bytes):>10}  "
-                     f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {_gb(tmp)})" if tmp else ""))
+                     f"{e.topk:>5} {e.shards_done:>5}/{e.shards_requested:<5} {e.tokens:>13,} {human_bytes(e.bytes):>10}  "
+                     f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {human_bytes(tmp)})" if tmp else ""))
     n = sum(1 for e in entries if not e.error)
-    lines.append(f"{n} cache(s), {_gb(total)} in shards" + (f"; {_gb(stale)} in temporary files of interrupted "
+    lines.append(f"{n} cache(s), {human_bytes(total)} in shards" + (f"; {human_bytes(stale)} in temporary files of interrupted "
                                                             "shards (the next build of their cache removes them)"
                                                             if stale else ""))
     return "\n".join(lines)

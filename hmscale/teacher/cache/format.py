@@ -303,3 +303,12 @@ class ShardInfo:
 
     def manifest_entry(self) -> dict:
         return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "samples": self.samples, "tokens": self.tokens}
+
+
+def human_bytes(n: float) -> str:
+    """1.2 MB, 3.4 GB (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
