@@ -6,6 +6,7 @@
 #   make demo TORCH=cuda      installs the CUDA build of torch from PyPI (several GB); add
 #                             ARGS="-s parallel.use_gpu=true -s parallel.bf16=true" to train on the GPU
 # ARGS passes overrides to `hmscale run`, e.g.  make demo ARGS="-s budget.total_tokens=200000"
+# (the demo also scores 2048-token rows, 8x its training rows, by position: eval.context_length)
 PYTHON        ?= python3
 VENV          ?= .venv
 TORCH         ?= cpu
@@ -40,7 +41,7 @@ $(VENV)/.installed-$(TORCH): pyproject.toml | $(BIN)/python
 venv: $(VENV)/.installed-$(TORCH)
 
 demo: venv
-	$(BIN)/hmscale run $(ARGS)
+	$(BIN)/hmscale run -s eval.context_length=2048 $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests

@@ -139,15 +139,19 @@ def eval_(
     tasks: Optional[str] = typer.Option(None, help="comma-separated lm-eval-harness tasks for the final model"),
     include_path: Optional[str] = typer.Option(None, help="folder of custom lm-eval task YAMLs"),
     limit: Optional[int] = typer.Option(None, help="at most this many documents per task"),
+    context_length: Optional[int] = typer.Option(
+        None, help="also score rows this long, perplexity per position bucket (sets eval.context_length)"),
 ):
     """Perplexity of teacher and students on held-out data; lm-eval-harness tasks on the final model."""
-    cfg = _config(config, overrides)
+    cfg = _config(config, list(overrides or []) + ([f"eval.context_length={context_length}"] if context_length else []))
     from hmscale.recipe import RecipeError, evaluate_run
 
     task_list = [t for t in (tasks or "").split(",") if t] or list(cfg.eval.tasks)
     try:
-        res = evaluate_run(cfg, tasks=task_list, include_path=include_path, limit=limit)
-    except RecipeError as err:
+        # progress to stderr: stdout carries the results' JSON alone
+        res = evaluate_run(cfg, tasks=task_list, include_path=include_path, limit=limit,
+                           log=lambda msg: typer.echo(msg, err=True))
+    except (RecipeError, ValueError) as err:
         fail(str(err))
     typer.echo(json.dumps(res, indent=2))
 
@@ -189,11 +193,14 @@ def print_results(res: dict) -> None:
     t = res["teacher_ppl"]
     typer.echo("")
     typer.echo(f"{'model':<24}{'val ppl':>10}{'/ teacher':>12}")
-    from hmscale.recipe import stage1_label
+    from hmscale.recipe import long_context_lines, model_labels
 
-    for key, name in (("teacher_ppl", "teacher"), ("hedgehog_ppl", stage1_label(res)),
-                      ("hedgemamba_ppl", "HedgeMamba (stage 2)")):
-        typer.echo(f"{name:<24}{res[key]:>10.3f}{res[key] / t:>12.3f}")
+    for name, label in model_labels(res, teacher="teacher").items():
+        typer.echo(f"{label:<24}{res[name + '_ppl']:>10.3f}{res[name + '_ppl'] / t:>12.3f}")
+    if "long_context" in res:
+        typer.echo("")
+        for line in long_context_lines(res, teacher="teacher"):
+            typer.echo(line)
 
 
 @app.command()

@@ -28,21 +28,27 @@ class RecipeError(RuntimeError):
     pass
 
 
+def _training_hash(cfg: RunConfig) -> str:
+    """What identifies a run's models: every setting but ``eval`` (evaluation settings may change between reruns;
+    the eval stage is redone when they do)."""
+    return cfg.hash(*(k for k in cfg.model_dump() if k != "eval"))
+
+
 def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
     path = run_dir / "results.json"
     if not path.exists():
-        return {"config_hash": cfg.hash(), "stages": {}}
+        return {"config_hash": _training_hash(cfg), "stages": {}}
     results = json.loads(path.read_text())
-    if results.get("config_hash") != cfg.hash():
+    if results.get("config_hash") not in (_training_hash(cfg), cfg.hash()):  # (runs before 2026-12-05: the whole config)
         raise RecipeError(f"output_dir: {run_dir} holds a run of a different config; "
                           "choose another output_dir or delete that directory")
+    if results["stages"].get("eval", {}).get("eval_hash", cfg.hash("eval")) != cfg.hash("eval"):
+        del results["stages"]["eval"]  # the evaluation settings changed: evaluate again
     return results
 
 
 def run_recipe(cfg: RunConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the contents of results.json."""
-    from hmscale.eval import perplexity
-
     t_start = time.time()
     cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)
@@ -91,19 +97,13 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
         t0 = time.time()
         from hmscale.train.stage1 import load_stage1_student
 
-        rows = data.val_tokens[: cfg.eval.max_sequences]
-        hedgehog = load_stage1_student(run_dir, teacher)
-        hedgemamba = load_final_model(run_dir, data)
-        bs = cfg.stage2.micro_batch_size
-        ppl = {
-            "teacher_ppl": perplexity(teacher, rows, bs),
-            "hedgehog_ppl": perplexity(hedgehog, rows, bs),
-            "hedgemamba_ppl": perplexity(hedgemamba, rows, bs),
-        }
-        results.update(ppl)
+        models = {"teacher": teacher, "hedgehog": load_stage1_student(run_dir, teacher),
+                  "hedgemamba": load_final_model(run_dir, data)}
+        scores = evaluate_models(cfg, data, models, log=log)
         results["stage1_transfer"] = cfg.stage1.transfer
-        results["eval_tokens"] = int(rows.shape[0] * (rows.shape[1] - 1))
-        record("eval", t0, **ppl)
+        results.pop("long_context", None)
+        results.update(scores)
+        record("eval", t0, eval_hash=cfg.hash("eval"), **{k: v for k, v in scores.items() if k.endswith("_ppl")})
     results["wall_seconds"] = round(sum(stages[k].get("seconds", 0) for k in ("prepare", "distill", "eval") if k in stages), 2)
     results["tokens"] = {k: stages[k].get("tokens", 0) for k in ("stage1", "stage2") if k in stages}
     atomic_write_json(run_dir / "results.json", results)
@@ -137,6 +137,22 @@ def stage1_label(results: dict) -> str:
     return "stage 1 (mixer transfer)" if results.get("stage1_transfer") == "mixer" else "Hedgehog (stage 1)"
 
 
+def model_labels(results: dict, teacher: str = "teacher (GPT-NeoX)") -> dict:
+    """The three models' names in results tables, keyed as in ``evaluate_models``."""
+    return {"teacher": teacher, "hedgehog": stage1_label(results), "hedgemamba": "HedgeMamba (stage 2)"}
+
+
+def long_context_lines(results: dict, teacher: str = "teacher (GPT-NeoX)") -> list[str]:
+    """The long-context table of a run's results (empty without one)."""
+    from hmscale.eval.long_context import long_context_table
+
+    lc = results.get("long_context")
+    if not lc:
+        return []
+    return [f"Perplexity by target position, {lc['rows']} rows of {lc['length']:,} tokens ({lc['rows_from']}); "
+            f"* past the training rows' {lc['train_seq_len']} tokens:", ""] + long_context_table(lc, model_labels(results, teacher))
+
+
 def _plain(d: dict) -> dict:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
@@ -149,10 +165,11 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
     if "teacher_ppl" in results:
         t = results["teacher_ppl"]
         lines += ["| model | validation perplexity | / teacher |", "| --- | --- | --- |"]
-        for key, name in (("teacher_ppl", "teacher (GPT-NeoX)"), ("hedgehog_ppl", stage1_label(results)),
-                          ("hedgemamba_ppl", "HedgeMamba (stage 2)")):
-            lines.append(f"| {name} | {results[key]:.3f} | {results[key] / t:.3f} |")
+        for name, label in model_labels(results).items():
+            lines.append(f"| {label} | {results[name + '_ppl']:.3f} | {results[name + '_ppl'] / t:.3f} |")
         lines += ["", f"Evaluated on {results.get('eval_tokens', 0):,} held-out tokens.", ""]
+    if "long_context" in results:
+        lines += long_context_lines(results) + [""]
     lines += ["| stage | seconds | tokens |", "| --- | --- | --- |"]
     for name, s in results["stages"].items():
         lines.append(f"| {name} | {s.get('seconds', 0):.1f} | {s.get('tokens', '')} |")
@@ -168,11 +185,30 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
     return out
 
 
+def evaluate_models(cfg: RunConfig, data, models: dict, log=print) -> dict:
+    """``{name}_ppl`` of each model on the validation rows and ``eval_tokens``; with ``eval.context_length``, also
+    ``long_context``: perplexity per position bucket on rows of that length (``hmscale.eval.long_context``)."""
+    from hmscale.eval import perplexity
+
+    rows = data.val_tokens[: cfg.eval.max_sequences]
+    bs = cfg.stage2.micro_batch_size
+    out = {f"{name}_ppl": perplexity(model, rows, bs) for name, model in models.items()}
+    out["eval_tokens"] = int(rows.shape[0] * (rows.shape[1] - 1))
+    if cfg.eval.context_length:
+        from hmscale.eval.long_context import long_context_eval, long_context_rows
+
+        long_rows, rows_from = long_context_rows(data.stream_dir, cfg.eval.context_length, cfg.eval.max_sequences)
+        log(f"[eval] long context: {len(long_rows)} rows of {cfg.eval.context_length:,} tokens ({rows_from}), "
+            f"training rows {cfg.data.seq_len}")
+        out["long_context"] = long_context_eval(models, long_rows, cfg.data.seq_len,
+                                                tokens_per_batch=bs * cfg.data.seq_len, rows_from=rows_from, log=log)
+    return out
+
+
 def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: str | None = None,
                  limit: int | None = None, log=print) -> dict:
     """Perplexity of the teacher and both students of a finished run; lm-eval tasks on the final model."""
     from hmscale.data import prepare_data
-    from hmscale.eval import perplexity
     from hmscale.teacher import get_teacher
     from hmscale.train.stage1 import load_stage1_student
 
@@ -182,10 +218,8 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     data = prepare_data(cfg, log=log)
     teacher = get_teacher(cfg, data, log=log)
     final = load_final_model(run_dir, data)
-    rows = data.val_tokens[: cfg.eval.max_sequences]
-    bs = cfg.stage2.micro_batch_size
-    out = {"teacher_ppl": perplexity(teacher, rows, bs), "hedgehog_ppl": perplexity(load_stage1_student(run_dir, teacher), rows, bs),
-           "hedgemamba_ppl": perplexity(final, rows, bs)}
+    out = evaluate_models(cfg, data, {"teacher": teacher, "hedgehog": load_stage1_student(run_dir, teacher),
+                                      "hedgemamba": final}, log=log)
     if tasks:
         from hmscale.eval.lm_eval_adapter import evaluate_tasks
 

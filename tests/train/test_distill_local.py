@@ -52,6 +52,29 @@ def test_local_distill_layout_and_export(tmp_path, monkeypatch):
     assert "stage1" not in res2 and res2["stage2"]["start_step"] == 4
 
 
+def test_cli_eval_scores_long_contexts(tmp_path, capsys, monkeypatch):
+    """`hmscale eval --context-length` on a finished run: the three models, per position bucket, from the run's files."""
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    from hmscale.cli import main
+    from hmscale.config import build_config
+    from ray_jobs.distill import run_distill
+
+    cfg = build_config({}, _overrides(tmp_path))
+    run_distill(cfg, log=lambda *a, **k: None)
+    (tmp_path / "run" / "results.json").write_text("{}")  # what `hmscale run` leaves; eval only needs the run's files
+    capsys.readouterr()  # the training's output
+    args = ["eval", *[a for o in _overrides(tmp_path) for a in ("-s", o)], "--context-length", "256"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    lc = res["long_context"]
+    assert lc["length"] == 256 and lc["train_seq_len"] == 64 and lc["buckets"] == [[1, 64], [64, 128], [128, 256]]
+    assert lc["rows_from"] in ("documents", "stream") and 1 <= lc["rows"] <= 4
+    for name in ("teacher", "hedgehog", "hedgemamba"):
+        assert len(lc["ppl"][name]) == 3 and all(p > 1 for p in lc["ppl"][name]) and name + "_ppl" in res
+    assert main(args[:-1] + ["100000000"]) == 2  # longer than the whole validation split: one line
+    assert "eval.context_length" in capsys.readouterr().err
+
+
 def test_cli_stage2_without_stage1_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.cli import main
