@@ -20,18 +20,49 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
+
 from hmscale.atomic import atomic_write_json
-from hmscale.config import RunConfig, save_resolved
+from hmscale.config import ConfigError, RunConfig, build_config, save_resolved
 
 
 class RecipeError(RuntimeError):
     pass
 
 
+_NOT_IDENTITY = ("eval", "output_dir")
+
+
 def _training_hash(cfg: RunConfig) -> str:
     """What identifies a run's models: every setting but ``eval`` (evaluation settings may change between reruns;
-    the eval stage is redone when they do)."""
-    return cfg.hash(*(k for k in cfg.model_dump() if k != "eval"))
+    the eval stage is redone when they do) and ``output_dir`` (a run directory may be moved)."""
+    return cfg.hash(*(k for k in cfg.model_dump() if k not in _NOT_IDENTITY))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _changed_settings(run_dir: Path, cfg: RunConfig) -> list[str] | None:
+    """The training settings ('field: old -> new') that differ from the config the run directory was made with;
+    None when that config is not there."""
+    try:
+        tree = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    try:  # through the current schema: fields added since the run was made take their defaults
+        tree = build_config(tree).model_dump(mode="json")
+    except ConfigError:
+        pass
+    old, new = _flat(tree), _flat(cfg.model_dump(mode="json"))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if k.split(".")[0] not in _NOT_IDENTITY and old.get(k) != new.get(k)]
 
 
 def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
@@ -39,11 +70,16 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
     if not path.exists():
         return {"config_hash": _training_hash(cfg), "stages": {}}
     results = json.loads(path.read_text())
-    if results.get("config_hash") not in (_training_hash(cfg), cfg.hash()):  # (runs before 2026-12-05: the whole config)
-        raise RecipeError(f"output_dir: {run_dir} holds a run of a different config; "
-                          "choose another output_dir or delete that directory")
-    if results["stages"].get("eval", {}).get("eval_hash", cfg.hash("eval")) != cfg.hash("eval"):
-        del results["stages"]["eval"]  # the evaluation settings changed: evaluate again
+    if results.get("config_hash") != _training_hash(cfg):
+        diff = _changed_settings(run_dir, cfg)
+        if diff == []:  # the same training settings, hashed before eval settings were left out (2026-12-05)
+            results["config_hash"] = _training_hash(cfg)
+        else:
+            listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
+            raise RecipeError(f"output_dir: {run_dir} holds a run of a different config{listed}; "
+                              "choose another output_dir or delete that directory")
+    if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != cfg.hash("eval"):
+        del results["stages"]["eval"]  # the evaluation settings changed (or were not recorded): evaluate again
     return results
 
 

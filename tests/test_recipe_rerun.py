@@ -19,19 +19,30 @@ def test_changed_eval_settings_redo_only_the_eval(tmp_path):
     cfg = build_config({})
     _write(tmp_path, cfg, cfg)
     assert "eval" in _load_results(tmp_path, cfg)["stages"]
+    assert "eval" in _load_results(tmp_path, build_config({}, [f"output_dir={tmp_path}/moved"]))["stages"]
     longer = build_config({}, ["eval.context_length=2048"])
     stages = _load_results(tmp_path, longer)["stages"]
     assert "eval" not in stages and set(stages) == {"prepare", "stage1", "stage2"}
 
 
 def test_changed_training_settings_are_another_run(tmp_path):
+    from hmscale.config import save_resolved
+
     cfg = build_config({})
     _write(tmp_path, cfg, cfg)
-    with pytest.raises(RecipeError, match="holds a run of a different config"):
+    save_resolved(cfg, tmp_path)
+    with pytest.raises(RecipeError, match=r"holds a run of a different config \(stage2.lr: 0.001 -> 0.0003\); choose"):
+        _load_results(tmp_path, build_config({}, ["stage2.lr=3e-4", "eval.context_length=512"]))
+    (tmp_path / "config.yaml").unlink()  # without the saved config: the same refusal, without the list
+    with pytest.raises(RecipeError, match="holds a run of a different config; choose"):
         _load_results(tmp_path, build_config({}, ["stage2.lr=3e-4"]))
 
 
-def test_runs_keyed_by_the_whole_config_still_resume(tmp_path):
+def test_a_run_hashed_with_its_eval_settings_resumes_when_the_training_settings_match(tmp_path):
+    from hmscale.config import save_resolved
+
     cfg = build_config({})
+    save_resolved(cfg, tmp_path)
     (tmp_path / "results.json").write_text(json.dumps({"config_hash": cfg.hash(), "stages": {"stage1": {}}}))
-    assert "stage1" in _load_results(tmp_path, cfg)["stages"]
+    res = _load_results(tmp_path, build_config({}, ["eval.context_length=2048"]))
+    assert "stage1" in res["stages"] and res["config_hash"] == _training_hash(cfg)
