@@ -28,6 +28,7 @@ from hmscale.teacher.cache.format import (
     shard_name,
 )
 from hmscale.teacher.cache.manifest import Manifest
+from hmscale.teacher.cache.reuse import covering_caches, describe_view, view_manifest
 from hmscale.teacher.cache.writer import sha256_file
 from hmscale.teacher.fingerprint import teacher_fingerprint
 
@@ -144,7 +145,7 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
 
     def ok(sid) -> bool:
         entry = recorded[sid]
-        path = manifest.cache_dir / entry["file"]
+        path = manifest.files_dir / entry["file"]
         try:
             return path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
         except OSError:  # missing (or unreadable): redo it
@@ -161,6 +162,21 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
             log(f"cache: {entry['file']} is missing or does not match the manifest; redoing it")
             manifest.drop_shard(sid)
     return good
+
+
+def _reuse_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> bool:
+    """Write a view onto the smallest verified cache under cache.root that covers the request (``reuse``); False when
+    none does."""
+    for source in covering_caches(cfg.cache.root, cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
+        view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids, config_hash=config_hash)
+        if len(existing_shards(view, cp.shard_ids, log=lambda *_: None)) < len(cp.shard_ids):
+            continue  # a source shard missing or altered: not this one
+        cp.cache_dir.mkdir(parents=True, exist_ok=True)
+        view.save()
+        log(f"cache: reusing {source.cache_dir.name} as a view ({describe_view(cp.spec, source)}): "
+            f"{len(cp.shard_ids)} shards verified; no teacher forward needed")
+        return True
+    return False
 
 
 def _clean_temporaries(cache_dir: Path) -> None:
@@ -193,12 +209,23 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
     cp = plan_cache(cfg, plan, teacher)
     cache_dir = cp.cache_dir
     log(f"cache: {cp.describe()}")
+    config_hash = cfg.hash("teacher", "tokenizer", "data", "cache")
     try:
         manifest = Manifest.load(cache_dir)
     except CacheError:
         manifest = None
     if manifest is not None and manifest.data.get("key") != cp.key:
         raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
+    if manifest is not None and manifest.view_of:
+        if len(existing_shards(manifest, cp.shard_ids, log=lambda *_: None)) == len(cp.shard_ids):
+            log(f"cache: reusing {cache_dir} (a view onto {manifest.view_of}): all {len(cp.shard_ids)} shards verified; "
+                "no teacher forward needed")
+            return cache_dir
+        log(f"cache: the view {cp.key} onto {manifest.view_of} no longer covers the request; replacing it")
+        shutil.rmtree(cache_dir)
+        manifest = None
+    if manifest is None and _reuse_covering_cache(cfg, cp, config_hash, log):
+        return cache_dir
     if manifest is None:
         manifest = Manifest.new(
             cache_dir,
@@ -211,7 +238,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             capture=cp.spec.to_json(),
             layout={"fields": layout_json(cp.fields), "kept_positions": cp.spec.kept_positions(plan.seq_len),
                     "seq_len": plan.seq_len, "bytes_per_token": cp.bytes_per_token},
-            config_hash=cfg.hash("teacher", "tokenizer", "data", "cache"),
+            config_hash=config_hash,
         )
 
     done = existing_shards(manifest, cp.shard_ids, log=log)

@@ -36,6 +36,7 @@ class CacheEntry:
     bytes: int = 0
     complete: bool = False
     updated: str = ""
+    view_of: str = ""  # the key of the cache whose shards a view reads ("" for a cache with its own shards)
     temporaries: list[Path] = field(default_factory=list)
 
     def row(self) -> dict:
@@ -83,7 +84,8 @@ def _entry(d: Path) -> CacheEntry:
     e.shards_done = len(shards)
     e.shards_requested = len(data.get("requested_shards", []))
     e.tokens = sum(int(s.get("tokens", 0)) for s in shards.values())
-    e.bytes = sum(int(s.get("bytes", 0)) for s in shards.values())
+    e.view_of = m.view_of or ""
+    e.bytes = 0 if e.view_of else sum(int(s.get("bytes", 0)) for s in shards.values())
     e.complete = m.complete
     e.updated = str(data.get("updated", ""))
     return e
@@ -114,7 +116,7 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
             continue
         total += e.bytes
         teacher = f"{e.teacher[-13:]}@{e.fingerprint[:8]}"
-        state = "complete" if e.complete else "partial"
+        state = f"view of {e.view_of}" if e.view_of else "complete" if e.complete else "partial"
         lines.append(f"{e.key:<26} {teacher:<22} {e.layers:<9} {e.tensors:<22} {e.dtype:<9} {e.token_fraction:>4g} "
                      f"{e.topk:>5} {e.shards_done:>5}/{e.shards_requested:<5} {e.tokens:>13,} {human_bytes(e.bytes):>10}  "
                      f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {human_bytes(tmp)})" if tmp else ""))

@@ -64,6 +64,16 @@ class Manifest:
         return self.path.parent
 
     @property
+    def view_of(self) -> str | None:
+        """The key of the cache whose shard files this one reads (a view: ``hmscale.teacher.cache.reuse``), or None."""
+        return self.data.get("view_of")
+
+    @property
+    def files_dir(self) -> Path:
+        """Where the shard files named in ``shards`` lie: this directory, or for a view its source's (a sibling)."""
+        return self.cache_dir.parent / self.view_of if self.view_of else self.cache_dir
+
+    @property
     def shards(self) -> dict[int, dict]:
         return {int(k): v for k, v in self.data["shards"].items()}
 

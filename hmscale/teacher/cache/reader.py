@@ -63,7 +63,7 @@ class CacheReader:
     # ------------------------------------------------------------------ shard access
 
     def _shard_path(self, sid: int) -> Path:
-        return self.dir / self._entries[sid]["file"]
+        return self.manifest.files_dir / self._entries[sid]["file"]
 
     def verify_shard(self, sid: int) -> None:
         """Size and sha256 against the manifest; raises CacheCorruptError naming the shard."""
@@ -148,8 +148,9 @@ class CacheReader:
         if topk:
             if not self.spec.topk:
                 raise CacheError(f"cache {self.dir} has no top-k log-probs; build one with cache.capture.topk=K")
-            out["topk_logprobs"] = decode(self._read(sid, key, "topk_logprobs"), self.spec.topk_dtype).float()
-            out["topk_indices"] = torch.from_numpy(self._read(sid, key, "topk_indices").astype(np.int64))
+            k = self.spec.topk  # a view may read the first k of a source's larger top-k (sorted, largest first)
+            out["topk_logprobs"] = decode(self._read(sid, key, "topk_logprobs")[..., :k], self.spec.topk_dtype).float()
+            out["topk_indices"] = torch.from_numpy(self._read(sid, key, "topk_indices")[..., :k].astype(np.int64))
         return out
 
     def order(self, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> list[tuple[int, int]]:

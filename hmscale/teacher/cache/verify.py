@@ -98,7 +98,7 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
     # shards are checked concurrently (sha256 and file reads release the GIL), reported in shard order
     workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(sids) or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-verify") as ex:
-        results = list(ex.map(lambda sid: _check_shard(path / entries[sid]["file"], entries[sid], fields), sids))
+        results = list(ex.map(lambda sid: _check_shard(manifest.files_dir / entries[sid]["file"], entries[sid], fields), sids))
     for sid, (reason, keys) in zip(sids, results):
         entry = entries[sid]
         if reason:
@@ -116,7 +116,7 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
     if missing:
         report.problems.append(f"{len(missing)} requested shard(s) not built yet (e.g. shard {missing[0]}); rerun `hmscale cache`")
     known = {e["file"] for e in entries.values()}
-    for p in sorted(path.iterdir()):
+    for p in sorted(path.iterdir()) if not manifest.view_of else []:  # a view's source holds other shards too
         if _SHARD_RE.match(p.name) and p.name not in known:
             report.problems.append(f"{p.name} is not in the manifest (stray shard)")
     return report
