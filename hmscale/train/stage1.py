@@ -326,9 +326,9 @@ def run_stage1(
         if mode == "cache":
             if cache_dir is None:
                 cache_dir = _ensure_cache(cfg, data, teacher, layout)
-            from hmscale.teacher.cache import CacheReader
+            from hmscale.teacher.cache import open_for_run
 
-            reader = CacheReader(cache_dir)
+            reader = open_for_run(cfg, cache_dir)
             missing = [l for l in mine if l not in reader.layers]
             if missing:
                 raise TrainingError(f"the teacher cache {cache_dir} has no layers {missing}; set cache.capture.layers=all and rebuild")

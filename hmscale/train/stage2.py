@@ -261,9 +261,9 @@ def _source_for(cfg, data, cache_dir):
     """Stage-2 rows: the cache (tokens + top-k) when given, else the data plan. With online KD the data plan
     wins over a given cache (which may hold only stage 1's rows)."""
     if cache_dir is not None and not (_online_kd(cfg.stage2) and data is not None):
-        from hmscale.teacher.cache import CacheReader
+        from hmscale.teacher.cache import open_for_run
 
-        return CacheSource(CacheReader(cache_dir), topk=_cached_kd(cfg.stage2))
+        return CacheSource(open_for_run(cfg, cache_dir), topk=_cached_kd(cfg.stage2))
     if data is None:
         raise TrainingError("stage 2 needs training data: pass data=prepare_data(cfg) or a cache directory")
     if _cached_kd(cfg.stage2):

@@ -71,15 +71,28 @@ def requested_tokens(cfg, spec: CaptureSpec) -> int:
     return int(cfg.budget.total_tokens if spec.topk else cfg.budget.stage1_tokens)
 
 
+def run_shard_ids(cfg, num_shards: int, sequences_per_shard: int, seq_len: int) -> list[int]:
+    """The plan's shards a run caches and reads: the first ones holding its requested tokens (``requested_tokens``)."""
+    want = requested_tokens(cfg, cfg.cache.capture)
+    return list(range(min(num_shards, max(1, -(-want // (sequences_per_shard * seq_len))))))
+
+
+def open_for_run(cfg, cache_dir) -> "CacheReader":
+    """A reader of ``cache_dir`` over this run's shards only: the rows (and so the training) do not depend on how many
+    shards other runs with the same capture added to the cache."""
+    from hmscale.teacher.cache.reader import CacheReader
+
+    p = Manifest.load(cache_dir).data["plan"]
+    return CacheReader(cache_dir, shards=run_shard_ids(cfg, p["num_shards"], p["sequences_per_shard"], p["seq_len"]))
+
+
 def plan_cache(cfg, plan, teacher, fingerprint: str | None = None) -> CachePlan:
     shape = TeacherShape.of(teacher)
     spec = CaptureSpec.from_config(cfg.cache.capture, shape.n_layers)
     fp = fingerprint or teacher_fingerprint(teacher)
     key = cache_key(fp, plan.hash, spec)
-    want = requested_tokens(cfg, spec)
-    per_shard = plan.sequences_per_shard * plan.seq_len
-    n = min(plan.num_shards, max(1, -(-want // per_shard)))
-    ids = list(range(n))
+    ids = run_shard_ids(cfg, plan.num_shards, plan.sequences_per_shard, plan.seq_len)
+    n = len(ids)
     sequences = sum(plan.shard_size(i) for i in ids) if hasattr(plan, "shard_size") else n * plan.sequences_per_shard
     tokens = sequences * plan.seq_len
     fields = layout(spec, shape, plan.seq_len)

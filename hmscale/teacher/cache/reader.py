@@ -26,11 +26,20 @@ from hmscale.teacher.cache.writer import sha256_file
 
 
 class CacheReader:
-    def __init__(self, path, *, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 4):
+    def __init__(self, path, *, shards=None, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 4):
+        """``shards``: read only these shard ids (a run reads the shards its own budget asked for, however many more an
+        earlier run with the same capture added: ``run_shard_ids``); all of them must be there."""
         self.dir = Path(path)
         self.manifest = Manifest.load(self.dir)
         m = self.manifest.data
-        if not self.manifest.complete and not allow_incomplete:
+        self._entries = self.manifest.shards  # sid -> entry
+        if shards is not None:
+            missing = sorted(set(int(s) for s in shards) - set(self._entries))
+            if missing:
+                raise CacheError(f"cache {self.dir} lacks {len(missing)} of the run's shards (e.g. shard {missing[0]}); "
+                                 "finish it with `hmscale cache` (same config)")
+            self._entries = {int(s): self._entries[int(s)] for s in shards}
+        elif not self.manifest.complete and not allow_incomplete:
             raise CacheError(
                 f"cache {self.dir} is incomplete ({len(m['shards'])}/{len(m['requested_shards'])} shards); "
                 f"finish it with `hmscale cache` (same config) or pass allow_incomplete=True"
@@ -40,7 +49,6 @@ class CacheReader:
         self.seq_len = int(m["layout"]["seq_len"])
         self.teacher = m["teacher"]
         self.verify = verify
-        self._entries = self.manifest.shards  # sid -> entry
         self.shard_ids = sorted(self._entries)
         self._counts = {s: int(self._entries[s]["samples"]) for s in self.shard_ids}
         self._verified: set[int] = set()

@@ -74,3 +74,18 @@ def test_a_view_whose_source_lost_a_shard_is_rebuilt(tmp_path, teacher, data, to
     assert build_cache(cfg, data, teacher, engine="local", log=logs.append) == view
     assert any("no longer covers the request; replacing it" in line for line in logs), logs
     assert Manifest.load(view).view_of is None and verify_cache(view).ok and len(list(view.glob("shard-*.tar"))) == 4
+
+
+def test_a_run_reads_its_own_shards_whatever_others_added(tmp_path, teacher, data, tools):
+    from hmscale.teacher.cache import open_for_run
+
+    big = tools.make_cfg(tmp_path, **{"cache.max_tokens": 4 * 96})
+    small = tools.make_cfg(tmp_path, **{"cache.max_tokens": 2 * 96})
+    path = build_cache(big, data, teacher, engine="local")
+    assert build_cache(small, data, teacher, engine="local") == path  # the same capture: the same cache
+    assert CacheReader(path).shard_ids == [0, 1, 2, 3]
+    assert open_for_run(small, path).shard_ids == [0, 1] and open_for_run(big, path).shard_ids == [0, 1, 2, 3]
+    fresh = build_cache(tools.make_cfg(tmp_path / "fresh", **{"cache.max_tokens": 2 * 96}), data, teacher, engine="local")
+    assert open_for_run(small, path).order(seed=3) == open_for_run(small, fresh).order(seed=3)
+    with pytest.raises(Exception, match="lacks 2 of the run's shards"):
+        open_for_run(big, fresh)
