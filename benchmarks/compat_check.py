@@ -10,7 +10,8 @@ initial_states, seq_idx, g = 1 / 1 < g < h / g = h, l not a multiple of the chun
 the final state and the gradients of every input (x, dt, A, B, C, D, z, dt_bias, initial_states), each compared by
 ||a - b|| / ||b|| between the two implementations and from each to the definition on the float64 reference
 (``kernels.compat``'s docstring). The decode step: Mamba-2's tied form (one dt, A, dt_bias per head, expanded) and a
-per-channel form, with D, z, dt_bias, softplus and state_batch_indices. Limits for ours against mamba_ssm: 1e-4 in
+per-channel form, with D, z, dt_bias, softplus and state_batch_indices. The varlen states (cu_seqlens, batch 1).
+Limits for ours against mamba_ssm: 1e-4 in
 fp32 (tf32 off), 3e-2 in bf16 (two bf16 implementations, each ~1e-2 from float64). Exit code 1 if a case fails.
 """
 
@@ -116,6 +117,43 @@ def run(fn, t, seq_idx, gy, gs, device, **kw):
     return {"y": y, "final": s, **{f"d{k}": g for k, g in zip(leaves, grads)}}
 
 
+def varlen_cases(theirs, names, dtypes, seed) -> int:
+    """``return_varlen_states`` with ``cu_seqlens`` (batch 1, sequences packed, seq_idx to match): the state after each
+    sequence, both sides against the float64 scan cut after that sequence. Without initial_states ours must match
+    theirs; with them it is printed only (see the module docstring of kernels.compat)."""
+    print("varlen states    dtype  initial | ours vs mamba_ssm | ours vs fp64 | mamba_ssm vs fp64 | ok")
+    fails = 0
+    cuts = [0, 17, 18, 90, 150, 231]  # ends inside and at chunk boundaries (chunk 64), a one-token sequence
+    for dname, initial in [(d, i) for d in names for i in (False, True)]:
+        t, _ = inputs(1, cuts[-1], 4, 2, 24, 32, dtypes[dname], False, seed)
+        cu = torch.tensor(cuts, dtype=torch.int32)
+        seq_idx = torch.repeat_interleave(torch.arange(len(cuts) - 1, dtype=torch.int32), cu.diff().long())[None]
+        init = t["initial_states"] if initial else None
+        kw = dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=LIMIT, return_varlen_states=True)
+
+        def states(fn, dev):
+            args = [t[k].to(dev) for k in ("x", "dt", "A", "B", "C")]
+            out = fn(*args, 64, seq_idx=seq_idx.to(dev), cu_seqlens=cu.to(dev),
+                     initial_states=None if init is None else init.to(dev), **{k: v.to(dev) if torch.is_tensor(v) else v
+                                                                                 for k, v in kw.items()})
+            return out[1]
+        ours, them = states(mamba_chunk_scan_combined, DEV), states(theirs, DEV)
+        d = F.softplus(t["dt"].double() + t["dt_bias"].double()).clamp(*LIMIT)
+        ref = torch.stack([ssd_reference(t["x"][:, :e].double(), d[:, :e], t["A"].double(), t["B"][:, :e].double(),
+                                         t["C"][:, :e].double(), seq_idx=seq_idx[:, :e], return_final_state=True,
+                                         initial_state=None if init is None else init.double())[1][0] for e in cuts[1:]])
+        limit = 1e-4 if dname == "fp32" else 3e-2
+        e_vs, e_ours, e_them = rel(ours, them), rel(ours, ref), rel(them, ref)
+        ok = math.isfinite(e_vs) and (initial or e_vs <= limit)
+        fails += not ok
+        print(f"{'b1 l231 5 seqs':<16} {dname:<6} {'yes' if initial else 'no':<7} | {e_vs:.2e}          | {e_ours:.2e}    "
+              f"| {e_them:.2e}         | {'ok' if ok else 'FAIL'}{' (printed only)' if initial else ''}")
+        if initial:  # per sequence, to show where the two differ
+            per = [f"{rel(ours[i], ref[i]):.1e}/{rel(them[i], ref[i]):.1e}" for i in range(len(cuts) - 1)]
+            print(f"{'':<16} per sequence, ours/theirs vs fp64: {' '.join(per)}")
+    return fails
+
+
 def rel(a, b) -> float:
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return ((a - b).norm() / b.norm()).item()
@@ -190,6 +228,8 @@ def main() -> int:
         fails += not ok
         print(f"{'b3 h8 g2 p32 n64':<16} {dname:<6} {'tied (Mamba-2)' if tied else 'per-channel':<12} | {e_y:.2e}, {e_s:.2e}"
               f"              | {'ok' if ok else 'FAIL'}")
+    print()
+    fails += varlen_cases(theirs, names, dtypes, args.seed)
     print("PASS" if not fails else f"FAIL: {fails} case(s) over the limit")
     return 1 if fails else 0
 

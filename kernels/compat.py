@@ -14,8 +14,13 @@ Differences, by design:
 - ``chunk_size`` is accepted (mamba_ssm requires it) but does not choose the kernels' chunk: hmscale runs its own
   tuned chunk (``HMSCALE_COMPAT_CHUNK``, default 64). The chunk changes the order of the sums, not the function:
   outputs agree with mamba_ssm's to rounding whatever chunk either side uses.
-- ``cu_seqlens`` / ``return_varlen_states`` (per-document final states) are not supported: pass ``seq_idx`` for
-  packed documents (the state restarts where it changes, as in mamba_ssm).
+- ``return_varlen_states`` with ``cu_seqlens`` (batch 1, as mamba_ssm): the state after each sequence's last token,
+  as the scan reaches it (``seq_idx`` decides the resets, as in mamba_ssm: pass both for packed sequences), computed in
+  PyTorch from the same processed dt (one host read of ``cu_seqlens``; differentiable, where mamba_ssm's backward
+  refuses it). Without ``initial_states`` the two libraries agree to rounding (``benchmarks/compat_check.py``); with
+  them, the initial state enters the first sequence's state here wherever that sequence ends, while mamba_ssm 2.3.2
+  leaves it out when the first sequence ends inside its first chunk (seen on the CPU, 2026-12-05: 1.8e-3 from the
+  float64 scan for that sequence, ours 5.8e-8).
 - the gate is applied by PyTorch after the scan's output is rounded to x's dtype (mamba_ssm gates the fp32
   accumulator): in bf16 the two differ by about one rounding.
 """
@@ -73,9 +78,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l). Returns y (b, l, h, p) in x's dtype, and the
     final state (b, h, p, n) fp32 with ``return_final_states``. ``backend`` as in :func:`kernels.ssd`.
     """
-    if cu_seqlens is not None or return_varlen_states:
-        raise ValueError("cu_seqlens / return_varlen_states are not supported; pass seq_idx (b, l) for packed "
-                         "documents instead")
+    if return_varlen_states and cu_seqlens is None:
+        raise ValueError("return_varlen_states needs cu_seqlens (num_sequences + 1,): where each sequence starts")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     del chunk_size  # the function does not depend on it; see the module docstring
@@ -87,7 +91,42 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     y, final = out if return_final_states else (out, None)
     if z is not None:
         y = (_fp32(y) * F.silu(_fp32(z))).to(x.dtype)
-    return (y, final) if return_final_states else y
+    if not return_varlen_states:
+        return (y, final) if return_final_states else y
+    varlen = _varlen_states(x, d, _fp32(A), B, initial_states, seq_idx, cu_seqlens)
+    return (y, final, varlen) if return_final_states else (y, varlen)
+
+
+def _varlen_states(x, d, A, B, initial_states, seq_idx, cu_seqlens):
+    """(num_sequences, h, p, n) fp32: the scan's state after the last token of each ``cu_seqlens`` sequence (batch 1).
+
+    The state after token e - 1 is sum_{t=r}^{e-1} exp(sum_{u=t+1}^{e-1} dt_u A) dt_t x_t B_t^T, from r, the first
+    token of the run of equal ``seq_idx`` holding e - 1 (0 without seq_idx), plus exp(sum_{u<e} dt_u A) S0 when that
+    run starts the batch row (the initial state enters the first document only)."""
+    b, l, h, p = x.shape
+    if b != 1:
+        raise ValueError(f"return_varlen_states supports batch 1 (sequences packed along l), as mamba_ssm; got batch {b}")
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    if cu_seqlens.dim() != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != l or any(e <= s for s, e in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to l = {l} (num_sequences + 1 entries), got {cu}")
+    xs, Bs = _fp32(x[0]), expand_groups(_fp32(B), h)[0]  # (l, h, p), (l, h, n)
+    dA = d[0] * A  # (l, h)
+    if seq_idx is None:
+        run_start = [0] * l
+    else:
+        change = torch.ones(l, dtype=torch.bool, device=x.device)
+        change[1:] = seq_idx[0, 1:] != seq_idx[0, :-1]
+        run_start = torch.cummax(torch.where(change, torch.arange(l, device=x.device), 0), 0).values.tolist()
+    out = []
+    for e in cu[1:]:
+        r = run_start[e - 1]
+        tail = torch.flip(torch.cumsum(torch.flip(dA[r:e], [0]), 0), [0]) - dA[r:e]  # sum_{u=t+1}^{e-1} dA_u
+        w = torch.exp(tail) * d[0, r:e]  # (t, h)
+        state = torch.einsum("thp,thn->hpn", w[..., None] * xs[r:e], Bs[r:e])
+        if r == 0 and initial_states is not None:
+            state = state + torch.exp(dA[:e].sum(0))[:, None, None] * _fp32(initial_states[0])
+        out.append(state)
+    return torch.stack(out)
 
 
 def _tied(t, dims) -> bool:

@@ -25,7 +25,7 @@ def _inputs(dtype, b=2, l=37, h=4, g=2, p=12, n=16, seed=0):
              dt_bias=rn(h) * 0.5, initial_states=rn(b, h, p, n))
     seq_idx = torch.zeros(b, l, dtype=torch.int32)
     seq_idx[:, l // 3:] = 1
-    seq_idx[1, 2 * l // 3:] = 2
+    seq_idx[-1, 2 * l // 3:] = 2
     for k in ("x", "B", "C", "z"):
         t[k] = t[k].to(dtype)
     if dtype != torch.float64:
@@ -110,9 +110,38 @@ def test_softplus_is_the_identity_above_20():
     assert rel(y, yr) < 1e-10
 
 
+def _packed(l=53, cuts=(0, 9, 10, 31, 53)):
+    """Batch 1, sequences packed along l at ``cuts``: inputs, seq_idx and cu_seqlens."""
+    ins, _ = _inputs(torch.float64, b=1, l=l)
+    cu = torch.tensor(cuts, dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(cuts) - 1, dtype=torch.int32), cu.diff().long())[None]
+    return ins, seq_idx, cu
+
+
+@pytest.mark.parametrize("with_seq_idx", [True, False])
+@pytest.mark.parametrize("initial", [True, False])
+def test_varlen_states_are_the_scans_state_at_each_sequence_end(with_seq_idx, initial):
+    ins, seq_idx, cu = _packed()
+    seq = seq_idx if with_seq_idx else None
+    init = ins["initial_states"] if initial else None
+    kw = dict(D=ins["D"], z=ins["z"], dt_bias=ins["dt_bias"], dt_softplus=True, dt_limit=LIMIT, backend="torch")
+    y, final, varlen = mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, initial_states=init,
+                                                 seq_idx=seq, cu_seqlens=cu, return_final_states=True,
+                                                 return_varlen_states=True, **kw)
+    y_only, varlen_only = mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, initial_states=init,
+                                                    seq_idx=seq, cu_seqlens=cu, return_varlen_states=True, **kw)
+    assert torch.equal(y, y_only) and torch.equal(varlen, varlen_only) and varlen.shape == (4, 4, 12, 16)
+    d = F.softplus(ins["dt"] + ins["dt_bias"]).clamp(*LIMIT)
+    for i, e in enumerate(cu[1:].tolist()):  # the definition: the final state of the scan cut after the sequence
+        _, want = ssd_reference(ins["x"][:, :e], d[:, :e], ins["A"], ins["B"][:, :e], ins["C"][:, :e], initial_state=init,
+                                seq_idx=None if seq is None else seq[:, :e], return_final_state=True)
+        assert rel(varlen[i], want[0]) < 1e-12, i
+    assert rel(varlen[-1], final[0]) < 1e-12
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(cu_seqlens=torch.tensor([0, 5])), "seq_idx"),
-    (dict(return_varlen_states=True), "seq_idx"),
+    (dict(return_varlen_states=True), "return_varlen_states needs cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 37]), return_varlen_states=True), "supports batch 1"),
     (dict(dt_bias=torch.zeros(3)), r"dt_bias must be \(h,\)"),
     (dict(z=torch.zeros(1, 2, 3)), "z must have x's shape"),
 ])
@@ -214,3 +243,11 @@ def test_step_shape_errors_say_what_is_expected():
     t, state = _step_inputs()
     with pytest.raises(ValueError, match=r"must be \(b, h, p, n\), \(b, h, p\), \(b, h, p\) and \(h, p, n\)"):
         selective_state_update(state[:, :, :3], **t, backend="torch")
+
+
+@pytest.mark.parametrize("cuts", [(0, 20, 20, 53), (1, 53), (0, 52), (0, 30, 20, 53)])
+def test_bad_cu_seqlens_are_one_line(cuts):
+    ins, seq_idx, _ = _packed()
+    with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0 to l = 53"):
+        mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, seq_idx=seq_idx,
+                                  cu_seqlens=torch.tensor(cuts), return_varlen_states=True, backend="torch")
