@@ -205,7 +205,10 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
             lines.append(f"| {label} | {results[name + '_ppl']:.3f} | {results[name + '_ppl'] / t:.3f} |")
         lines += ["", f"Evaluated on {results.get('eval_tokens', 0):,} held-out tokens.", ""]
     if "long_context" in results:
-        lines += long_context_lines(results) + [""]
+        from hmscale.report import long_context_plot
+
+        plot = long_context_plot(run_dir, results["long_context"], model_labels(results))
+        lines += long_context_lines(results) + ["", f"![long context]({plot.name})", ""]
     lines += ["| stage | seconds | tokens |", "| --- | --- | --- |"]
     for name, s in results["stages"].items():
         lines.append(f"| {name} | {s.get('seconds', 0):.1f} | {s.get('tokens', '')} |")

@@ -51,3 +51,30 @@ def loss_plot(run_dir: str | Path) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def long_context_plot(run_dir: str | Path, lc: dict, labels: dict | None = None) -> Path:
+    """long_context.png: each model's perplexity per target-position bucket (``hmscale.eval.long_context``), the
+    training length marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or {}
+    mids = [(lo * hi) ** 0.5 for lo, hi in lc["buckets"]]  # geometric middle: the buckets double
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in [n for n in labels if n in lc["ppl"]] + [n for n in lc["ppl"] if n not in labels]:
+        ax.plot(mids, lc["ppl"][name], marker="o", label=labels.get(name, name))
+    ax.axvline(lc["train_seq_len"], color="grey", linestyle="--", linewidth=1, label="training length")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("target position (bucket middle)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"{lc['rows']} rows of {lc['length']:,} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / "long_context.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -27,11 +27,15 @@ def test_long_context_table_in_report_and_printout(tmp_path, capsys):
 
     lc = {"length": 1024, "train_seq_len": 256, "rows": 5, "rows_from": "documents",
           "buckets": [[1, 256], [256, 512], [512, 1024]],
-          "ppl": {"teacher": [40.0, 50.0, 60.0], "hedgehog": [45.0, 44.0, 43.0], "hedgemamba": [39.0, 35.0, 33.5]}}
+          "ppl": {"hedgehog": [45.0, 44.0, 43.0], "hedgemamba": [39.0, 35.0, 33.5], "teacher": [40.0, 50.0, 60.0]}}
     results = {"teacher_ppl": 10.0, "hedgehog_ppl": 20.0, "hedgemamba_ppl": 10.5, "stage1_transfer": "attention",
                "eval_tokens": 1000, "stages": {}, "long_context": lc}
     report = write_report(tmp_path, results, build_config({})).read_text()
     assert "5 rows of 1,024 tokens (documents)" in report and "| model | 1-255 | 256-511 * | 512-1023 * |" in report
     assert "| HedgeMamba (stage 2) | 39.00 | 35.00 | 33.50 |" in report
+    assert "![long context](long_context.png)" in report and (tmp_path / "long_context.png").stat().st_size > 1000
     print_results(results)
-    assert "| teacher | 40.00 | 50.00 | 60.00 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| teacher | 40.00 | 50.00 | 60.00 |" in out
+    rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "model" not in line and "---" not in line]
+    assert rows == ["| teacher", "| Hedgehog (stage 1)", "| HedgeMamba (stage 2)"]  # not JSON's sorted key order

@@ -128,6 +128,7 @@ def long_context_table(res: dict, labels: dict | None = None) -> list[str]:
     labels = labels or {}
     head = " | ".join(f"{lo}-{hi - 1}" + (" *" if lo >= res["train_seq_len"] else "") for lo, hi in res["buckets"])
     lines = [f"| model | {head} |", "| --- |" + " --- |" * len(res["buckets"])]
-    for name, ppl in res["ppl"].items():
-        lines.append(f"| {labels.get(name, name)} | " + " | ".join(f"{p:.2f}" for p in ppl) + " |")
+    order = [n for n in labels if n in res["ppl"]] + [n for n in res["ppl"] if n not in labels]  # labels' order first
+    for name in order:
+        lines.append(f"| {labels.get(name, name)} | " + " | ".join(f"{p:.2f}" for p in res["ppl"][name]) + " |")
     return lines
