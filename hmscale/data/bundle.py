@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from hmscale.data.cachedir import atomic_dir, stable_hash
+from hmscale.atomic import atomic_write_json
+from hmscale.data.cachedir import resumable_dir, stable_hash
 from hmscale.data.packing import pack, tokenize_documents
 from hmscale.data.plan import ShardPlan
 from hmscale.data.sources import TextSource, source_from_config
@@ -35,15 +38,43 @@ class DataBundle:
 
 class _StreamWriter:
     """One split's token stream written as it is tokenised: int32 ids appended to a file, the document lengths kept,
-    the digest (``stream_digest``) updated on the way; ``close`` leaves ``{split}.tokens.npy`` / ``.doc_lens.npy``."""
+    the digest (``stream_digest``) updated on the way; ``close`` leaves ``{split}.tokens.npy`` / ``.doc_lens.npy``.
 
-    def __init__(self, directory: Path, split: str):
+    ``checkpoint()`` makes what is written so far durable (the file synced, the lengths saved) and returns the
+    position to pass back as ``resume`` after an interruption: the file is cut back to it, the digest re-read from
+    it (fast next to tokenising), and appending goes on where it was."""
+
+    def __init__(self, directory: Path, split: str, resume: dict | None = None):
         self.directory, self.split = directory, split
         self.raw = directory / f"{split}.tokens.raw"
-        self._f = open(self.raw, "wb")
+        self.lens_path = directory / f"{split}.doc_lens.partial.npy"
         self._sha = hashlib.sha256()
         self.lens: list[np.ndarray] = []
         self.tokens = 0
+        if resume is None:
+            self._f = open(self.raw, "wb")
+            return
+        self.tokens = int(resume["tokens"])
+        lens = np.load(self.lens_path)
+        if int(lens.sum()) != self.tokens or len(lens) != int(resume["documents"]):
+            raise OSError(f"{self.lens_path} does not match the checkpoint ({len(lens)} documents, {int(lens.sum())} tokens)")
+        self.lens = [lens]
+        with open(self.raw, "r+b") as f:
+            f.truncate(4 * self.tokens)  # whatever was appended after the checkpoint goes
+            while chunk := f.read(1 << 24):
+                self._sha.update(chunk)
+        self._f = open(self.raw, "ab")
+
+    def checkpoint(self) -> dict:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        lens = np.concatenate(self.lens) if self.lens else np.zeros(0, dtype=np.int64)
+        self.lens = [lens]
+        tmp = self.lens_path.with_name(self.lens_path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, lens)
+        os.replace(tmp, self.lens_path)
+        return {"tokens": int(self.tokens), "documents": int(len(lens))}
 
     def append(self, tokens: np.ndarray, lens: np.ndarray) -> None:
         data = np.ascontiguousarray(tokens, dtype="<i4")
@@ -72,6 +103,7 @@ class _StreamWriter:
         del out
         self.raw.unlink()
         np.save(self.directory / f"{self.split}.doc_lens.npy", lens)
+        self.lens_path.unlink(missing_ok=True)
         return self._sha.hexdigest(), len(lens)
 
 
@@ -98,10 +130,14 @@ def token_caps(max_tokens: int | None, val_fraction: float) -> dict[str, int | N
 
 def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str | Path, log=print,
                       max_tokens: int | None = None, val_fraction: float = 0.05, batch_docs: int = 512,
-                      progress_s: float = 30.0) -> Path:
+                      progress_s: float = 30.0, checkpoint_s: float = 60.0) -> Path:
     """Tokenise both splits once, streaming (documents read, tokenised and written in batches: memory stays bounded
     whatever the source's size); cache `{split}.tokens.npy` (int32) and `{split}.doc_lens.npy` atomically.
-    ``max_tokens`` stops the train split after that many tokens (``token_caps``). Progress every ``progress_s``."""
+    ``max_tokens`` stops the train split after that many tokens (``token_caps``). Progress every ``progress_s``.
+
+    Resumable: every ``checkpoint_s`` the stream so far is made durable and its position recorded
+    (``progress.json`` in the entry's `.partial` directory); an interrupted run's successor skips the documents
+    already tokenised and goes on, to the same bytes and digests as an uninterrupted run."""
     fp = tokenizer_fingerprint(tokenizer)
     spec = {"v": STREAM_VERSION, "tokenizer": fp, "source": source.description,
             "train": source.key("train"), "validation": source.key("validation"), "eos": eos_id}
@@ -119,11 +155,27 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
         meta = {"source": source.description, "tokenizer_fingerprint": fp, "eos_id": eos_id}
         if max_tokens is not None:
             meta["caps"] = caps
+        progress_path = tmp / "progress.json"
+        progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
+
+        def record(split: str, state: dict) -> None:
+            progress[split] = state
+            atomic_write_json(progress_path, progress)
+
         for split in SPLITS:
-            t0 = last = time.perf_counter()
-            w = _StreamWriter(tmp, split)
-            chars = 0
-            for batch in _batches(source.iter_documents(split), batch_docs):
+            state = progress.get(split)
+            if state and state.get("done"):
+                meta[split] = state["meta"]
+                log(f"[data] tokens: {split}: already tokenised by an interrupted run ({state['meta']['tokens']:,} tokens)")
+                continue
+            if state and not (tmp / f"{split}.tokens.raw").exists():
+                state = None  # interrupted while closing the split: start it again
+            t0 = last = last_ckpt = time.perf_counter()
+            w = _StreamWriter(tmp, split, resume=state)
+            chars, skip = (int(state["chars"]), int(state["documents"])) if state else (0, 0)
+            if skip:
+                log(f"[data] tokens: {split}: resuming an interrupted run after {skip:,} documents ({w.tokens:,} tokens)")
+            for batch in _batches(itertools.islice(source.iter_documents(split), skip, None), batch_docs):
                 tokens, lens = tokenize_documents(tokenizer, batch, eos_id)
                 if caps[split] is not None and w.tokens + len(tokens) > caps[split]:
                     keep = int(np.searchsorted(np.cumsum(lens), caps[split] - w.tokens, side="left")) + 1
@@ -137,12 +189,17 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
                         f"{w.tokens / (now - t0):,.0f} tokens/s")
                 if caps[split] is not None and w.tokens >= caps[split]:
                     break
+                if now - last_ckpt >= checkpoint_s:
+                    last_ckpt = now
+                    record(split, {**w.checkpoint(), "chars": chars})
             digest, docs = w.close()
             meta[split] = {"documents": docs, "chars": chars, "tokens": int(w.tokens), "digest": digest}
+            record(split, {"done": True, "meta": meta[split]})
             log(f"[data] tokens: {split}: {docs} documents -> {w.tokens:,} tokens in {time.perf_counter() - t0:.1f} s")
+        progress_path.unlink()
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
-    atomic_dir(target, build)
+    resumable_dir(target, build)
     log(f"[data] tokens: cached at {target}")
     return target
 

@@ -40,3 +40,30 @@ def atomic_dir(target: str | os.PathLike, build: Callable[[Path], None]) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+    """Create directory `target` like ``atomic_dir``, for long builds that must survive an interruption:
+    build(partial) works in the fixed sibling `.{name}.partial`, which an interrupted build leaves behind, so the
+    next call hands the same directory back and `build` resumes from what it recorded there. One builder at a
+    time: the others wait on a lock file, then find `target` built."""
+    import fcntl
+
+    target = Path(target)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also when this process dies)
+        if target.is_dir():
+            return target
+        partial = target.parent / f".{target.name}.partial"
+        partial.mkdir(exist_ok=True)
+        build(partial)
+        os.rename(partial, target)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return target

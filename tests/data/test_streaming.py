@@ -145,3 +145,44 @@ def test_txt_files_are_read_as_datasets_text_builder_reads_them(tmp_path):
         want.extend(datasets.load_dataset("text", data_files=[str(p)], split="train", sample_by="document")["text"])
     assert sorted(ours) == sorted(want) and len(ours) == len(paths)
     assert all(src._tables()[i][0] is None for i in range(len(paths)))  # no datasets table built for them
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kill_after", [5, 31])  # in the train split; in the validation split (train done)
+def test_an_interrupted_tokenisation_resumes_to_the_same_stream(corpus, tmp_path, monkeypatch, kill_after):
+    path, tok = corpus
+    src = FileSource([str(path)], val_fraction=0.1)
+    ref = tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "ref", log=lambda *a: None, batch_docs=97)
+
+    import hmscale.data.bundle as bundle
+
+    real, seen = bundle.tokenize_documents, []
+
+    def dies(tokenizer, batch, eos):
+        if len(seen) == kill_after:
+            raise _Killed()
+        seen.append(len(batch))
+        return real(tokenizer, batch, eos)
+
+    monkeypatch.setattr(bundle, "tokenize_documents", dies)
+    with pytest.raises(_Killed):
+        tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "c", log=lambda *a: None, batch_docs=97, checkpoint_s=0)
+    partial = next((tmp_path / "c" / "tokens").glob(".*.partial"))
+    assert json.loads((partial / "progress.json").read_text())  # a checkpoint was recorded
+    done_before = sum(seen)
+
+    seen.clear()
+    monkeypatch.setattr(bundle, "tokenize_documents", lambda *a: (seen.append(len(a[1])), real(*a))[1])
+    logs = []
+    out = tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "c", log=logs.append, batch_docs=97, checkpoint_s=0)
+    assert any("resuming an interrupted run after" in line for line in logs), logs
+    total = json.loads((ref / "meta.json").read_text())
+    assert sum(seen) == total["train"]["documents"] + total["validation"]["documents"] - done_before  # nothing twice
+    assert json.loads((out / "meta.json").read_text()) == total  # same digests, counts
+    for name in ("train.tokens.npy", "train.doc_lens.npy", "validation.tokens.npy", "validation.doc_lens.npy"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    assert not partial.exists()
