@@ -211,13 +211,15 @@ def submit(
     token_file: Optional[str] = typer.Option(None, help="Ray auth token file (default: $RAY_AUTH_TOKEN, ~/.ray/auth_token)"),
     follow: bool = typer.Option(True, help="stream logs until the job ends"),
     timeout: Optional[float] = typer.Option(None, help="stop the job after this many seconds"),
+    install: bool = typer.Option(False, help="have Ray pip-install hmscale's dependencies (not torch, triton, ray) "
+                                             "into the job's environment on every node"),
 ):
     """Submit a recipe run to a Ray cluster (job submission API, token auth)."""
     cfg = _config(config, overrides)
     from hmscale.submit import SubmitError, submit as submit_job
 
     try:
-        status = submit_job(cfg, address, token_file=token_file, follow=follow, timeout_s=timeout,
+        status = submit_job(cfg, address, token_file=token_file, follow=follow, timeout_s=timeout, install=install,
                             log=lambda m: typer.echo(m))
     except SubmitError as err:
         fail(str(err))

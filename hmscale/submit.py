@@ -54,8 +54,38 @@ def decode_config(blob: str) -> dict:
     return yaml.safe_load(base64.b64decode(blob.encode()).decode())
 
 
+# already on any Ray GPU cluster, and never to be replaced per job: torch and triton are the node's CUDA build, ray the
+# cluster's own version
+_CLUSTER_PROVIDES = {"torch", "triton", "ray"}
+
+
+def job_dependencies(working_dir: str = ".") -> list[str]:
+    """hmscale's runtime requirements from the working directory's pyproject.toml, less what the cluster provides:
+    what ``--install`` asks Ray to pip-install into the job's environment on every node."""
+    import re
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise SubmitError("--install reads pyproject.toml with tomllib: use Python 3.11 or later") from None
+
+    path = Path(working_dir) / "pyproject.toml"
+    if not path.exists():
+        raise SubmitError(f"--install: {path} not found; run `hmscale submit` from the hmscale checkout")
+    deps = tomllib.loads(path.read_text())["project"]["dependencies"]
+    return [d for d in deps if re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower() not in _CLUSTER_PROVIDES]
+
+
+def job_runtime_env(cfg: RunConfig, working_dir: str = ".", install: bool = False) -> dict:
+    env = {"working_dir": working_dir, "excludes": EXCLUDES,
+           "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1"}}
+    if install:
+        env["pip"] = {"packages": job_dependencies(working_dir), "pip_check": False}
+    return env
+
+
 def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, working_dir: str = ".",
-           follow: bool = True, timeout_s: float | None = None, log=print) -> str:
+           follow: bool = True, timeout_s: float | None = None, install: bool = False, log=print) -> str:
     """Submit; with follow, stream the job's logs until it ends. Returns the final status (or 'PENDING')."""
     from ray.job_submission import JobSubmissionClient
 
@@ -68,8 +98,7 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
         address = f"http://{address}"
     client = JobSubmissionClient(address, headers=headers)
     entrypoint = "python -m ray_jobs.run_recipe"
-    runtime_env = {"working_dir": working_dir, "excludes": EXCLUDES,
-                   "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1"}}
+    runtime_env = job_runtime_env(cfg, working_dir, install)
     deadline = time.time() + 120
     while True:
         try:

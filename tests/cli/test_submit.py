@@ -41,6 +41,32 @@ def test_remote_address_without_token_is_refused(monkeypatch, tmp_path):
         submit(build_config(), "http://10.1.2.3:8265", follow=False)
 
 
+def test_install_asks_ray_for_the_dependencies_the_cluster_lacks():
+    from hmscale.submit import job_runtime_env
+
+    cfg = build_config()
+    plain = job_runtime_env(cfg, str(REPO))
+    assert "pip" not in plain and plain["env_vars"]["HMSCALE_CONFIG_B64"] == encode_config(cfg)
+    pip = job_runtime_env(cfg, str(REPO), install=True)["pip"]["packages"]
+    names = {p.split(">")[0].split("<")[0].split("=")[0].split("[")[0] for p in pip}
+    assert {"deepspeed", "transformers", "webdataset", "pydantic"} <= names
+    assert not names & {"torch", "triton", "ray"}  # the node's CUDA torch and the cluster's own Ray stay
+    with pytest.raises(SubmitError, match="pyproject.toml not found"):
+        job_runtime_env(cfg, "/nonexistent", install=True)
+
+
+def test_a_node_without_the_dependencies_fails_in_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from ray_jobs import run_recipe
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("deepspeed", "webdataset") else real(name, *a))
+    assert run_recipe.main([]) == 2
+    err = capsys.readouterr().err
+    assert "lacks deepspeed, webdataset" in err and "hmscale submit --install" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.ray
 def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
     ray_bin = Path(sys.executable).with_name("ray")
