@@ -32,7 +32,7 @@ def test_local_distill_layout_and_export(tmp_path, monkeypatch):
     assert res["stage1"]["done"] and res["stage1"]["mode"] == "cache" and res["stage2"]["done"]
     for rel in ["config.yaml", "stage1/student/feature_maps.safetensors", "stage1/student/student.json",
                 "stage1/metrics.jsonl", "stage1/summary.json", "stage1/checkpoints/step_00000004/meta.json",
-                "stage2/metrics.jsonl", "stage2/summary.json", "stage2/hf/config.json",
+                "stage2/metrics.jsonl", "stage2/summary.json", "stage2/hf/config.json", "stage2/hf/modeling_hedgemamba.py",
                 "stage2/checkpoints/step_00000004/meta.json"]:
         assert (run / rel).exists(), rel
     assert list((run / "stage1" / "tb").iterdir()) and list((run / "stage2" / "tb").iterdir())
