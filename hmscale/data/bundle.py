@@ -36,6 +36,10 @@ class DataBundle:
     info: dict = field(default_factory=dict)
 
 
+class StaleCheckpoint(Exception):
+    """A split's checkpoint whose files do not hold what it records: the split starts again."""
+
+
 class _StreamWriter:
     """One split's token stream written as it is tokenised: int32 ids appended to a file, the document lengths kept,
     the digest (``stream_digest``) updated on the way; ``close`` leaves ``{split}.tokens.npy`` / ``.doc_lens.npy``.
@@ -55,9 +59,11 @@ class _StreamWriter:
             self._f = open(self.raw, "wb")
             return
         self.tokens = int(resume["tokens"])
-        lens = np.load(self.lens_path)
-        if int(lens.sum()) != self.tokens or len(lens) != int(resume["documents"]):
-            raise OSError(f"{self.lens_path} does not match the checkpoint ({len(lens)} documents, {int(lens.sum())} tokens)")
+        # the lengths file is replaced before progress.json records the checkpoint: it may hold more documents
+        # (a later checkpoint's), never fewer; its first `documents` entries are this checkpoint's
+        lens = np.load(self.lens_path)[: int(resume["documents"])]
+        if len(lens) != int(resume["documents"]) or int(lens.sum()) != self.tokens or self.raw.stat().st_size < 4 * self.tokens:
+            raise StaleCheckpoint(f"{self.directory}: the {split} checkpoint does not match its files")
         self.lens = [lens]
         with open(self.raw, "r+b") as f:
             f.truncate(4 * self.tokens)  # whatever was appended after the checkpoint goes
@@ -155,6 +161,8 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
         meta = {"source": source.description, "tokenizer_fingerprint": fp, "eos_id": eos_id}
         if max_tokens is not None:
             meta["caps"] = caps
+        if (tmp / "meta.json").exists():
+            return  # an interrupted run finished the build and was stopped before the rename
         progress_path = tmp / "progress.json"
         progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
 
@@ -168,10 +176,13 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
                 meta[split] = state["meta"]
                 log(f"[data] tokens: {split}: already tokenised by an interrupted run ({state['meta']['tokens']:,} tokens)")
                 continue
-            if state and not (tmp / f"{split}.tokens.raw").exists():
-                state = None  # interrupted while closing the split: start it again
             t0 = last = last_ckpt = time.perf_counter()
-            w = _StreamWriter(tmp, split, resume=state)
+            try:
+                w = _StreamWriter(tmp, split, resume=state)
+            except (StaleCheckpoint, OSError) as err:  # e.g. interrupted while closing the split
+                log(f"[data] tokens: {split}: cannot resume the interrupted run ({err}); tokenising the split again")
+                state = None
+                w = _StreamWriter(tmp, split)
             chars, skip = (int(state["chars"]), int(state["documents"])) if state else (0, 0)
             if skip:
                 log(f"[data] tokens: {split}: resuming an interrupted run after {skip:,} documents ({w.tokens:,} tokens)")
@@ -196,10 +207,10 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
             meta[split] = {"documents": docs, "chars": chars, "tokens": int(w.tokens), "digest": digest}
             record(split, {"done": True, "meta": meta[split]})
             log(f"[data] tokens: {split}: {docs} documents -> {w.tokens:,} tokens in {time.perf_counter() - t0:.1f} s")
-        progress_path.unlink()
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        atomic_write_json(tmp / "meta.json", meta)
+        progress_path.unlink()  # after meta.json, the mark of a finished build
 
-    resumable_dir(target, build)
+    resumable_dir(target, build, log=log)
     log(f"[data] tokens: cached at {target}")
     return target
 

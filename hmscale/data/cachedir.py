@@ -42,11 +42,12 @@ def atomic_dir(target: str | os.PathLike, build: Callable[[Path], None]) -> Path
     return target
 
 
-def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None], log=print) -> Path:
     """Create directory `target` like ``atomic_dir``, for long builds that must survive an interruption:
     build(partial) works in the fixed sibling `.{name}.partial`, which an interrupted build leaves behind, so the
     next call hands the same directory back and `build` resumes from what it recorded there. One builder at a
-    time: the others wait on a lock file, then find `target` built."""
+    time: the others wait on a lock file (saying so), then find `target` built. Where the filesystem has no
+    ``flock`` (some network mounts), each builder works apart as in ``atomic_dir``, without resuming."""
     import fcntl
 
     target = Path(target)
@@ -54,7 +55,14 @@ def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None]) -> P
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also when this process dies)
+        try:  # released when the file closes (also when this process dies)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[data] {target.name}: another process is building it; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as err:
+            log(f"[data] {target.parent}: no file locks here ({err.strerror}); building {target.name} without resume")
+            return atomic_dir(target, build)
         if target.is_dir():
             return target
         partial = target.parent / f".{target.name}.partial"

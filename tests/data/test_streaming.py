@@ -186,3 +186,78 @@ def test_an_interrupted_tokenisation_resumes_to_the_same_stream(corpus, tmp_path
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
     assert not partial.exists()
+
+
+@pytest.mark.parametrize("die_at", ["between_checkpoint_files", "before_rename"])
+def test_kills_at_awkward_moments_still_resume(corpus, tmp_path, monkeypatch, die_at):
+    """A kill after a checkpoint's lengths file was replaced but before progress.json recorded it, or after
+    meta.json was written but before the entry was renamed into place: the rerun finishes without redoing the work."""
+    path, tok = corpus
+    src = FileSource([str(path)], val_fraction=0.1)
+    ref = tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "ref", log=lambda *a: None, batch_docs=97)
+
+    import hmscale.data.bundle as bundle
+    import hmscale.data.cachedir as cachedir
+
+    if die_at == "between_checkpoint_files":
+        real_write, calls = bundle.atomic_write_json, []
+
+        def write(path, obj):
+            calls.append(1)
+            if len(calls) == 3:  # the third checkpoint: its lengths file is already in place
+                raise _Killed()
+            real_write(path, obj)
+        monkeypatch.setattr(bundle, "atomic_write_json", write)
+    else:
+        real_rename = cachedir.os.rename
+
+        def rename(src, dst, *a, **k):
+            if str(src).endswith(".partial"):  # the entry's rename into place (not the atomic writes' own)
+                raise _Killed()
+            return real_rename(src, dst, *a, **k)
+        monkeypatch.setattr(cachedir.os, "rename", rename)
+    with pytest.raises(_Killed):
+        tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "c", log=lambda *a: None, batch_docs=97, checkpoint_s=0)
+    monkeypatch.undo()
+
+    real, seen = bundle.tokenize_documents, []
+    monkeypatch.setattr(bundle, "tokenize_documents", lambda *a: (seen.append(len(a[1])), real(*a))[1])
+    logs = []
+    out = tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "c", log=logs.append, batch_docs=97, checkpoint_s=0)
+    if die_at == "before_rename":
+        assert not seen  # both splits were done: nothing tokenised again
+    else:
+        assert any("resuming an interrupted run after 48 documents" in line for line in logs), logs
+    for name in ("train.tokens.npy", "train.doc_lens.npy", "validation.tokens.npy", "validation.doc_lens.npy", "meta.json"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_a_second_builder_waits_and_a_lockless_filesystem_builds_apart(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    from hmscale.data.cachedir import resumable_dir
+
+    target, logs, order = tmp_path / "entry", [], []
+    started = threading.Event()
+
+    def slow(d):
+        started.set()
+        order.append("first")
+        (d / "x").write_text("1")
+        import time
+        time.sleep(0.5)
+
+    t = threading.Thread(target=resumable_dir, args=(target, slow), kwargs={"log": logs.append})
+    t.start()
+    started.wait()
+    resumable_dir(target, lambda d: order.append("second"), log=logs.append)  # waits, then finds it built
+    t.join()
+    assert order == ["first"] and (target / "x").read_text() == "1"
+    assert any("another process is building it; waiting" in line for line in logs), logs
+
+    def no_locks(*a):
+        raise OSError(37, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    other = resumable_dir(tmp_path / "other", lambda d: (d / "y").write_text("2"), log=logs.append)
+    assert (other / "y").read_text() == "2" and any("no file locks here" in line for line in logs)
