@@ -15,6 +15,7 @@ stage resumes from its own last checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -49,12 +50,18 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _changed_settings(run_dir: Path, cfg: RunConfig) -> list[str] | None:
-    """The training settings ('field: old -> new') that differ from the config the run directory was made with;
-    None when that config is not there."""
+def _saved_tree(run_dir: Path) -> dict | None:
     try:
-        tree = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
+        return None
+
+
+def _changed_settings(run_dir: Path, cfg: RunConfig) -> list[str] | None:
+    """The training settings ('field: old -> new') that differ from the config the run directory was last given
+    (config.yaml); None when that config is not there."""
+    tree = _saved_tree(run_dir)
+    if tree is None:
         return None
     try:  # through the current schema: fields added since the run was made take their defaults
         tree = build_config(tree).model_dump(mode="json")
@@ -72,7 +79,12 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
     results = json.loads(path.read_text())
     if results.get("config_hash") != _training_hash(cfg):
         diff = _changed_settings(run_dir, cfg)
-        if diff == []:  # the same training settings, hashed before eval settings were left out (2026-12-05)
+        tree = _saved_tree(run_dir)
+        # a run hashed whole (before 2026-12-05) whose config.yaml is still the one it was hashed with, and whose
+        # training settings are this config's: the same run under the new key
+        legacy = tree is not None and results.get("config_hash") == hashlib.sha256(
+            json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+        if diff == [] and legacy:
             results["config_hash"] = _training_hash(cfg)
         else:
             listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
@@ -115,6 +127,13 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
     t0 = time.time()
     prep = prepare(cfg, log=log)  # data plan, teacher (pretrained once and stored), teacher cache
     data, teacher = prep["data"], prep["teacher"]
+    if cfg.eval.context_length:  # checked now, not after training
+        from hmscale.eval.long_context import long_context_rows
+
+        try:
+            long_context_rows(data.stream_dir, cfg.eval.context_length, max_rows=1)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
     if not done("prepare"):
         record("prepare", t0, train_tokens=int(data.plan.total_tokens), val_rows=int(len(data.val_tokens)),
                vocab_size=int(data.vocab_size), cache_dir=prep["cache_dir"])

@@ -10,20 +10,32 @@ import importlib.util
 import os
 import sys
 
-# import name -> distribution, for what a job needs on the node that runs it
-NEEDED = {"torch": "torch", "deepspeed": "deepspeed", "transformers": "transformers", "datasets": "datasets",
-          "webdataset": "webdataset", "safetensors": "safetensors", "pydantic": "pydantic", "yaml": "pyyaml",
-          "tokenizers": "tokenizers", "typer": "typer"}
+_IMPORT_NAME = {"pyyaml": "yaml"}  # distributions whose import name differs
+
+
+def required_distributions() -> list[str]:
+    """hmscale's runtime requirements (distribution names), from the uploaded checkout's pyproject.toml."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: no check (the imports themselves will name what is missing)
+        return []
+
+    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    deps = tomllib.loads(path.read_text())["project"]["dependencies"]
+    return [re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower() for d in deps]
 
 
 def missing_dependencies() -> list[str]:
-    return [dist for mod, dist in NEEDED.items() if importlib.util.find_spec(mod) is None]
+    return [d for d in required_distributions() if importlib.util.find_spec(_IMPORT_NAME.get(d, d)) is None]
 
 
 def main(argv: list[str] | None = None) -> int:
     missing = missing_dependencies()
     if missing:
-        print(f"hmscale: error: this node's Python lacks {', '.join(missing)}; submit with `hmscale submit --install` "
+        print(f"hmscale: error: the job's Python lacks {', '.join(missing)}; submit with `hmscale submit --install` "
               "(Ray pip-installs hmscale's dependencies into the job's environment) or install them on every node",
               file=sys.stderr)
         return 2

@@ -46,3 +46,16 @@ def test_a_run_hashed_with_its_eval_settings_resumes_when_the_training_settings_
     (tmp_path / "results.json").write_text(json.dumps({"config_hash": cfg.hash(), "stages": {"stage1": {}}}))
     res = _load_results(tmp_path, build_config({}, ["eval.context_length=2048"]))
     assert "stage1" in res["stages"] and res["config_hash"] == _training_hash(cfg)
+
+
+def test_a_config_yaml_rewritten_by_another_command_is_not_taken_for_the_run(tmp_path):
+    """`hmscale stage2 -s ...` rewrites config.yaml in the run directory: a whole-config hash of another config must
+    still be refused, not adopted because config.yaml now matches."""
+    from hmscale.config import save_resolved
+
+    made = build_config({})
+    (tmp_path / "results.json").write_text(json.dumps({"config_hash": made.hash(), "stages": {"stage1": {}}}))
+    other = build_config({}, ["stage2.lr=3e-4"])
+    save_resolved(other, tmp_path)
+    with pytest.raises(RecipeError, match="holds a run of a different config"):
+        _load_results(tmp_path, other)

@@ -119,3 +119,13 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     assert s2["done"] and s2["dp"] == 2 and s2["start_step"] == 2 and s2["end_step"] == 4
     assert (run / "stage2" / "hf" / "config.json").exists()
     assert len(ports) == 2 and shm() == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
+
+
+def test_run_refuses_a_context_length_longer_than_the_data_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    from hmscale.cli import main
+
+    args = ["run", *[a for o in _overrides(tmp_path) for a in ("-s", o)], "-s", "eval.context_length=100000000"]
+    assert main(args) == 2
+    assert "eval.context_length: the validation split has" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "stage1").exists()
