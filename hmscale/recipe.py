@@ -40,6 +40,12 @@ def _training_hash(cfg: RunConfig) -> str:
     return cfg.hash(*(k for k in cfg.model_dump() if k not in _NOT_IDENTITY))
 
 
+def _eval_hash(cfg: RunConfig) -> str:
+    """The settings the recipe's eval stage reads (eval.tasks and generate_tokens are `hmscale eval`'s / generate's)."""
+    e = cfg.eval
+    return hashlib.sha256(json.dumps([e.max_sequences, e.context_length]).encode()).hexdigest()[:16]
+
+
 def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in tree.items():
@@ -90,7 +96,7 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
             listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
             raise RecipeError(f"output_dir: {run_dir} holds a run of a different config{listed}; "
                               "choose another output_dir or delete that directory")
-    if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != cfg.hash("eval"):
+    if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != _eval_hash(cfg):
         del results["stages"]["eval"]  # the evaluation settings changed (or were not recorded): evaluate again
     return results
 
@@ -158,7 +164,7 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
         results["stage1_transfer"] = cfg.stage1.transfer
         results.pop("long_context", None)
         results.update(scores)
-        record("eval", t0, eval_hash=cfg.hash("eval"), **{k: v for k, v in scores.items() if k.endswith("_ppl")})
+        record("eval", t0, eval_hash=_eval_hash(cfg), **{k: v for k, v in scores.items() if k.endswith("_ppl")})
     results["wall_seconds"] = round(sum(stages[k].get("seconds", 0) for k in ("prepare", "distill", "eval") if k in stages), 2)
     results["tokens"] = {k: stages[k].get("tokens", 0) for k in ("stage1", "stage2") if k in stages}
     atomic_write_json(run_dir / "results.json", results)

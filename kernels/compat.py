@@ -15,9 +15,9 @@ Differences, by design:
   tuned chunk (``HMSCALE_COMPAT_CHUNK``, default 64). The chunk changes the order of the sums, not the function:
   outputs agree with mamba_ssm's to rounding whatever chunk either side uses.
 - ``return_varlen_states`` with ``cu_seqlens`` (batch 1, as mamba_ssm): the state after each sequence's last token,
-  as the scan reaches it (``seq_idx`` decides the resets, as in mamba_ssm: pass both for packed sequences), computed in
-  PyTorch from the same processed dt (one host read of ``cu_seqlens``; differentiable, where mamba_ssm's backward
-  refuses it). Without ``initial_states`` the two libraries agree to rounding (``benchmarks/compat_check.py``); with
+  as the scan reaches it (``seq_idx`` decides the resets, as in mamba_ssm, and must be given with several sequences),
+  computed in PyTorch from the same processed dt (one host read of ``cu_seqlens``; differentiable, where mamba_ssm's
+  backward refuses it). Without ``initial_states`` the two libraries agree to rounding (``benchmarks/compat_check.py``); with
   them, the initial state enters the first sequence's state here wherever that sequence ends, while mamba_ssm 2.3.2
   leaves it out when the first sequence ends inside its first chunk (seen on the CPU, 2026-12-05: 1.8e-3 from the
   float64 scan for that sequence, ours 5.8e-8).
@@ -78,8 +78,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l). Returns y (b, l, h, p) in x's dtype, and the
     final state (b, h, p, n) fp32 with ``return_final_states``. ``backend`` as in :func:`kernels.ssd`.
     """
-    if return_varlen_states and cu_seqlens is None:
-        raise ValueError("return_varlen_states needs cu_seqlens (num_sequences + 1,): where each sequence starts")
+    if return_varlen_states:
+        _check_varlen(x, cu_seqlens, seq_idx)
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     del chunk_size  # the function does not depend on it; see the module docstring
@@ -97,6 +97,22 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     return (y, final, varlen) if return_final_states else (y, varlen)
 
 
+def _check_varlen(x, cu_seqlens, seq_idx) -> None:
+    """Before any work: what ``return_varlen_states`` needs (one host read of ``cu_seqlens``)."""
+    b, l = x.shape[:2]
+    if cu_seqlens is None:
+        raise ValueError("return_varlen_states needs cu_seqlens (num_sequences + 1,): where each sequence starts")
+    if b != 1:
+        raise ValueError(f"return_varlen_states supports batch 1 (sequences packed along l), as mamba_ssm; got batch {b}")
+    cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    if cu is None or len(cu) < 2 or cu[0] != 0 or cu[-1] != l or any(e <= s for s, e in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to l = {l} (num_sequences + 1 entries), got "
+                         f"{cu_seqlens.tolist()}")
+    if seq_idx is None and len(cu) > 2:
+        raise ValueError("return_varlen_states with several sequences needs seq_idx (1, l) numbering them as cu_seqlens "
+                         "does: without it the scan carries the state across sequences")
+
+
 def _varlen_states(x, d, A, B, initial_states, seq_idx, cu_seqlens):
     """(num_sequences, h, p, n) fp32: the scan's state after the last token of each ``cu_seqlens`` sequence (batch 1).
 
@@ -104,11 +120,7 @@ def _varlen_states(x, d, A, B, initial_states, seq_idx, cu_seqlens):
     token of the run of equal ``seq_idx`` holding e - 1 (0 without seq_idx), plus exp(sum_{u<e} dt_u A) S0 when that
     run starts the batch row (the initial state enters the first document only)."""
     b, l, h, p = x.shape
-    if b != 1:
-        raise ValueError(f"return_varlen_states supports batch 1 (sequences packed along l), as mamba_ssm; got batch {b}")
-    cu = [int(v) for v in cu_seqlens.tolist()]
-    if cu_seqlens.dim() != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != l or any(e <= s for s, e in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to l = {l} (num_sequences + 1 entries), got {cu}")
+    cu = [int(v) for v in cu_seqlens.tolist()]  # checked by _check_varlen
     xs, Bs = _fp32(x[0]), expand_groups(_fp32(B), h)[0]  # (l, h, p), (l, h, n)
     dA = d[0] * A  # (l, h)
     if seq_idx is None:

@@ -6,12 +6,12 @@ import json
 import pytest
 
 from hmscale.config import build_config
-from hmscale.recipe import RecipeError, _load_results, _training_hash
+from hmscale.recipe import RecipeError, _eval_hash, _load_results, _training_hash
 
 
 def _write(run_dir, cfg, eval_cfg):
     stages = {"prepare": {"seconds": 1.0}, "stage1": {"seconds": 2.0}, "stage2": {"seconds": 3.0},
-              "eval": {"seconds": 0.5, "eval_hash": eval_cfg.hash("eval")}}
+              "eval": {"seconds": 0.5, "eval_hash": _eval_hash(eval_cfg)}}
     (run_dir / "results.json").write_text(json.dumps({"config_hash": _training_hash(cfg), "stages": stages}))
 
 
@@ -20,6 +20,7 @@ def test_changed_eval_settings_redo_only_the_eval(tmp_path):
     _write(tmp_path, cfg, cfg)
     assert "eval" in _load_results(tmp_path, cfg)["stages"]
     assert "eval" in _load_results(tmp_path, build_config({}, [f"output_dir={tmp_path}/moved"]))["stages"]
+    assert "eval" in _load_results(tmp_path, build_config({}, ["eval.tasks=[hellaswag]"]))["stages"]  # not read there
     longer = build_config({}, ["eval.context_length=2048"])
     stages = _load_results(tmp_path, longer)["stages"]
     assert "eval" not in stages and set(stages) == {"prepare", "stage1", "stage2"}

@@ -96,7 +96,8 @@ def position_nll(model, rows, batch_size: int = 1, segment: int | None = None,
 
 
 def bucket_perplexities(total: np.ndarray, count: np.ndarray, edges: list[int]) -> list[float]:
-    """exp(mean NLL) over the target positions of each bucket ``[edges[i], edges[i+1])`` (position j = index j)."""
+    """exp(mean NLL) over the target positions of each bucket ``[edges[i], edges[i+1])`` (target position j, the
+    token at index j of a row, is ``total[j - 1]``)."""
     out = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         s, c = total[lo - 1:hi - 1].sum(), count[lo - 1:hi - 1].sum()

@@ -118,10 +118,10 @@ def _packed(l=53, cuts=(0, 9, 10, 31, 53)):
     return ins, seq_idx, cu
 
 
-@pytest.mark.parametrize("with_seq_idx", [True, False])
+@pytest.mark.parametrize("cuts,with_seq_idx", [((0, 9, 10, 31, 53), True), ((0, 53), False)])
 @pytest.mark.parametrize("initial", [True, False])
-def test_varlen_states_are_the_scans_state_at_each_sequence_end(with_seq_idx, initial):
-    ins, seq_idx, cu = _packed()
+def test_varlen_states_are_the_scans_state_at_each_sequence_end(cuts, with_seq_idx, initial):
+    ins, seq_idx, cu = _packed(cuts=cuts)
     seq = seq_idx if with_seq_idx else None
     init = ins["initial_states"] if initial else None
     kw = dict(D=ins["D"], z=ins["z"], dt_bias=ins["dt_bias"], dt_softplus=True, dt_limit=LIMIT, backend="torch")
@@ -130,7 +130,7 @@ def test_varlen_states_are_the_scans_state_at_each_sequence_end(with_seq_idx, in
                                                  return_varlen_states=True, **kw)
     y_only, varlen_only = mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, initial_states=init,
                                                     seq_idx=seq, cu_seqlens=cu, return_varlen_states=True, **kw)
-    assert torch.equal(y, y_only) and torch.equal(varlen, varlen_only) and varlen.shape == (4, 4, 12, 16)
+    assert torch.equal(y, y_only) and torch.equal(varlen, varlen_only) and varlen.shape == (len(cuts) - 1, 4, 12, 16)
     d = F.softplus(ins["dt"] + ins["dt_bias"]).clamp(*LIMIT)
     for i, e in enumerate(cu[1:].tolist()):  # the definition: the final state of the scan cut after the sequence
         _, want = ssd_reference(ins["x"][:, :e], d[:, :e], ins["A"], ins["B"][:, :e], ins["C"][:, :e], initial_state=init,
@@ -245,9 +245,16 @@ def test_step_shape_errors_say_what_is_expected():
         selective_state_update(state[:, :, :3], **t, backend="torch")
 
 
-@pytest.mark.parametrize("cuts", [(0, 20, 20, 53), (1, 53), (0, 52), (0, 30, 20, 53)])
+@pytest.mark.parametrize("cuts", [(0, 20, 20, 53), (1, 53), (0, 52), (0, 30, 20, 53), ((0, 53),), 53])
 def test_bad_cu_seqlens_are_one_line(cuts):
     ins, seq_idx, _ = _packed()
     with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0 to l = 53"):
         mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, seq_idx=seq_idx,
                                   cu_seqlens=torch.tensor(cuts), return_varlen_states=True, backend="torch")
+
+
+def test_several_sequences_need_seq_idx():
+    ins, _, cu = _packed()
+    with pytest.raises(ValueError, match="needs seq_idx"):
+        mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, cu_seqlens=cu,
+                                  return_varlen_states=True, backend="torch")

@@ -49,6 +49,8 @@ class CacheReader:
         self.seq_len = int(m["layout"]["seq_len"])
         self.teacher = m["teacher"]
         self.verify = verify
+        v = self.manifest.view_of  # where a bad shard lies, for the errors: a view's shards are its source's
+        self._where = f"{self.manifest.files_dir} (read through the view {self.dir})" if v else self.dir
         self.shard_ids = sorted(self._entries)
         self._counts = {s: int(self._entries[s]["samples"]) for s in self.shard_ids}
         self._verified: set[int] = set()
@@ -79,14 +81,14 @@ class CacheReader:
             return
         entry, path = self._entries[sid], self._shard_path(sid)
         if not path.exists():
-            raise CacheCorruptError(entry["file"], "the file is missing", self.dir)
+            raise CacheCorruptError(entry["file"], "the file is missing", self._where)
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise CacheCorruptError(entry["file"], f"{size} bytes on disk, the manifest says {entry['bytes']} (truncated?)", self.dir)
+            raise CacheCorruptError(entry["file"], f"{size} bytes on disk, the manifest says {entry['bytes']} (truncated?)", self._where)
         if self.verify:
             got = sha256_file(path)
             if got != entry["sha256"]:
-                raise CacheCorruptError(entry["file"], f"sha256 {got[:16]}... does not match the manifest's {entry['sha256'][:16]}...", self.dir)
+                raise CacheCorruptError(entry["file"], f"sha256 {got[:16]}... does not match the manifest's {entry['sha256'][:16]}...", self._where)
         self._verified.add(sid)
 
     def _shard_index(self, sid: int) -> dict:
@@ -100,10 +102,10 @@ class CacheReader:
             with tarfile.open(self._shard_path(sid), mode="r:") as tf:
                 index = {ti.name: (ti.offset_data, ti.size) for ti in tf.getmembers() if ti.isfile()}
         except tarfile.TarError as err:
-            raise CacheCorruptError(name, f"not a readable tar ({err})", self.dir) from None
+            raise CacheCorruptError(name, f"not a readable tar ({err})", self._where) from None
         keys = sorted({n.split(".", 1)[0] for n in index})
         if len(keys) != self._counts[sid]:
-            raise CacheCorruptError(name, f"{len(keys)} samples, the manifest says {self._counts[sid]}", self.dir)
+            raise CacheCorruptError(name, f"{len(keys)} samples, the manifest says {self._counts[sid]}", self._where)
         self._index[sid] = {"members": index, "keys": keys}
         while len(self._index) > self._max_open:
             self._index.popitem(last=False)
@@ -114,7 +116,7 @@ class CacheReader:
         name = self._entries[sid]["file"]
         member = f"{key}.{field}.npy"
         if member not in idx["members"]:
-            raise CacheCorruptError(name, f"sample {key} has no {field}", self.dir)
+            raise CacheCorruptError(name, f"sample {key} has no {field}", self._where)
         off, size = idx["members"][member]
         with open(self._shard_path(sid), "rb") as f:
             f.seek(off)
@@ -122,7 +124,7 @@ class CacheReader:
         try:
             arr = load_npy(data)
         except ValueError as err:
-            raise CacheCorruptError(name, f"{member} is not a plain .npy array ({err})", self.dir) from None
+            raise CacheCorruptError(name, f"{member} is not a plain .npy array ({err})", self._where) from None
         spec = self.fields[field]
         if list(arr.shape) != spec["shape"] or arr.dtype != np.dtype(spec["npy_dtype"]):
             raise CacheCorruptError(

@@ -70,6 +70,8 @@ def test_a_view_whose_source_lost_a_shard_is_rebuilt(tmp_path, teacher, data, to
     view = build_cache(cfg, data, teacher, engine="local")
     assert Manifest.load(view).view_of == full.name
     (full / "shard-000001.tar").unlink()
+    with pytest.raises(Exception, match=rf"shard-000001.tar in {full} \(read through the view {view}\) is corrupted"):
+        CacheReader(view).sample(1, 0)
     logs = []
     assert build_cache(cfg, data, teacher, engine="local", log=logs.append) == view
     assert any("no longer covers the request; replacing it" in line for line in logs), logs
