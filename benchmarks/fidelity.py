@@ -11,6 +11,7 @@
     ... --recipe v0                               # the plain recipe of the first H200 run (before/after)
     ... -s stage2.lr=5e-4 --only hedgemamba       # any override on top, a subset of the ablations
     ... --jobs 6 --variant e1:stage2.epochs=1     # ablations side by side, one process each; an extra run
+    ... --context-length 8192                     # also perplexity by position on rows 4x the training length
 
 1. Pretrain a Pythia-70m-shaped teacher (6 layers, d 512, 8 heads; BPE vocab 8192) on this
    machine's Python sources (standard library + site-packages, split by a hash of the file path).
@@ -150,8 +151,17 @@ def ablations(args) -> dict[str, list[str]]:
     return out
 
 
+def long_context(models: dict, long_rows, train_len: int) -> dict:
+    """{name: perplexity per position bucket} on the long rows (``hmscale.eval.long_context``), and the buckets."""
+    from hmscale.eval.long_context import long_context_eval
+
+    res = long_context_eval(models, long_rows, train_len, tokens_per_batch=16 * train_len,
+                            log=lambda m: print(m, flush=True))
+    return {name: {"buckets": res["buckets"], "ppl": res["ppl"][name]} for name in models}
+
+
 def run_ablation(name, extra, base, budget, out: Path, data, teacher, rows, device, teacher_ppl,
-                 stage1_done: dict | None = None) -> dict:
+                 stage1_done: dict | None = None, long_rows=None) -> dict:
     """Distil one ablation through the recipe code and measure it; returns {name: {...}} (and
     {"stage1_only": ...} for the main run). `stage1_done` maps a stage-1 config key to the run that has it."""
     from hmscale.config import build_config
@@ -176,6 +186,8 @@ def run_ablation(name, extra, base, budget, out: Path, data, teacher, rows, devi
     model = load_final_model(out / name, data).to(device)
     hm_ppl = perplexity(model, rows, 16)
     results = {name: {"ppl": hm_ppl, "seconds": round(time.time() - t0, 1)}}
+    if long_rows is not None:
+        results[name]["long_context"] = long_context({name: model}, long_rows, run_cfg.data.seq_len)[name]
     if name == "hedgemamba":
         s1 = load_stage1_student(out / name, teacher).to(device)
         results["stage1_only"] = {"ppl": perplexity(s1, rows, 16)}
@@ -245,6 +257,8 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=1,
                     help="run up to this many ablations at once, each in its own process (GPU: small models "
                          "leave the device mostly idle); 1 = one after another, sharing stage 1")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="also score each model per position bucket on rows this long (e.g. 8192: 4x the training rows)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one ablation of a --jobs run
     ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -273,15 +287,23 @@ def main(argv=None):
     device = "cuda" if cfg.parallel.use_gpu else "cpu"
     teacher = teacher.to(device)
     teacher_ppl = perplexity(teacher, rows, 16)
+    long_rows = None
+    if args.context_length:
+        from hmscale.eval.long_context import long_context_rows
+
+        long_rows, rows_from = long_context_rows(data.stream_dir, args.context_length, cfg.eval.max_sequences)
+        print(f"[fidelity] long context: {len(long_rows)} rows of {args.context_length:,} tokens ({rows_from})", flush=True)
     if args.child:  # one ablation of a --jobs run: the parent's budget, the result to a file
         res = run_ablation(args.child, ablations(args)[args.child], base, args.budget, out, data, teacher, rows,
-                           device, teacher_ppl)
+                           device, teacher_ppl, long_rows=long_rows)
         atomic_write_json(out / args.child / "fidelity_result.json", res)
         return
     print(f"[fidelity] teacher: {teacher_tokens:,} pretraining tokens, validation ppl {teacher_ppl:.3f}; "
           f"distillation budget {budget:,} tokens ({args.fraction:.1%}) per ablation", flush=True)
 
     results = {"teacher": {"ppl": teacher_ppl, "tokens": teacher_tokens}}
+    if long_rows is not None:
+        results["teacher"]["long_context"] = long_context({"teacher": teacher}, long_rows, cfg.data.seq_len)["teacher"]
     jobs = {name: extra for name, extra in ablations(args).items() if not args.only or name in args.only}
     if args.jobs > 1:
         results.update(run_concurrently(jobs, args, argv, budget, out))
@@ -289,7 +311,7 @@ def main(argv=None):
         stage1_done: dict[str, Path] = {}
         for name, extra in jobs.items():
             results.update(run_ablation(name, extra, base, budget, out, data, teacher, rows, device, teacher_ppl,
-                                        stage1_done))
+                                        stage1_done, long_rows=long_rows))
 
     print()
     print("| model | ppl | / teacher | paper ppl | paper / teacher |")
@@ -307,6 +329,16 @@ def main(argv=None):
         paper = PAPER.get(key)
         paper_cols = f"{paper:.2f} | {paper / PAPER['teacher']:.3f}" if paper else "- | -"
         print(f"| {label} | {ppl:.3f} | {ppl / teacher_ppl:.3f} | {paper_cols} |")
+    if long_rows is not None:
+        buckets = results["teacher"]["long_context"]["buckets"]
+        print(f"\nPerplexity by target position ({len(long_rows)} rows of {args.context_length:,} tokens; "
+              f"* past the training rows' {cfg.data.seq_len}):\n")
+        print("| model | " + " | ".join(f"{lo}-{hi - 1}" + (" *" if lo >= cfg.data.seq_len else "") for lo, hi in buckets)
+              + " |")
+        print("|---|" + "---|" * len(buckets))
+        for key, label in labels.items():
+            if "long_context" in results.get(key, {}):
+                print(f"| {label} | " + " | ".join(f"{p:.2f}" for p in results[key]["long_context"]["ppl"]) + " |")
     checks = {}
     if {"hedgemamba", "split_0_100", "split_100_0"} <= results.keys():
         hm = results["hedgemamba"]["ppl"]

@@ -61,7 +61,8 @@ def test_fidelity_jobs_run_ablations_in_their_own_processes(tmp_path):
     """--jobs: each ablation (here the 10/90 run and one variant) in a child process, results gathered."""
     out = tmp_path / "fid"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out),
-                           "--jobs", "2", "--only", "hedgemamba", "e1", "--variant", "e1:stage2.epochs=1"],
+                           "--jobs", "2", "--only", "hedgemamba", "e1", "--variant", "e1:stage2.epochs=1",
+                           "--context-length", "256"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((out / "fidelity.json").read_text())["results"]
@@ -70,3 +71,8 @@ def test_fidelity_jobs_run_ablations_in_their_own_processes(tmp_path):
     for name in ("hedgemamba", "e1"):
         assert (out / name / "fidelity_result.json").exists() and (out / name / "fidelity.log").exists()
     assert "| HedgeMamba 10/90, variant e1: stage2.epochs=1 |" in proc.stdout
+    # --context-length: every model per position bucket, the children's included
+    for name in ("teacher", "hedgemamba", "e1"):
+        lc = res[name]["long_context"]
+        assert lc["buckets"] == [[1, 64], [64, 128], [128, 256]] and all(p > 1 for p in lc["ppl"])
+    assert "| model | 1-63 | 64-127 * | 128-255 * |" in proc.stdout
