@@ -92,6 +92,10 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
             json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
         if diff == [] and legacy:
             results["config_hash"] = _training_hash(cfg)
+            atomic_write_json(path, results)  # now: config.yaml is rewritten next and could not vouch for it again
+        elif tree is None:
+            raise RecipeError(f"output_dir: {run_dir} holds a run whose config.yaml is missing or unreadable, so it "
+                              "cannot be matched to this config; choose another output_dir or delete that directory")
         else:
             listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
             raise RecipeError(f"output_dir: {run_dir} holds a run of a different config{listed}; "
@@ -130,16 +134,18 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
 
     from ray_jobs.distill import prepare, run_distill
 
-    t0 = time.time()
-    prep = prepare(cfg, log=log)  # data plan, teacher (pretrained once and stored), teacher cache
-    data, teacher = prep["data"], prep["teacher"]
-    if cfg.eval.context_length:  # checked now, not after training
-        from hmscale.eval.long_context import long_context_rows
+    def check_eval(data):  # now, not after the teacher, its cache and the training
+        if cfg.eval.context_length:
+            from hmscale.eval.long_context import long_context_rows
 
-        try:
             long_context_rows(data.stream_dir, cfg.eval.context_length, max_rows=1)
-        except ValueError as err:
-            raise RecipeError(str(err)) from None
+
+    t0 = time.time()
+    try:  # data plan, teacher (pretrained once and stored), teacher cache
+        prep = prepare(cfg, log=log, check_data=check_eval)
+    except ValueError as err:  # the data's and settings' one-line errors ("data.seq_len: ...")
+        raise RecipeError(str(err)) from None
+    data, teacher = prep["data"], prep["teacher"]
     if not done("prepare"):
         record("prepare", t0, train_tokens=int(data.plan.total_tokens), val_rows=int(len(data.val_tokens)),
                vocab_size=int(data.vocab_size), cache_dir=prep["cache_dir"])

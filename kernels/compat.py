@@ -16,8 +16,8 @@ Differences, by design:
   outputs agree with mamba_ssm's to rounding whatever chunk either side uses.
 - ``return_varlen_states`` with ``cu_seqlens`` (batch 1, as mamba_ssm): the state after each sequence's last token,
   as the scan reaches it (``seq_idx`` decides the resets, as in mamba_ssm, and must be given with several sequences),
-  computed in PyTorch from the same processed dt (one host read of ``cu_seqlens``; differentiable, where mamba_ssm's
-  backward refuses it). Without ``initial_states`` the two libraries agree to rounding (``benchmarks/compat_check.py``); with
+  computed in PyTorch from the same processed dt (host reads of ``cu_seqlens`` and ``seq_idx``, checked to agree;
+  differentiable, where mamba_ssm's backward refuses it). Without ``initial_states`` the two libraries agree to rounding (``benchmarks/compat_check.py``); with
   them, the initial state enters the first sequence's state here wherever that sequence ends, while mamba_ssm 2.3.2
   leaves it out when the first sequence ends inside its first chunk (seen on the CPU, 2026-12-05: 1.8e-3 from the
   float64 scan for that sequence, ours 5.8e-8).
@@ -98,7 +98,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
 
 
 def _check_varlen(x, cu_seqlens, seq_idx) -> None:
-    """Before any work: what ``return_varlen_states`` needs (one host read of ``cu_seqlens``)."""
+    """Before any work: what ``return_varlen_states`` needs (host reads of ``cu_seqlens`` and ``seq_idx``)."""
     b, l = x.shape[:2]
     if cu_seqlens is None:
         raise ValueError("return_varlen_states needs cu_seqlens (num_sequences + 1,): where each sequence starts")
@@ -111,6 +111,11 @@ def _check_varlen(x, cu_seqlens, seq_idx) -> None:
     if seq_idx is None and len(cu) > 2:
         raise ValueError("return_varlen_states with several sequences needs seq_idx (1, l) numbering them as cu_seqlens "
                          "does: without it the scan carries the state across sequences")
+    if seq_idx is not None:
+        changes = (torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1).tolist()
+        if changes != cu[1:-1]:
+            raise ValueError(f"seq_idx must change exactly where cu_seqlens starts a sequence ({cu[1:-1]}), "
+                             f"it changes at {changes[:8]}{'...' if len(changes) > 8 else ''}")
 
 
 def _varlen_states(x, d, A, B, initial_states, seq_idx, cu_seqlens):

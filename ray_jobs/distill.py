@@ -192,12 +192,15 @@ def train_func(config: dict):
     return results
 
 
-def prepare(cfg, log=print, stages=STAGES) -> dict:
-    """Driver-side: data plan, teacher (pretrained/stored once), the cache when needed."""
+def prepare(cfg, log=print, stages=STAGES, check_data=None) -> dict:
+    """Driver-side: data plan, teacher (pretrained/stored once), the cache when needed. ``check_data(data)``: the
+    caller's checks that need the data, run before any teacher work."""
     from hmscale.data import prepare_data
     from hmscale.teacher import get_teacher
 
     data = prepare_data(cfg, log=log)
+    if check_data is not None:
+        check_data(data)
     teacher = get_teacher(cfg, data, log=log)
     cache_dir = None
     if ("stage1" in stages and cfg.stage1.source == "cache" and cfg.cache.enabled) or ("stage2" in stages and cfg.stage2.kd_weight > 0):

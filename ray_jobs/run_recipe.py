@@ -6,38 +6,50 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 
-_IMPORT_NAME = {"pyyaml": "yaml"}  # distributions whose import name differs
-
 
 def required_distributions() -> list[str]:
-    """hmscale's runtime requirements (distribution names), from the uploaded checkout's pyproject.toml."""
+    """hmscale's runtime requirements (distribution names): the uploaded checkout's pyproject.toml, else the
+    installed package's metadata."""
     import re
+    from importlib import metadata
     from pathlib import Path
 
+    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
     try:
         import tomllib
-    except ImportError:  # Python 3.10: no check (the imports themselves will name what is missing)
-        return []
 
-    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    deps = tomllib.loads(path.read_text())["project"]["dependencies"]
+        deps = tomllib.loads(path.read_text())["project"]["dependencies"]
+    except (ImportError, OSError, KeyError):  # Python 3.10, or hmscale installed without its checkout
+        try:
+            deps = [r for r in metadata.requires("hmscale") or [] if "extra ==" not in r]
+        except metadata.PackageNotFoundError:
+            return []
     return [re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower() for d in deps]
 
 
 def missing_dependencies() -> list[str]:
-    return [d for d in required_distributions() if importlib.util.find_spec(_IMPORT_NAME.get(d, d)) is None]
+    from importlib import metadata
+
+    missing = []
+    for d in required_distributions():
+        try:
+            metadata.distribution(d)
+        except metadata.PackageNotFoundError:
+            missing.append(d)
+    return missing
 
 
 def main(argv: list[str] | None = None) -> int:
     missing = missing_dependencies()
     if missing:
-        print(f"hmscale: error: the job's Python lacks {', '.join(missing)}; submit with `hmscale submit --install` "
-              "(Ray pip-installs hmscale's dependencies into the job's environment) or install them on every node",
-              file=sys.stderr)
+        base = [d for d in missing if d in ("torch", "triton", "ray")]
+        fix = ("install them in every node's image (`--install` leaves torch, triton and ray to the nodes)" if base else
+               "submit with `hmscale submit --install` (Ray pip-installs hmscale's dependencies into the job's "
+               "environment) or install them on every node")
+        print(f"hmscale: error: the job's Python lacks {', '.join(missing)}; {fix}", file=sys.stderr)
         return 2
     from hmscale.config import ConfigError, build_config, load_config
 

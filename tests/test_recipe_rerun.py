@@ -34,8 +34,8 @@ def test_changed_training_settings_are_another_run(tmp_path):
     save_resolved(cfg, tmp_path)
     with pytest.raises(RecipeError, match=r"holds a run of a different config \(stage2.lr: 0.001 -> 0.0003\); choose"):
         _load_results(tmp_path, build_config({}, ["stage2.lr=3e-4", "eval.context_length=512"]))
-    (tmp_path / "config.yaml").unlink()  # without the saved config: the same refusal, without the list
-    with pytest.raises(RecipeError, match="holds a run of a different config; choose"):
+    (tmp_path / "config.yaml").unlink()  # without the saved config: refused, saying why
+    with pytest.raises(RecipeError, match="config.yaml is missing or unreadable"):
         _load_results(tmp_path, build_config({}, ["stage2.lr=3e-4"]))
 
 
@@ -47,6 +47,9 @@ def test_a_run_hashed_with_its_eval_settings_resumes_when_the_training_settings_
     (tmp_path / "results.json").write_text(json.dumps({"config_hash": cfg.hash(), "stages": {"stage1": {}}}))
     res = _load_results(tmp_path, build_config({}, ["eval.context_length=2048"]))
     assert "stage1" in res["stages"] and res["config_hash"] == _training_hash(cfg)
+    # adopted on disk at once: a rerun after config.yaml is rewritten (and the run killed) still resumes
+    save_resolved(build_config({}, ["eval.context_length=2048"]), tmp_path)
+    assert "stage1" in _load_results(tmp_path, build_config({}, ["eval.context_length=2048"]))["stages"]
 
 
 def test_a_config_yaml_rewritten_by_another_command_is_not_taken_for_the_run(tmp_path):

@@ -79,6 +79,8 @@ class _StreamWriter:
         tmp = self.lens_path.with_name(self.lens_path.name + ".tmp")
         with open(tmp, "wb") as f:
             np.save(f, lens)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.lens_path)
         return {"tokens": int(self.tokens), "documents": int(len(lens))}
 
@@ -161,8 +163,9 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
         meta = {"source": source.description, "tokenizer_fingerprint": fp, "eos_id": eos_id}
         if max_tokens is not None:
             meta["caps"] = caps
-        if (tmp / "meta.json").exists():
-            return  # an interrupted run finished the build and was stopped before the rename
+        if (tmp / "meta.json").exists():  # an interrupted run finished the build and was stopped before the rename
+            (tmp / "progress.json").unlink(missing_ok=True)
+            return
         progress_path = tmp / "progress.json"
         progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
 
@@ -179,7 +182,7 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
             t0 = last = last_ckpt = time.perf_counter()
             try:
                 w = _StreamWriter(tmp, split, resume=state)
-            except (StaleCheckpoint, OSError) as err:  # e.g. interrupted while closing the split
+            except (StaleCheckpoint, OSError, ValueError, EOFError) as err:  # e.g. killed while closing the split
                 log(f"[data] tokens: {split}: cannot resume the interrupted run ({err}); tokenising the split again")
                 state = None
                 w = _StreamWriter(tmp, split)
@@ -210,6 +213,11 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
         atomic_write_json(tmp / "meta.json", meta)
         progress_path.unlink()  # after meta.json, the mark of a finished build
 
+    for other in target.parent.glob(".*.partial") if target.parent.is_dir() else []:
+        if other.name != f".{target.name}.partial":  # no run of this data will resume it
+            size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            log(f"[data] tokens: {other} ({size / 1e9:.2f} GB) is an interrupted preparation of other data or "
+                "settings; delete it if that preparation will not be run again")
     resumable_dir(target, build, log=log)
     log(f"[data] tokens: cached at {target}")
     return target

@@ -54,7 +54,12 @@ def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None], log=
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a") as lock:
+    lock_path = target.parent / f".{target.name}.lock"
+    try:
+        lock = open(lock_path, "a")
+    except PermissionError:  # another user's lock file on a shared cache: locking needs only read access
+        lock = open(lock_path)
+    with lock:
         try:  # released when the file closes (also when this process dies)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -69,6 +69,10 @@ __all__ = [
 class HedgeMambaConfig(PretrainedConfig):
     model_type = "hedgemamba"
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """A no-op, as the model's (``HedgeMambaPreTrainedModel.register_for_auto_class``)."""
+
     def __init__(
         self,
         vocab_size: int = 50304,
@@ -443,6 +447,19 @@ class HedgeMambaPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["HedgeMambaBlock"]
     supports_gradient_checkpointing = True
     _is_stateful = True
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """A no-op: transformers calls it on a remote-code load, and ``save_pretrained`` would then copy hmscale's
+        model sources into every later save; the one-line module of ``remote_code`` serves instead."""
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """transformers' save, plus what loads it with ``trust_remote_code=True`` (``hmscale.models.remote_code``)."""
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            from .remote_code import write_remote_code
+
+            write_remote_code(save_directory)
 
     @torch.no_grad()
     def _init_weights(self, module):

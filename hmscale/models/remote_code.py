@@ -2,8 +2,8 @@
 
 ``AutoModelForCausalLM.from_pretrained(d)`` finds HedgeMamba once ``hmscale.models`` is imported (it registers the
 model type). Tools that only take a path (``lm_eval --model hf --model_args pretrained=d,trust_remote_code=True``,
-``transformers.pipeline``, a colleague's notebook) do not import it; for them the exporter adds what transformers'
-remote-code loading reads: an ``auto_map`` in config.json and a one-line module that takes the classes from the
+``transformers.pipeline``, a colleague's notebook) do not import it; for them every HedgeMamba ``save_pretrained``
+adds what transformers' remote-code loading reads: an ``auto_map`` in config.json and a one-line module that takes the classes from the
 installed hmscale package (the model code is not copied: one implementation, the installed one).
 """
 
@@ -14,9 +14,13 @@ from pathlib import Path
 
 MODULE = "modeling_hedgemamba"
 SHIM = (
-    "# Written by hmscale's exporter: `trust_remote_code=True` loads HedgeMamba from the installed hmscale package\n"
-    "# (pip install hmscale's checkout); the model's code is not copied here.\n"
-    "from hmscale.models.hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM  # noqa: F401\n"
+    "# Written by hmscale (HedgeMamba's save_pretrained): `trust_remote_code=True` loads HedgeMamba from the installed\n"
+    "# hmscale package; the model's code is not copied here.\n"
+    "try:\n"
+    "    from hmscale.models.hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM  # noqa: F401\n"
+    "except ImportError as err:\n"
+    "    raise ImportError(\"this HedgeMamba model needs the hmscale package: pip install -e <hmscale checkout> \"\n"
+    "                      \"(it is not on PyPI)\") from err\n"
 )
 AUTO_MAP = {"AutoConfig": f"{MODULE}.HedgeMambaConfig", "AutoModelForCausalLM": f"{MODULE}.HedgeMambaForCausalLM"}
 

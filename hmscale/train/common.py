@@ -83,10 +83,6 @@ def export_hf(engine, out_dir: Path, layout: Layout, zero_stage: int, extra_file
 
                 shutil.rmtree(tmp)
             module.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-            if getattr(module.config, "model_type", None) == "hedgemamba":
-                from hmscale.models.remote_code import write_remote_code
-
-                write_remote_code(tmp)  # loadable with trust_remote_code=True by tools that do not import hmscale
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
             if out_dir.exists():

@@ -55,16 +55,23 @@ def test_install_asks_ray_for_the_dependencies_the_cluster_lacks():
         job_runtime_env(cfg, "/nonexistent", install=True)
 
 
-def test_a_node_without_the_dependencies_fails_in_one_line(monkeypatch, capsys):
-    import importlib.util
+@pytest.mark.parametrize("absent,advice", [(("deepspeed", "pyyaml"), "hmscale submit --install"),
+                                           (("torch",), "every node's image")])
+def test_a_node_without_the_dependencies_fails_in_one_line(monkeypatch, capsys, absent, advice):
+    from importlib import metadata
 
     from ray_jobs import run_recipe
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("deepspeed", "webdataset") else real(name, *a))
+    real = metadata.distribution
+
+    def distribution(name):
+        if name in absent:
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+    monkeypatch.setattr(metadata, "distribution", distribution)
     assert run_recipe.main([]) == 2
     err = capsys.readouterr().err
-    assert "lacks deepspeed, webdataset" in err and "hmscale submit --install" in err and len(err.splitlines()) == 1
+    assert f"lacks {', '.join(absent)}" in err and advice in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.ray

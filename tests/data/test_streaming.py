@@ -188,7 +188,7 @@ def test_an_interrupted_tokenisation_resumes_to_the_same_stream(corpus, tmp_path
     assert not partial.exists()
 
 
-@pytest.mark.parametrize("die_at", ["between_checkpoint_files", "before_rename"])
+@pytest.mark.parametrize("die_at", ["between_checkpoint_files", "before_rename", "damaged_lengths"])
 def test_kills_at_awkward_moments_still_resume(corpus, tmp_path, monkeypatch, die_at):
     """A kill after a checkpoint's lengths file was replaced but before progress.json recorded it, or after
     meta.json was written but before the entry was renamed into place: the rerun finishes without redoing the work."""
@@ -199,7 +199,7 @@ def test_kills_at_awkward_moments_still_resume(corpus, tmp_path, monkeypatch, di
     import hmscale.data.bundle as bundle
     import hmscale.data.cachedir as cachedir
 
-    if die_at == "between_checkpoint_files":
+    if die_at in ("between_checkpoint_files", "damaged_lengths"):
         real_write, calls = bundle.atomic_write_json, []
 
         def write(path, obj):
@@ -219,6 +219,8 @@ def test_kills_at_awkward_moments_still_resume(corpus, tmp_path, monkeypatch, di
     with pytest.raises(_Killed):
         tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "c", log=lambda *a: None, batch_docs=97, checkpoint_s=0)
     monkeypatch.undo()
+    if die_at == "damaged_lengths":  # e.g. an OS crash before the lengths file reached the disk
+        next((tmp_path / "c" / "tokens").glob(".*.partial/train.doc_lens.partial.npy")).write_bytes(b"")
 
     real, seen = bundle.tokenize_documents, []
     monkeypatch.setattr(bundle, "tokenize_documents", lambda *a: (seen.append(len(a[1])), real(*a))[1])
@@ -226,10 +228,13 @@ def test_kills_at_awkward_moments_still_resume(corpus, tmp_path, monkeypatch, di
     out = tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "c", log=logs.append, batch_docs=97, checkpoint_s=0)
     if die_at == "before_rename":
         assert not seen  # both splits were done: nothing tokenised again
+    elif die_at == "damaged_lengths":
+        assert any("cannot resume the interrupted run" in line for line in logs), logs
     else:
         assert any("resuming an interrupted run after 48 documents" in line for line in logs), logs
     for name in ("train.tokens.npy", "train.doc_lens.npy", "validation.tokens.npy", "validation.doc_lens.npy", "meta.json"):
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
 
 
 def test_a_second_builder_waits_and_a_lockless_filesystem_builds_apart(tmp_path, monkeypatch):

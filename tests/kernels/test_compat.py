@@ -253,8 +253,12 @@ def test_bad_cu_seqlens_are_one_line(cuts):
                                   cu_seqlens=torch.tensor(cuts), return_varlen_states=True, backend="torch")
 
 
-def test_several_sequences_need_seq_idx():
-    ins, _, cu = _packed()
+def test_several_sequences_need_a_seq_idx_that_agrees():
+    ins, seq_idx, cu = _packed()
     with pytest.raises(ValueError, match="needs seq_idx"):
         mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, cu_seqlens=cu,
                                   return_varlen_states=True, backend="torch")
+    for wrong in (torch.zeros_like(seq_idx), torch.roll(seq_idx, 1, dims=1)):
+        with pytest.raises(ValueError, match=r"seq_idx must change exactly where cu_seqlens starts a sequence \(\[9, 10, 31\]\)"):
+            mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, seq_idx=wrong,
+                                      cu_seqlens=cu, return_varlen_states=True, backend="torch")

@@ -20,25 +20,32 @@ def test_remote_code_load_in_a_fresh_interpreter(tmp_path):
         for layer in model.backbone.layers:  # away from the identity init
             layer.mixer.A_scale.add_(0.3)
             layer.mixer.z_proj.weight.normal_(std=0.1)
-    model.save_pretrained(tmp_path)
-    write_remote_code(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == AUTO_MAP
+    first, again = tmp_path / "first", tmp_path / "again"
+    model.save_pretrained(first)  # every HedgeMamba save is remote-code loadable
+    assert json.loads((first / "config.json").read_text())["auto_map"] == AUTO_MAP
     ids = torch.arange(1, 40)[None] % 97
     with torch.no_grad():
         want = model(ids).logits
-    code = (
-        "import sys, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()\n"
-        "ids = torch.arange(1, 40)[None] % 97\n"
-        "with torch.no_grad():\n"
-        f"    torch.save(m(ids).logits, {str(tmp_path / 'logits.pt')!r})\n"
-        "print(type(m).__name__)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("HedgeMambaForCausalLM")
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, rtol=0, atol=0)
+
+    def load_in_a_fresh_python(src, save_to=None):
+        code = (
+            "import sys, torch\n"
+            "from transformers import AutoModelForCausalLM\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(src)!r}, trust_remote_code=True).eval()\n"
+            "ids = torch.arange(1, 40)[None] % 97\n"
+            "with torch.no_grad():\n"
+            f"    torch.save(m(ids).logits, {str(src / 'logits.pt')!r})\n"
+            + (f"m.save_pretrained({str(save_to)!r})\n" if save_to else "")
+            + "print(type(m).__name__)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().endswith("HedgeMambaForCausalLM")
+        torch.testing.assert_close(torch.load(src / "logits.pt"), want, rtol=0, atol=0)
+
+    load_in_a_fresh_python(first, save_to=again)  # loaded through remote code, then saved again
+    load_in_a_fresh_python(again)
+    assert sorted(p.name for p in again.glob("*.py")) == ["modeling_hedgemamba.py"]  # no model sources copied
 
 
 def test_only_hedgemamba_directories(tmp_path):

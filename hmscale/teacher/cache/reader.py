@@ -128,7 +128,7 @@ class CacheReader:
         spec = self.fields[field]
         if list(arr.shape) != spec["shape"] or arr.dtype != np.dtype(spec["npy_dtype"]):
             raise CacheCorruptError(
-                name, f"{member} has shape {list(arr.shape)} {arr.dtype}, expected {spec['shape']} {spec['npy_dtype']}", self.dir
+                name, f"{member} has shape {list(arr.shape)} {arr.dtype}, expected {spec['shape']} {spec['npy_dtype']}", self._where
             )
         return arr
 
