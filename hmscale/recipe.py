@@ -15,92 +15,41 @@ stage resumes from its own last checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
-import yaml
-
 from hmscale.atomic import atomic_write_json
-from hmscale.config import ConfigError, RunConfig, build_config, save_resolved
+from hmscale.config import RunConfig, save_resolved
+from hmscale.run_identity import changed_settings, eval_hash, saved_tree, training_hash, whole_config_hash
 
 
 class RecipeError(RuntimeError):
     pass
 
 
-_NOT_IDENTITY = ("eval", "output_dir")
-
-
-def _training_hash(cfg: RunConfig) -> str:
-    """What identifies a run's models: every setting but ``eval`` (evaluation settings may change between reruns;
-    the eval stage is redone when they do) and ``output_dir`` (a run directory may be moved)."""
-    return cfg.hash(*(k for k in cfg.model_dump() if k not in _NOT_IDENTITY))
-
-
-def _eval_hash(cfg: RunConfig) -> str:
-    """The settings the recipe's eval stage reads (eval.tasks and generate_tokens are `hmscale eval`'s / generate's)."""
-    e = cfg.eval
-    return hashlib.sha256(json.dumps([e.max_sequences, e.context_length]).encode()).hexdigest()[:16]
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _saved_tree(run_dir: Path) -> dict | None:
-    try:
-        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-
-
-def _changed_settings(run_dir: Path, cfg: RunConfig) -> list[str] | None:
-    """The training settings ('field: old -> new') that differ from the config the run directory was last given
-    (config.yaml); None when that config is not there."""
-    tree = _saved_tree(run_dir)
-    if tree is None:
-        return None
-    try:  # through the current schema: fields added since the run was made take their defaults
-        tree = build_config(tree).model_dump(mode="json")
-    except ConfigError:
-        pass
-    old, new = _flat(tree), _flat(cfg.model_dump(mode="json"))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k.split(".")[0] not in _NOT_IDENTITY and old.get(k) != new.get(k)]
-
-
 def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
     path = run_dir / "results.json"
     if not path.exists():
-        return {"config_hash": _training_hash(cfg), "stages": {}}
+        return {"config_hash": training_hash(cfg), "stages": {}}
     results = json.loads(path.read_text())
-    if results.get("config_hash") != _training_hash(cfg):
-        diff = _changed_settings(run_dir, cfg)
-        tree = _saved_tree(run_dir)
-        # a run hashed whole (before 2026-12-05) whose config.yaml is still the one it was hashed with, and whose
-        # training settings are this config's: the same run under the new key
-        legacy = tree is not None and results.get("config_hash") == hashlib.sha256(
-            json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
-        if diff == [] and legacy:
-            results["config_hash"] = _training_hash(cfg)
-            atomic_write_json(path, results)  # now: config.yaml is rewritten next and could not vouch for it again
-        elif tree is None:
+    if results.get("config_hash") != training_hash(cfg):
+        tree = saved_tree(run_dir)
+        if tree is None:
             raise RecipeError(f"output_dir: {run_dir} holds a run whose config.yaml is missing or unreadable, so it "
                               "cannot be matched to this config; choose another output_dir or delete that directory")
+        diff = changed_settings(tree, cfg)
+        # a run keyed the old way whose config.yaml is still the tree it was keyed with, and whose training
+        # settings are this config's: the same run under the new key
+        if diff == [] and results.get("config_hash") == whole_config_hash(tree):
+            results["config_hash"] = training_hash(cfg)
+            atomic_write_json(path, results)  # now: config.yaml is rewritten next and could not vouch for it again
         else:
             listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
             raise RecipeError(f"output_dir: {run_dir} holds a run of a different config{listed}; "
                               "choose another output_dir or delete that directory")
-    if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != _eval_hash(cfg):
+    if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != eval_hash(cfg):
         del results["stages"]["eval"]  # the evaluation settings changed (or were not recorded): evaluate again
     return results
 
@@ -170,7 +119,7 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
         results["stage1_transfer"] = cfg.stage1.transfer
         results.pop("long_context", None)
         results.update(scores)
-        record("eval", t0, eval_hash=_eval_hash(cfg), **{k: v for k, v in scores.items() if k.endswith("_ppl")})
+        record("eval", t0, eval_hash=eval_hash(cfg), **{k: v for k, v in scores.items() if k.endswith("_ppl")})
     results["wall_seconds"] = round(sum(stages[k].get("seconds", 0) for k in ("prepare", "distill", "eval") if k in stages), 2)
     results["tokens"] = {k: stages[k].get("tokens", 0) for k in ("stage1", "stage2") if k in stages}
     atomic_write_json(run_dir / "results.json", results)

@@ -6,13 +6,14 @@ import json
 import pytest
 
 from hmscale.config import build_config
-from hmscale.recipe import RecipeError, _eval_hash, _load_results, _training_hash
+from hmscale.recipe import RecipeError, _load_results
+from hmscale.run_identity import eval_hash, training_hash
 
 
 def _write(run_dir, cfg, eval_cfg):
     stages = {"prepare": {"seconds": 1.0}, "stage1": {"seconds": 2.0}, "stage2": {"seconds": 3.0},
-              "eval": {"seconds": 0.5, "eval_hash": _eval_hash(eval_cfg)}}
-    (run_dir / "results.json").write_text(json.dumps({"config_hash": _training_hash(cfg), "stages": stages}))
+              "eval": {"seconds": 0.5, "eval_hash": eval_hash(eval_cfg)}}
+    (run_dir / "results.json").write_text(json.dumps({"config_hash": training_hash(cfg), "stages": stages}))
 
 
 def test_changed_eval_settings_redo_only_the_eval(tmp_path):
@@ -46,7 +47,7 @@ def test_a_run_hashed_with_its_eval_settings_resumes_when_the_training_settings_
     save_resolved(cfg, tmp_path)
     (tmp_path / "results.json").write_text(json.dumps({"config_hash": cfg.hash(), "stages": {"stage1": {}}}))
     res = _load_results(tmp_path, build_config({}, ["eval.context_length=2048"]))
-    assert "stage1" in res["stages"] and res["config_hash"] == _training_hash(cfg)
+    assert "stage1" in res["stages"] and res["config_hash"] == training_hash(cfg)
     # adopted on disk at once: a rerun after config.yaml is rewritten (and the run killed) still resumes
     save_resolved(build_config({}, ["eval.context_length=2048"]), tmp_path)
     assert "stage1" in _load_results(tmp_path, build_config({}, ["eval.context_length=2048"]))["stages"]

@@ -1,0 +1,63 @@
+"""What identifies a run directory's models, for resuming it: every setting but ``eval`` and ``output_dir``.
+
+Evaluation settings may change between reruns (the eval stage is redone when those it reads change) and a run
+directory may be moved; any other change makes it another run, and the settings that differ are named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import yaml
+
+from hmscale.config import ConfigError, RunConfig, build_config
+
+NOT_IDENTITY = ("eval", "output_dir")
+
+
+def training_hash(cfg: RunConfig) -> str:
+    """The run's key: a hash of every setting but ``NOT_IDENTITY``."""
+    return cfg.hash(*(k for k in cfg.model_dump() if k not in NOT_IDENTITY))
+
+
+def eval_hash(cfg: RunConfig) -> str:
+    """The settings the recipe's eval stage reads (eval.tasks and generate_tokens are `hmscale eval`'s / generate's)."""
+    e = cfg.eval
+    return hashlib.sha256(json.dumps([e.max_sequences, e.context_length]).encode()).hexdigest()[:16]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def saved_tree(run_dir: Path) -> dict | None:
+    """The config tree the run directory was last given (config.yaml); None when missing or unreadable."""
+    try:
+        return yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def changed_settings(tree: dict, cfg: RunConfig) -> list[str]:
+    """The training settings ('field: old -> new') in which ``cfg`` differs from a saved config tree (read through
+    the current schema: fields added since take their defaults)."""
+    try:
+        tree = build_config(tree).model_dump(mode="json")
+    except ConfigError:
+        pass
+    old, new = _flat(tree), _flat(cfg.model_dump(mode="json"))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if k.split(".")[0] not in NOT_IDENTITY and old.get(k) != new.get(k)]
+
+
+def whole_config_hash(tree: dict) -> str:
+    """How runs were keyed before 2026-12-05 (``RunConfig.hash()`` of the whole tree), to adopt them."""
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
