@@ -64,12 +64,17 @@ class DataConfig(_Section):
     # hf: read the dataset from the hub as it is tokenised instead of downloading all of it first (with max_tokens:
     # only the documents the run needs); the tokenised stream is cached either way
     streaming: bool = False
+    # hf: the dataset's revision on the hub (commit sha, tag or branch): pins the data (part of the stream's key, so a
+    # streamed or resumed preparation can only read that version); None: the hub's current one
+    revision: str | None = None
     cache_dir: str = ".cache/hmscale"  # tokenizer and tokenised corpora
 
     @model_validator(mode="after")
     def _check_source(self):
         if self.source == "hf" and not self.dataset:
             raise ValueError("data.dataset: set a Hugging Face dataset name when data.source=hf")
+        if self.revision and self.source != "hf":
+            raise ValueError(f"data.revision: pins a Hugging Face dataset; data.source is {self.source!r} (remove it)")
         if self.streaming and self.source != "hf":
             raise ValueError(f"data.streaming: reads a Hugging Face dataset from the hub; data.source is {self.source!r} "
                              "(set streaming=false, or source=hf)")

@@ -112,13 +112,15 @@ class HFSource(_TableSource):
     read from the hub as it is tokenised (no full download: with ``data.max_tokens``, only what the run needs)."""
 
     def __init__(self, dataset: str, dataset_config: str | None = None, split: str = "train", text_field: str = "text",
-                 val_fraction: float = 0.05, max_documents: int | None = None, streaming: bool = False):
+                 val_fraction: float = 0.05, max_documents: int | None = None, streaming: bool = False,
+                 revision: str | None = None):
         super().__init__(val_fraction, max_documents)
         self.dataset, self.dataset_config, self.split, self.text_field = dataset, dataset_config, split, text_field
-        self.streaming = bool(streaming)
+        self.streaming, self.revision = bool(streaming), revision
         # (streaming or not, the documents are the same, so is the description; `_identity` tells the two apart)
         self.description = (
             f"hf:{dataset}:{dataset_config}:{split}:{text_field}:val={val_fraction}:max_documents={max_documents}"
+            + (f":revision={revision}" if revision else "")
         )
         self._ds = None
 
@@ -128,7 +130,8 @@ class HFSource(_TableSource):
 
             try:
                 self._ds = datasets.load_dataset(self.dataset, self.dataset_config, split=self.split,
-                                                 **({"streaming": True} if self.streaming else {}))
+                                                 **({"streaming": True} if self.streaming else {}),
+                                                 **({"revision": self.revision} if self.revision else {}))
             except Exception as err:  # noqa: BLE001 - re-raised with the config field named
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise RuntimeError(f"data.dataset: could not load {self.dataset!r} (split {self.split!r}): {first}") from err
@@ -215,7 +218,8 @@ def source_from_config(data_cfg) -> TextSource:
                               include_site_packages=data_cfg.include_site_packages)
     if data_cfg.source == "hf":
         return HFSource(data_cfg.dataset, data_cfg.dataset_config, data_cfg.split, data_cfg.text_field,
-                        data_cfg.val_fraction, data_cfg.max_documents, streaming=getattr(data_cfg, "streaming", False))
+                        data_cfg.val_fraction, data_cfg.max_documents, streaming=getattr(data_cfg, "streaming", False),
+                        revision=getattr(data_cfg, "revision", None))
     if data_cfg.source == "files":
         return FileSource(list(data_cfg.paths), data_cfg.text_field, data_cfg.val_fraction, data_cfg.max_documents)
     raise ValueError(f"data.source: unknown source {data_cfg.source!r}; use embedded, hf or files")

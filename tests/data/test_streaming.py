@@ -90,11 +90,12 @@ def test_hf_streaming_reads_the_same_documents_without_downloading(corpus, tmp_p
     from hmscale.data.sources import HFSource
 
     path, tok = corpus
-    calls = []
+    calls, revisions = [], []
     real = datasets.load_dataset
 
     def hub(name, config=None, split="train", **kw):  # the hub, offline: the name maps to the local file
         calls.append(kw.get("streaming", False))
+        revisions.append(kw.pop("revision", None))
         return real("json", data_files=[str(path)], split=split, **kw)
 
     monkeypatch.setattr(datasets, "load_dataset", hub)
@@ -103,6 +104,9 @@ def test_hf_streaming_reads_the_same_documents_without_downloading(corpus, tmp_p
     a = tokenized_streams(plain, tok, tok.eos_token_id, tmp_path, log=lambda *x: None)
     b = tokenized_streams(streamed, tok, tok.eos_token_id, tmp_path, log=lambda *x: None)
     assert a != b and calls == [False, True]  # separate caches (the streamed one has no content fingerprint)
+    pinned = tokenized_streams(HFSource("org/corpus", val_fraction=0.1, streaming=True, revision="abc123"), tok,
+                               tok.eos_token_id, tmp_path, log=lambda *x: None)
+    assert pinned not in (a, b) and revisions == [None, None, "abc123"]  # data.revision: passed on, part of the key
     for split in ("train", "validation"):
         np.testing.assert_array_equal(np.load(a / f"{split}.tokens.npy"), np.load(b / f"{split}.tokens.npy"))
     seen = []
@@ -124,6 +128,8 @@ def test_streaming_is_for_the_hub_source():
 
     with pytest.raises(Exception, match="data.streaming: reads a Hugging Face dataset"):
         build_config({}, ["data.streaming=true"])
+    with pytest.raises(Exception, match="data.revision: pins a Hugging Face dataset"):
+        build_config({}, ["data.revision=abc123"])
 
 
 def test_txt_files_are_read_as_datasets_text_builder_reads_them(tmp_path):
