@@ -52,9 +52,11 @@ def cache(
     overrides: Optional[List[str]] = OverridesOpt,
     engine: Optional[str] = typer.Option(None, help="local | ray (default: cache.engine, else parallel.engine)"),
     as_json: bool = typer.Option(False, "--json", help="with `list`: one JSON object per cache"),
+    force: bool = typer.Option(False, "--force", help="with `rm`: also remove the views that read the cache"),
 ):
     """Cache the teacher's per-layer tensors over the data plan (`hmscale cache CONFIG`); `hmscale cache verify DIR`
-    checks one; `hmscale cache list [ROOT]` lists a root's caches from their manifests."""
+    checks one; `hmscale cache list [ROOT]` lists a root's caches from their manifests; `hmscale cache rm DIR`
+    deletes one (refusing while views read it, unless --force)."""
     from hmscale.teacher.cache import CacheError, build_cache, verify_cache
 
     if config == "list":
@@ -77,9 +79,20 @@ def cache(
         report = verify_cache(target)
         typer.echo(report.summary(), err=not report.ok)
         raise typer.Exit(0 if report.ok else 1)
+    if config == "rm":
+        from hmscale.teacher.cache.catalog import remove_cache
+
+        if not target:
+            fail("cache rm: name the cache directory, e.g. hmscale cache rm .cache/hmscale/teacher/v1-...")
+        try:
+            removed = remove_cache(target, force=force)
+        except CacheError as err:
+            fail(f"cache rm: {err}")
+        typer.echo("\n".join(f"removed {p}" for p in removed))
+        return
     if target:
-        fail(f"cache: unexpected argument {target!r}; use `hmscale cache CONFIG`, `hmscale cache verify DIR` or "
-             "`hmscale cache list [ROOT]`")
+        fail(f"cache: unexpected argument {target!r}; use `hmscale cache CONFIG`, `hmscale cache verify DIR`, "
+             "`hmscale cache list [ROOT]` or `hmscale cache rm DIR`")
     cfg = _config(config, overrides)
     try:
         path = build_cache(cfg, engine=engine)

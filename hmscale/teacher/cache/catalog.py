@@ -125,3 +125,19 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
                                                             "shards (the next build of their cache removes them)"
                                                             if stale else ""))
     return "\n".join(lines)
+
+
+def remove_cache(path, force: bool = False) -> list[Path]:
+    """Delete a cache directory (one with a manifest, never anything else), and with ``force`` the views that read
+    it; without ``force`` a cache that views read is refused, naming them. Returns what was removed."""
+    import shutil
+
+    path = Path(path)
+    Manifest.load(path)  # raises CacheError for a directory that is not a cache
+    views = [e.path for e in list_caches(path.parent) if e.view_of == path.name]
+    if views and not force:
+        raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "
+                         "pass --force to remove them too (their runs would otherwise rebuild them with a teacher pass)")
+    for d in [*views, path]:
+        shutil.rmtree(d)
+    return [*views, path]

@@ -91,3 +91,18 @@ def test_a_run_reads_its_own_shards_whatever_others_added(tmp_path, teacher, dat
     assert open_for_run(small, path).order(seed=3) == open_for_run(small, fresh).order(seed=3)
     with pytest.raises(Exception, match="lacks 2 of the run's shards"):
         open_for_run(big, fresh)
+
+
+def test_cache_rm_keeps_views_from_breaking_silently(tmp_path, teacher, data, tools, capsys):
+    from hmscale.cli import main
+
+    full = build_cache(tools.make_cfg(tmp_path, **{"cache.capture.topk": 8}), data, teacher, engine="local")
+    view = build_cache(tools.make_cfg(tmp_path, **{"cache.capture.topk": 0}), data, teacher, engine="local")
+    capsys.readouterr()
+    assert main(["cache", "rm", str(full)]) == 2  # a view reads it: refused, naming the view
+    assert f"read {full.name}'s shards ({view.name})" in capsys.readouterr().err and full.exists() and view.exists()
+    (tmp_path / "not-a-cache").mkdir()
+    assert main(["cache", "rm", str(tmp_path / "not-a-cache")]) == 2 and (tmp_path / "not-a-cache").exists()
+    assert main(["cache", "rm", str(full), "--force"]) == 0
+    assert capsys.readouterr().out.split() == ["removed", str(view), "removed", str(full)]
+    assert not full.exists() and not view.exists()
