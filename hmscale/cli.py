@@ -173,6 +173,8 @@ def eval_(
 def generate(
     model: str = typer.Argument(..., help="a saved HedgeMamba directory (e.g. runs/demo/model)"),
     prompt: str = typer.Option("def ", help="text to continue"),
+    prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file instead (long prompts: the "
+                                                        "prefill runs the chunked scan, then O(1) per new token)"),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
     seed: int = 0,
@@ -182,9 +184,15 @@ def generate(
 
     if not Path(model).exists():
         fail(f"model directory {model!r} does not exist; pass a saved model such as runs/demo/model")
+    if prompt_file is not None:
+        try:
+            prompt = Path(prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            fail(f"--prompt-file: cannot read {prompt_file!r} ({err}); pass a UTF-8 text file")
     text, stats = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     typer.echo(text)
-    typer.echo(f"[{stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s]", err=True)
+    typer.echo(f"[{stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new tokens, "
+               f"{stats['tokens_per_s']:.1f} tokens/s]", err=True)
 
 
 @app.command()

@@ -31,4 +31,5 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, tempera
     out = model.generate(input_ids=ids, **kwargs)
     dt = time.perf_counter() - t0
     new = out.shape[1] - ids.shape[1]
-    return prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), {"new_tokens": new, "tokens_per_s": new / max(dt, 1e-9)}
+    return prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), {
+        "prompt_tokens": int(ids.shape[1]), "new_tokens": new, "tokens_per_s": new / max(dt, 1e-9)}
