@@ -55,6 +55,9 @@ def bucket_edges(length: int, train_len: int) -> list[int]:
     return sorted(set(edges))
 
 
+_CE_BLOCK = 2048  # positions per fp32 cross-entropy block
+
+
 def _has_recurrent_cache(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) == "hedgemamba"
 
@@ -87,9 +90,11 @@ def position_nll(model, rows, batch_size: int = 1, segment: int | None = None,
                     out = model(input_ids=ids[:, a:b], cache=cache, use_cache=True)
                     logits, cache = out.logits, out.cache
                 m = min(b, L - 1) - a  # targets a+1 .. min(b, L-1)
-                nll = F.cross_entropy(logits[:, :m].float().reshape(-1, logits.shape[-1]),
-                                      ids[:, a + 1:a + 1 + m].reshape(-1), reduction="none")
-                total[a:a + m] += nll.view(-1, m).sum(0).double().cpu().numpy()
+                for c in range(0, m, _CE_BLOCK):  # fp32 logits a block of positions at a time (long rows, big vocab)
+                    e = min(c + _CE_BLOCK, m)
+                    nll = F.cross_entropy(logits[:, c:e].float().reshape(-1, logits.shape[-1]),
+                                          ids[:, a + 1 + c:a + 1 + e].reshape(-1), reduction="none")
+                    total[a + c:a + e] += nll.view(-1, e - c).sum(0).double().cpu().numpy()
     finally:
         model.train(was_training)
     return total, np.full(L - 1, n, dtype=np.int64)
