@@ -73,18 +73,14 @@ def test_bucket_perplexities_average_their_positions():
     assert p == pytest.approx([math.exp(3.0 / 4), math.exp(12.0 / 6)])
 
 
-def test_segmented_scoring_equals_the_whole_row():
+def test_segmented_scoring_equals_the_whole_row(monkeypatch):
     torch.manual_seed(0)
     model = make_model()
     rows = torch.randint(1, VOCAB, (3, 70))
     whole, count = position_nll(model, rows, batch_size=2)
-    import hmscale.eval.long_context as lc
-
-    block, lc._CE_BLOCK = lc._CE_BLOCK, 7  # the cross-entropy in blocks of positions: the same sums
-    try:
-        np.testing.assert_allclose(position_nll(model, rows, batch_size=2)[0], whole, rtol=1e-6, atol=1e-6)
-    finally:
-        lc._CE_BLOCK = block
+    monkeypatch.setattr("hmscale.eval.long_context._CE_BLOCK", 7)  # the cross-entropy in blocks: the same sums
+    np.testing.assert_allclose(position_nll(model, rows, batch_size=2)[0], whole, rtol=1e-6, atol=1e-6)
+    monkeypatch.undo()
     for seg in (16, 23, 69):
         part, _ = position_nll(model, rows, batch_size=2, segment=seg)
         np.testing.assert_allclose(part, whole, rtol=1e-5, atol=1e-5)
