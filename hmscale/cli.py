@@ -47,7 +47,7 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
 @app.command()
 def cache(
     config: Optional[str] = ConfigArg,
-    target: Optional[str] = typer.Argument(None, help="with `verify`: the cache directory to check; with `list`: "
+    target: Optional[str] = typer.Argument(None, help="with `verify` / `rm`: the cache directory; with `list`: "
                                                        "the cache root (default: the embedded config's cache.root)"),
     overrides: Optional[List[str]] = OverridesOpt,
     engine: Optional[str] = typer.Option(None, help="local | ray (default: cache.engine, else parallel.engine)"),
@@ -86,7 +86,7 @@ def cache(
             fail("cache rm: name the cache directory, e.g. hmscale cache rm .cache/hmscale/teacher/v1-...")
         try:
             removed = remove_cache(target, force=force)
-        except CacheError as err:
+        except (CacheError, OSError) as err:
             fail(f"cache rm: {err}")
         typer.echo("\n".join(f"removed {p}" for p in removed))
         return
@@ -172,7 +172,7 @@ def eval_(
 @app.command()
 def generate(
     model: str = typer.Argument(..., help="a saved HedgeMamba directory (e.g. runs/demo/model)"),
-    prompt: str = typer.Option("def ", help="text to continue"),
+    prompt: Optional[str] = typer.Option(None, help="text to continue (default: 'def ')"),
     prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file instead (long prompts: the "
                                                         "prefill runs the chunked scan, then O(1) per new token)"),
     max_new_tokens: int = typer.Option(64, min=1),
@@ -184,11 +184,14 @@ def generate(
 
     if not Path(model).exists():
         fail(f"model directory {model!r} does not exist; pass a saved model such as runs/demo/model")
+    if prompt is not None and prompt_file is not None:
+        fail("--prompt and --prompt-file: give one of them")
     if prompt_file is not None:
         try:
-            prompt = Path(prompt_file).read_text()
+            prompt = Path(prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             fail(f"--prompt-file: cannot read {prompt_file!r} ({err}); pass a UTF-8 text file")
+    prompt = "def " if prompt is None else prompt
     text, stats = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     typer.echo(text)
     typer.echo(f"[{stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new tokens, "

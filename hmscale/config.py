@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hmscale.teacher.flavors import FLAVORS, get_flavor
 
@@ -64,10 +64,20 @@ class DataConfig(_Section):
     # hf: read the dataset from the hub as it is tokenised instead of downloading all of it first (with max_tokens:
     # only the documents the run needs); the tokenised stream is cached either way
     streaming: bool = False
-    # hf: the dataset's revision on the hub (commit sha, tag or branch): pins the data (part of the stream's key, so a
-    # streamed or resumed preparation can only read that version); None: the hub's current one
+    # hf: the dataset's revision on the hub, a commit sha (or a tag): pins the data (part of the stream's key, so a
+    # streamed or resumed preparation reads that version only; a branch name would move); None: the hub's current one
     revision: str | None = None
     cache_dir: str = ".cache/hmscale"  # tokenizer and tokenised corpora
+
+    @field_validator("revision", mode="before")
+    @classmethod
+    def _revision_text(cls, v):  # an all-digit short sha arrives from YAML / -s as a number; a tag like 1.10 as 1.1
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return v
+        if isinstance(v, float):
+            raise ValueError(f"data.revision: {v} was read as a number; quote it (data.revision='\"1.10\"' on the "
+                             "command line, \"1.10\" in YAML)")
+        return str(v)
 
     @model_validator(mode="after")
     def _check_source(self):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
 from hmscale.config import RunConfig, save_resolved
-from hmscale.run_identity import changed_settings, eval_hash, saved_tree, training_hash, whole_config_hash
+from hmscale.run_identity import changed_settings, eval_hash, keyed_by, saved_tree, training_hash
 
 
 class RecipeError(RuntimeError):
@@ -40,9 +40,9 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
             raise RecipeError(f"output_dir: {run_dir} holds a run whose config.yaml is missing or unreadable, so it "
                               "cannot be matched to this config; choose another output_dir or delete that directory")
         diff = changed_settings(tree, cfg)
-        # a run keyed the old way whose config.yaml is still the tree it was keyed with, and whose training
-        # settings are this config's: the same run under the new key
-        if diff == [] and results.get("config_hash") == whole_config_hash(tree):
+        # the run's key was computed from this config.yaml (by an older hmscale: fields added since, or the whole
+        # tree) and its training settings are this config's: the same run, under the current key
+        if diff == [] and keyed_by(tree, results.get("config_hash")):
             results["config_hash"] = training_hash(cfg)
             atomic_write_json(path, results)  # now: config.yaml is rewritten next and could not vouch for it again
         else:

@@ -58,6 +58,12 @@ def changed_settings(tree: dict, cfg: RunConfig) -> list[str]:
             if k.split(".")[0] not in NOT_IDENTITY and old.get(k) != new.get(k)]
 
 
-def whole_config_hash(tree: dict) -> str:
-    """How runs were keyed before 2026-12-05 (``RunConfig.hash()`` of the whole tree), to adopt them."""
+def _tree_hash(tree: dict) -> str:
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def keyed_by(tree: dict, stored_hash: str | None) -> bool:
+    """Whether a run's stored key was computed from this saved config tree: ``training_hash`` of it as it was saved
+    (before fields were added to the schema since), or the whole tree's hash (how runs were keyed before
+    2026-12-05). Then config.yaml vouches for the run, and ``changed_settings`` says whether it is this config's."""
+    return stored_hash in (_tree_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}), _tree_hash(tree))

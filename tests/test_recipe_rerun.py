@@ -64,3 +64,28 @@ def test_a_config_yaml_rewritten_by_another_command_is_not_taken_for_the_run(tmp
     save_resolved(other, tmp_path)
     with pytest.raises(RecipeError, match="holds a run of a different config"):
         _load_results(tmp_path, other)
+
+
+def test_a_field_added_to_the_schema_does_not_orphan_existing_runs(tmp_path):
+    """A run keyed (and config.yaml saved) before a field existed: its key no longer matches the current hash, but its
+    saved tree vouches for it and the settings match, so it resumes (and is re-keyed)."""
+    import yaml
+
+    from hmscale.config import save_resolved
+
+    cfg = build_config({})
+    save_resolved(cfg, tmp_path)
+    tree = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del tree["data"]["revision"]  # as an hmscale without data.revision saved it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
+    import hashlib
+
+    old_key = hashlib.sha256(json.dumps({k: v for k, v in tree.items() if k not in ("eval", "output_dir")},
+                                        sort_keys=True).encode()).hexdigest()[:16]
+    assert old_key != training_hash(cfg)
+    (tmp_path / "results.json").write_text(json.dumps({"config_hash": old_key, "stages": {"stage2": {}}}))
+    res = _load_results(tmp_path, cfg)
+    assert "stage2" in res["stages"] and res["config_hash"] == training_hash(cfg)
+    with pytest.raises(RecipeError, match=r"\(stage2.lr: 0.001 -> 0.0003\)"):  # a real change is still refused
+        (tmp_path / "results.json").write_text(json.dumps({"config_hash": old_key, "stages": {}}))
+        _load_results(tmp_path, build_config({}, ["stage2.lr=3e-4"]))

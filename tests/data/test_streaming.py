@@ -130,6 +130,10 @@ def test_streaming_is_for_the_hub_source():
         build_config({}, ["data.streaming=true"])
     with pytest.raises(Exception, match="data.revision: pins a Hugging Face dataset"):
         build_config({}, ["data.revision=abc123"])
+    hf = ["data.source=hf", "data.dataset=org/corpus"]
+    assert build_config({}, hf + ["data.revision=1234567"]).data.revision == "1234567"  # an all-digit sha
+    with pytest.raises(Exception, match="read as a number; quote it"):
+        build_config({}, hf + ["data.revision=1.10"])
 
 
 def test_txt_files_are_read_as_datasets_text_builder_reads_them(tmp_path):

@@ -41,3 +41,5 @@ def test_generate_continues_a_prompt_greedily(tmp_path, capsys):
     assert capsys.readouterr().out == out
     assert main(["generate", str(tmp_path / "m"), "--prompt-file", str(tmp_path / "missing.txt")]) == 2
     assert "--prompt-file: cannot read" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "x", "--prompt-file", str(tmp_path / "prompt.txt")]) == 2
+    assert "give one of them" in capsys.readouterr().err

@@ -132,9 +132,11 @@ def remove_cache(path, force: bool = False) -> list[Path]:
     it; without ``force`` a cache that views read is refused, naming them. Returns what was removed."""
     import shutil
 
-    path = Path(path)
+    if Path(path).is_symlink():
+        raise CacheError(f"{path} is a link; pass the cache directory itself")
+    path = Path(path).resolve()  # `.` or `x/..` name the directory, its key and its root properly
     Manifest.load(path)  # raises CacheError for a directory that is not a cache
-    views = [e.path for e in list_caches(path.parent) if e.view_of == path.name]
+    views = [e.path for e in list_caches(path.parent) if e.view_of == path.name and not e.path.is_symlink()]
     if views and not force:
         raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "
                          "pass --force to remove them too (their runs would otherwise rebuild them with a teacher pass)")

@@ -93,7 +93,7 @@ def test_a_run_reads_its_own_shards_whatever_others_added(tmp_path, teacher, dat
         open_for_run(big, fresh)
 
 
-def test_cache_rm_keeps_views_from_breaking_silently(tmp_path, teacher, data, tools, capsys):
+def test_cache_rm_keeps_views_from_breaking_silently(tmp_path, teacher, data, tools, capsys, monkeypatch):
     from hmscale.cli import main
 
     full = build_cache(tools.make_cfg(tmp_path, **{"cache.capture.topk": 8}), data, teacher, engine="local")
@@ -103,6 +103,12 @@ def test_cache_rm_keeps_views_from_breaking_silently(tmp_path, teacher, data, to
     assert f"read {full.name}'s shards ({view.name})" in capsys.readouterr().err and full.exists() and view.exists()
     (tmp_path / "not-a-cache").mkdir()
     assert main(["cache", "rm", str(tmp_path / "not-a-cache")]) == 2 and (tmp_path / "not-a-cache").exists()
+    (tmp_path / "link").symlink_to(full)
+    assert main(["cache", "rm", str(tmp_path / "link"), "--force"]) == 2 and full.exists()
+    assert "is a link; pass the cache directory itself" in capsys.readouterr().err
+    monkeypatch.chdir(full)  # `.` names the cache: its views are still found (and still refused)
+    assert main(["cache", "rm", "."]) == 2 and f"({view.name})" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
     assert main(["cache", "rm", str(full), "--force"]) == 0
     assert capsys.readouterr().out.split() == ["removed", str(view), "removed", str(full)]
     assert not full.exists() and not view.exists()
