@@ -17,10 +17,10 @@ Differences, by design:
 - ``return_varlen_states`` with ``cu_seqlens`` (batch 1, as mamba_ssm): the state after each sequence's last token,
   as the scan reaches it (``seq_idx`` decides the resets, as in mamba_ssm, and must be given with several sequences),
   computed in PyTorch from the same processed dt (host reads of ``cu_seqlens`` and ``seq_idx``, checked to agree;
-  differentiable, where mamba_ssm's backward refuses it). Without ``initial_states`` the two libraries agree to rounding (``benchmarks/compat_check.py``); with
-  them, the initial state enters the first sequence's state here wherever that sequence ends, while mamba_ssm 2.3.2
-  leaves it out when the first sequence ends inside its first chunk (seen on the CPU, 2026-12-05: 1.8e-3 from the
-  float64 scan for that sequence, ours 5.8e-8).
+  differentiable, where mamba_ssm's backward refuses it). Without ``initial_states`` the two libraries agree to
+  rounding (``benchmarks/compat_check.py``); with them, the initial state enters the first sequence's state here
+  wherever that sequence ends, while mamba_ssm 2.3.2 leaves it out when the first sequence ends inside its first
+  chunk (seen on the CPU, 2026-12-05: 1.8e-3 from the float64 scan for that sequence, ours 5.8e-8).
 - the gate is applied by PyTorch after the scan's output is rounded to x's dtype (mamba_ssm gates the fp32
   accumulator): in bf16 the two differ by about one rounding.
 """
@@ -93,7 +93,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
         y = (_fp32(y) * F.silu(_fp32(z))).to(x.dtype)
     if not return_varlen_states:
         return (y, final) if return_final_states else y
-    varlen = _varlen_states(x, d, _fp32(A), B, initial_states, seq_idx, cu_seqlens)
+    varlen = _varlen_states(x, d, _fp32(A), B, initial_states, cu_seqlens)
     return (y, final, varlen) if return_final_states else (y, varlen)
 
 
@@ -118,29 +118,22 @@ def _check_varlen(x, cu_seqlens, seq_idx) -> None:
                              f"it changes at {changes[:8]}{'...' if len(changes) > 8 else ''}")
 
 
-def _varlen_states(x, d, A, B, initial_states, seq_idx, cu_seqlens):
+def _varlen_states(x, d, A, B, initial_states, cu_seqlens):
     """(num_sequences, h, p, n) fp32: the scan's state after the last token of each ``cu_seqlens`` sequence (batch 1).
 
-    The state after token e - 1 is sum_{t=r}^{e-1} exp(sum_{u=t+1}^{e-1} dt_u A) dt_t x_t B_t^T, from r, the first
-    token of the run of equal ``seq_idx`` holding e - 1 (0 without seq_idx), plus exp(sum_{u<e} dt_u A) S0 when that
-    run starts the batch row (the initial state enters the first document only)."""
-    b, l, h, p = x.shape
-    cu = [int(v) for v in cu_seqlens.tolist()]  # checked by _check_varlen
+    ``_check_varlen`` made the scan restart exactly where each sequence starts, so the state after sequence [s, e) is
+    sum_{t=s}^{e-1} exp(sum_{u=t+1}^{e-1} dt_u A) dt_t x_t B_t^T, plus exp(sum_{u<e} dt_u A) S0 for the first one
+    (the initial state enters the first document only)."""
+    h = x.shape[2]
+    cu = [int(v) for v in cu_seqlens.tolist()]
     xs, Bs = _fp32(x[0]), expand_groups(_fp32(B), h)[0]  # (l, h, p), (l, h, n)
     dA = d[0] * A  # (l, h)
-    if seq_idx is None:
-        run_start = [0] * l
-    else:
-        change = torch.ones(l, dtype=torch.bool, device=x.device)
-        change[1:] = seq_idx[0, 1:] != seq_idx[0, :-1]
-        run_start = torch.cummax(torch.where(change, torch.arange(l, device=x.device), 0), 0).values.tolist()
     out = []
-    for e in cu[1:]:
-        r = run_start[e - 1]
-        tail = torch.flip(torch.cumsum(torch.flip(dA[r:e], [0]), 0), [0]) - dA[r:e]  # sum_{u=t+1}^{e-1} dA_u
-        w = torch.exp(tail) * d[0, r:e]  # (t, h)
-        state = torch.einsum("thp,thn->hpn", w[..., None] * xs[r:e], Bs[r:e])
-        if r == 0 and initial_states is not None:
+    for s, e in zip(cu[:-1], cu[1:]):
+        tail = torch.flip(torch.cumsum(torch.flip(dA[s:e], [0]), 0), [0]) - dA[s:e]  # sum_{u=t+1}^{e-1} dA_u
+        w = torch.exp(tail) * d[0, s:e]  # (t, h)
+        state = torch.einsum("thp,thn->hpn", w[..., None] * xs[s:e], Bs[s:e])
+        if s == 0 and initial_states is not None:
             state = state + torch.exp(dA[:e].sum(0))[:, None, None] * _fp32(initial_states[0])
         out.append(state)
     return torch.stack(out)
