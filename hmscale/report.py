@@ -61,10 +61,12 @@ def long_context_plot(run_dir: str | Path, lc: dict, labels: dict | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hmscale.eval.long_context import models_in_order
+
     labels = labels or {}
     mids = [(lo * hi) ** 0.5 for lo, hi in lc["buckets"]]  # geometric middle: the buckets double
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in [n for n in labels if n in lc["ppl"]] + [n for n in lc["ppl"] if n not in labels]:
+    for name in models_in_order(lc, labels):
         ax.plot(mids, lc["ppl"][name], marker="o", label=labels.get(name, name))
     ax.axvline(lc["train_seq_len"], color="grey", linestyle="--", linewidth=1, label="training length")
     ax.set_xscale("log", base=2)

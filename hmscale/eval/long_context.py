@@ -129,12 +129,16 @@ def long_context_eval(models: dict, rows: np.ndarray, train_len: int, tokens_per
     return out
 
 
+def models_in_order(res: dict, labels: dict) -> list[str]:
+    """The models of a result, in ``labels``' order first (results.json stores them with its keys sorted)."""
+    return [n for n in labels if n in res["ppl"]] + [n for n in res["ppl"] if n not in labels]
+
+
 def long_context_table(res: dict, labels: dict | None = None) -> list[str]:
     """Markdown rows: one line per model, one column per position bucket (perplexity)."""
     labels = labels or {}
     head = " | ".join(f"{lo}-{hi - 1}" + (" *" if lo >= res["train_seq_len"] else "") for lo, hi in res["buckets"])
     lines = [f"| model | {head} |", "| --- |" + " --- |" * len(res["buckets"])]
-    order = [n for n in labels if n in res["ppl"]] + [n for n in res["ppl"] if n not in labels]  # labels' order first
-    for name in order:
+    for name in models_in_order(res, labels):
         lines.append(f"| {labels.get(name, name)} | " + " | ".join(f"{p:.2f}" for p in res["ppl"][name]) + " |")
     return lines
