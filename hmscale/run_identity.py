@@ -6,13 +6,12 @@ directory may be moved; any other change makes it another run, and the settings 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import yaml
 
 from hmscale.config import ConfigError, RunConfig, build_config
+from hmscale.data.cachedir import stable_hash  # RunConfig.hash's digest, of any JSON tree
 
 NOT_IDENTITY = ("eval", "output_dir")
 
@@ -24,8 +23,7 @@ def training_hash(cfg: RunConfig) -> str:
 
 def eval_hash(cfg: RunConfig) -> str:
     """The settings the recipe's eval stage reads (eval.tasks and generate_tokens are `hmscale eval`'s / generate's)."""
-    e = cfg.eval
-    return hashlib.sha256(json.dumps([e.max_sequences, e.context_length]).encode()).hexdigest()[:16]
+    return stable_hash([cfg.eval.max_sequences, cfg.eval.context_length])
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -58,12 +56,8 @@ def changed_settings(tree: dict, cfg: RunConfig) -> list[str]:
             if k.split(".")[0] not in NOT_IDENTITY and old.get(k) != new.get(k)]
 
 
-def _tree_hash(tree: dict) -> str:
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def keyed_by(tree: dict, stored_hash: str | None) -> bool:
     """Whether a run's stored key was computed from this saved config tree: ``training_hash`` of it as it was saved
     (before fields were added to the schema since), or the whole tree's hash (how runs were keyed before
     2026-12-05). Then config.yaml vouches for the run, and ``changed_settings`` says whether it is this config's."""
-    return stored_hash in (_tree_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}), _tree_hash(tree))
+    return stored_hash in (stable_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}), stable_hash(tree))
