@@ -62,18 +62,13 @@ _CLUSTER_PROVIDES = {"torch", "triton", "ray"}
 def job_dependencies(working_dir: str = ".") -> list[str]:
     """hmscale's runtime requirements from the working directory's pyproject.toml, less what the cluster provides:
     what ``--install`` asks Ray to pip-install into the job's environment on every node."""
-    import re
+    from hmscale.requirements import distribution_name, pyproject_dependencies
 
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise SubmitError("--install reads pyproject.toml with tomllib: use Python 3.11 or later") from None
-
-    path = Path(working_dir) / "pyproject.toml"
-    if not path.exists():
-        raise SubmitError(f"--install: {path} not found; run `hmscale submit` from the hmscale checkout")
-    deps = tomllib.loads(path.read_text())["project"]["dependencies"]
-    return [d for d in deps if re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower() not in _CLUSTER_PROVIDES]
+    deps = pyproject_dependencies(working_dir)
+    if deps is None:
+        raise SubmitError(f"--install: {Path(working_dir) / 'pyproject.toml'} not found or unreadable; run `hmscale "
+                          "submit` from the hmscale checkout, with Python 3.11 or later")
+    return [d for d in deps if distribution_name(d) not in _CLUSTER_PROVIDES]
 
 
 def job_runtime_env(cfg: RunConfig, working_dir: str = ".", install: bool = False) -> dict:

@@ -13,21 +13,18 @@ import sys
 def required_distributions() -> list[str]:
     """hmscale's runtime requirements (distribution names): the uploaded checkout's pyproject.toml, else the
     installed package's metadata."""
-    import re
     from importlib import metadata
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    try:
-        import tomllib
+    from hmscale.requirements import distribution_name, pyproject_dependencies
 
-        deps = tomllib.loads(path.read_text())["project"]["dependencies"]
-    except (ImportError, OSError, KeyError):  # Python 3.10, or hmscale installed without its checkout
+    deps = pyproject_dependencies(Path(__file__).resolve().parents[1])
+    if deps is None:  # hmscale installed without its checkout (or Python 3.10)
         try:
             deps = [r for r in metadata.requires("hmscale") or [] if "extra ==" not in r]
         except metadata.PackageNotFoundError:
             return []
-    return [re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower() for d in deps]
+    return [distribution_name(d) for d in deps]
 
 
 def missing_dependencies() -> list[str]:
