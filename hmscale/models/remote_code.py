@@ -3,8 +3,8 @@
 ``AutoModelForCausalLM.from_pretrained(d)`` finds HedgeMamba once ``hmscale.models`` is imported (it registers the
 model type). Tools that only take a path (``lm_eval --model hf --model_args pretrained=d,trust_remote_code=True``,
 ``transformers.pipeline``, a colleague's notebook) do not import it; for them every HedgeMamba ``save_pretrained``
-adds what transformers' remote-code loading reads: an ``auto_map`` in config.json and a one-line module that takes the classes from the
-installed hmscale package (the model code is not copied: one implementation, the installed one).
+adds what transformers' remote-code loading reads: an ``auto_map`` in config.json and a one-line module that takes
+the classes from the installed hmscale package (the model code is not copied: one implementation, the installed one).
 """
 
 from __future__ import annotations
