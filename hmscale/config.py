@@ -23,8 +23,21 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line that says what to change."""
 
 
+_NUMBERS = (int, float, int | None, float | None)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data):
+        # pydantic's lax mode reads true / false as 1 / 0 for a number field; a YAML boolean there is a mistake
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and field.annotation in _NUMBERS:
+                    raise ValueError(f"{name} must be a number, not {data[name]!r}")
+        return data
 
 
 class TeacherConfig(_Section):
@@ -313,9 +326,19 @@ class RunConfig(_Section):
                 raise ValueError(
                     f"teacher.flavor: {flavor.name} is a published size; set teacher.name_or_path={flavor.hub_id} to load it"
                 )
-            heads = flavor.n_heads
+            heads, n_layers = flavor.n_heads, flavor.n_layers
         else:
-            heads = _heads_of(self.teacher.name_or_path)
+            heads, n_layers = _shape_of(self.teacher.name_or_path)
+        layers = self.cache.capture.layers
+        bad = [i for i in layers if not 0 <= i < n_layers] if n_layers and layers != "all" else []
+        if bad:
+            raise ValueError(f"cache.capture.layers: {bad} out of range for the teacher's {n_layers} layers; use "
+                             f"0..{n_layers - 1} or 'all'")
+        s2 = self.stage2
+        if s2.kd_weight > 0 and s2.kd_source == "cache" and not (self.cache.enabled and self.cache.capture.topk > 0):
+            raise ValueError(f"stage2.kd_weight: {s2.kd_weight} with stage2.kd_source=cache needs the teacher's top-k "
+                             "in the cache; set cache.capture.topk (e.g. 32) with cache.enabled=true, or "
+                             "stage2.kd_source=online, or stage2.kd_weight=0")
         if self.stage2.lora_rank and self.parallel.tp > 1:
             raise ValueError("stage2.lora_rank: LoRA runs with ZeRO data parallelism only; set parallel.tp=1 or "
                              "stage2.lora_rank=0")
@@ -346,17 +369,19 @@ class RunConfig(_Section):
         return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _heads_of(name_or_path: str) -> int | None:
-    """Number of attention heads of a teacher, from a local config or the flavour registry."""
+def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
+    """(attention heads, layers) of a teacher, from the flavour registry or a local config; (None, None) for a hub id
+    this process cannot see yet."""
     for f in FLAVORS.values():
         if f.hub_id == name_or_path:
-            return f.n_heads
+            return f.n_heads, f.n_layers
     cfg = Path(name_or_path) / "config.json"
     if cfg.exists():
-        return json.loads(cfg.read_text()).get("num_attention_heads")
+        tree = json.loads(cfg.read_text())
+        return tree.get("num_attention_heads"), tree.get("num_hidden_layers")
     if Path(name_or_path).exists() or name_or_path.startswith((".", "/")):
         raise ValueError(f"teacher.name_or_path: {name_or_path!r} has no config.json; point it at a saved GPTNeoX model or a hub id")
-    return None
+    return None, None
 
 
 # --------------------------------------------------------------------------- loading
@@ -366,7 +391,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: write overrides as section.field=value, e.g. stage2.lr=3e-4")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r}: the key before '=' must be section.field, e.g. stage2.lr=3e-4")
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML; quote it, e.g. -s 'data.dataset=\"x:y\"'") from None
 
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
@@ -381,10 +412,19 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
     return tree
 
 
+def _field_path(loc) -> str:
+    """An error location as the config's dotted field path (without pydantic's validator and union-branch tags)."""
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-") and "[" not in str(p))
+
+
 def _format_error(err: ValidationError) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+    errors = err.errors()
+    e = errors[0]
+    loc = _field_path(e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
+    branches = [x["msg"] for x in errors if _field_path(x["loc"]) == loc]
+    if len(branches) > 1 and e["type"] != "extra_forbidden":  # a union field: say what each form wants
+        msg = ", or ".join(dict.fromkeys(m.removeprefix("Value error, ") for m in branches))
     if e["type"] == "extra_forbidden":
         return f"{loc}: unknown field; remove it or check its spelling (see README, config reference)"
     if msg.split(":")[0].strip() and "." in msg.split(":")[0] and " " not in msg.split(":")[0]:
@@ -407,11 +447,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if path is not None:
         p = Path(path)
         if not p.exists():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file (e.g. configs/demo.yaml)")
+            hint = next((f"; an override needs '=': -s {o}={p}" for o in overrides or [] if "=" not in o), "")
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file (e.g. configs/pythia-410m.yaml), "
+                              f"or none for the embedded defaults{hint}")
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML file (a run directory's is "
+                              f"{str(p / 'config.yaml')!r})")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        except (UnicodeDecodeError, OSError) as err:
+            raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {err}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
     return build_config(tree, overrides)

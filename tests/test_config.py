@@ -1,5 +1,6 @@
 """The config tree: YAML in, dotted overrides, cross-field validation with one-line errors."""
 
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,10 @@ def test_resolved_config_round_trips(tmp_path):
         (["stage2.epochs=0"], "stage2.epochs"),
         (["stage2.ce_weight=0"], "stage2.ce_weight"),
         (["stage2.kd_source=teacher"], "stage2.kd_source"),
+        (["stage2.kd_weight=1"], "stage2.kd_weight"),  # from the cache, which holds no top-k
+        (["stage2.kd_weight=1", "cache.capture.topk=8", "cache.enabled=false"], "stage2.kd_weight"),
+        (["cache.capture.layers=[0,9]"], "cache.capture.layers"),  # pythia-micro has 4 layers
+        (["cache.capture.layers=none"], "cache.capture.layers"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, field):
@@ -78,3 +83,43 @@ def test_cli_bad_config_is_one_line_exit_2():
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+
+
+def test_kd_from_the_cache_with_its_topk_or_online_is_accepted():
+    assert build_config(overrides=["stage2.kd_weight=1", "cache.capture.topk=8"]).stage2.kd_weight == 1
+    assert build_config(overrides=["stage2.kd_weight=1", "stage2.kd_source=online"]).stage2.kd_source == "online"
+
+
+def test_a_union_field_says_each_form_it_takes():
+    with pytest.raises(ConfigError, match=r"cache.capture.layers: Input should be a valid list, or Input should be "
+                                          r"'all' \(got 'none'\)"):
+        build_config(overrides=["cache.capture.layers=none"])
+
+
+@pytest.mark.parametrize("override", ["stage2.steps=true", "stage2.lr=false", "seed=true", "data.max_tokens=true"])
+def test_a_boolean_is_not_a_number(override):
+    field = override.split("=")[0].split(".")[-1]
+    with pytest.raises(ConfigError, match=f"{field} must be a number, not"):
+        build_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("=3", "the key before '=' must be section.field"),
+    ("stage2.=3", "the key before '=' must be section.field"),
+    ("data.dataset=[a", "the value is not valid YAML"),
+])
+def test_malformed_overrides_are_named(override, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        build_config(overrides=[override])
+
+
+def test_config_paths_that_are_not_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory; pass a YAML file"):
+        load_config(tmp_path)
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"output_dir: caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot be read as UTF-8"):
+        load_config(bad)
+    # `-s stage2.lr 3e-4` makes 3e-4 the config path: the message says how an override is written
+    with pytest.raises(ConfigError, match=r"an override needs '=': -s stage2.lr=3e-4"):
+        load_config("3e-4", ["stage2.lr"])
