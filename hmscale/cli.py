@@ -59,6 +59,9 @@ def cache(
     deletes one (refusing while views read it, unless --force)."""
     from hmscale.teacher.cache import CacheError, build_cache, verify_cache
 
+    if engine not in (None, "local", "ray"):
+        fail(f"cache --engine: {engine!r} is not an engine; use local or ray")
+
     if config == "list":
         from hmscale.teacher.cache.catalog import format_catalog, list_caches
 
@@ -122,12 +125,20 @@ def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = 
 
 def _run_stages(config, overrides, stages: tuple) -> None:
     """Run the given distillation stages (parallel.engine: local, one process, or ray, Ray Train workers)."""
+    from hmscale.recipe import RecipeError, check_local_gpu
+    from hmscale.run_identity import stage_mismatch
     from hmscale.train.engine import TrainingError
     from ray_jobs.distill import run_distill, summary_line
 
     cfg = _config(config, overrides)
+    refusal = stage_mismatch(Path(cfg.output_dir).expanduser().resolve(), cfg)
+    if refusal:
+        fail(refusal)
     try:
+        check_local_gpu(cfg)
         res = run_distill(cfg, stages=stages)
+    except RecipeError as err:
+        fail(str(err))
     except TrainingError as err:
         fail(str(err), code=1)
     typer.echo(summary_line(res))
@@ -156,7 +167,8 @@ def eval_(
         None, help="also score rows this long, perplexity per position bucket (sets eval.context_length)"),
 ):
     """Perplexity of teacher and students on held-out data; lm-eval-harness tasks on the final model."""
-    cfg = _config(config, list(overrides or []) + ([f"eval.context_length={context_length}"] if context_length else []))
+    extra = [f"eval.context_length={context_length}"] if context_length is not None else []
+    cfg = _config(config, list(overrides or []) + extra)
     from hmscale.recipe import RecipeError, evaluate_run
 
     task_list = [t for t in (tasks or "").split(",") if t] or list(cfg.eval.tasks)
@@ -171,7 +183,7 @@ def eval_(
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="a saved HedgeMamba directory (e.g. runs/demo/model)"),
+    model: str = typer.Argument(..., help="a saved HedgeMamba directory (e.g. runs/demo/model) or a run directory"),
     prompt: Optional[str] = typer.Option(None, help="text to continue (default: 'def ')"),
     prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file instead (long prompts: the "
                                                         "prefill runs the chunked scan, then O(1) per new token)"),
@@ -182,8 +194,16 @@ def generate(
     """Generate text with the recurrent cache (O(1) memory per new token)."""
     from hmscale.eval.generation import generate_text
 
-    if not Path(model).exists():
+    path = Path(model)
+    if not path.exists():
         fail(f"model directory {model!r} does not exist; pass a saved model such as runs/demo/model")
+    if not (path / "config.json").exists() and (path / "model" / "config.json").exists():
+        path = path / "model"  # a run directory: its final model
+    if not (path / "config.json").exists():
+        fail(f"{model!r} holds no saved model (config.json); pass a run's model/ directory, e.g. runs/demo/model")
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        fail(f"{str(path)!r} has no tokenizer; pass the run's model/ directory (the model with its tokenizer), "
+             "e.g. runs/demo/model")
     if prompt is not None and prompt_file is not None:
         fail("--prompt and --prompt-file: give one of them")
     if prompt_file is not None:
@@ -192,7 +212,7 @@ def generate(
         except (OSError, UnicodeDecodeError) as err:
             fail(f"--prompt-file: cannot read {prompt_file!r} ({err}); pass a UTF-8 text file")
     prompt = "def " if prompt is None else prompt
-    text, stats = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    text, stats = generate_text(str(path), prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     typer.echo(text)
     typer.echo(f"[{stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new tokens, "
                f"{stats['tokens_per_s']:.1f} tokens/s]", err=True)
@@ -203,11 +223,14 @@ def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Over
     """The whole recipe: cache, stage 1, stage 2, eval, into one run directory (resumable)."""
     cfg = _config(config, overrides)
     from hmscale.recipe import RecipeError, run_recipe
+    from hmscale.train.engine import TrainingError
 
     try:
         res = run_recipe(cfg)
     except RecipeError as err:
         fail(str(err))
+    except TrainingError as err:
+        fail(str(err), code=1)
     print_results(res)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
 from hmscale.config import RunConfig, save_resolved
-from hmscale.run_identity import changed_settings, eval_hash, keyed_by, saved_tree, training_hash
+from hmscale.run_identity import changed_settings, different_run, eval_hash, keyed_by, saved_tree, training_hash
 
 
 class RecipeError(RuntimeError):
@@ -46,17 +46,29 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
             results["config_hash"] = training_hash(cfg)
             atomic_write_json(path, results)  # now: config.yaml is rewritten next and could not vouch for it again
         else:
-            listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
-            raise RecipeError(f"output_dir: {run_dir} holds a run of a different config{listed}; "
-                              "choose another output_dir or delete that directory")
+            raise RecipeError(different_run(run_dir, diff))
     if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != eval_hash(cfg):
         del results["stages"]["eval"]  # the evaluation settings changed (or were not recorded): evaluate again
     return results
 
 
+def check_local_gpu(cfg: RunConfig) -> None:
+    """parallel.use_gpu on the local engine needs this Python's torch to see a GPU (the ray engine's workers may run
+    elsewhere: there Ray places them)."""
+    if cfg.parallel.use_gpu and cfg.parallel.engine == "local":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
+            raise RecipeError(f"parallel.use_gpu: true, but this torch ({torch.__version__}, {build}) has no GPU; "
+                              "set parallel.use_gpu=false, or install the CUDA build (make venv TORCH=cuda) on a GPU "
+                              "machine")
+
+
 def run_recipe(cfg: RunConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the contents of results.json."""
     t_start = time.time()
+    check_local_gpu(cfg)
     cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,6 +246,14 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     run_dir = Path(cfg.output_dir)
     if not (run_dir / "results.json").exists():
         raise RecipeError(f"output_dir: {run_dir} holds no run; run `hmscale run` first or point output_dir at a run")
+    if tasks:
+        from hmscale.eval.lm_eval_adapter import unknown_tasks
+
+        unknown = unknown_tasks(tasks, include_path)
+        if unknown:
+            where = f" (nor in --include-path {include_path})" if include_path else " (custom YAMLs: --include-path)"
+            raise RecipeError(f"--tasks: lm-eval-harness knows no task {', '.join(map(repr, unknown))}{where}; "
+                              "`lm_eval --tasks list` lists them")
     data = prepare_data(cfg, log=log)
     teacher = get_teacher(cfg, data, log=log)
     final = load_final_model(run_dir, data)

@@ -1,11 +1,13 @@
-"""What identifies a run directory's models, for resuming it: every setting but ``eval`` and ``output_dir``.
+"""What identifies a run directory's models, for resuming it: every setting but evaluation, locations and placement.
 
-Evaluation settings may change between reruns (the eval stage is redone when those it reads change) and a run
-directory may be moved; any other change makes it another run, and the settings that differ are named.
+Evaluation settings may change between reruns (the eval stage is redone when those it reads change), a run directory
+and the caches may be moved, and the same run may be resumed by the other engine or on another cluster; any other
+change makes it another run, and the settings that differ are named.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import yaml
@@ -13,12 +15,26 @@ import yaml
 from hmscale.config import ConfigError, RunConfig, build_config
 from hmscale.data.cachedir import stable_hash  # RunConfig.hash's digest, of any JSON tree
 
-NOT_IDENTITY = ("eval", "output_dir")
+NOT_IDENTITY = ("eval", "output_dir")  # whole sections
+# where things are kept and how the work is placed: none of them changes what is trained
+PLACEMENT = ("data.cache_dir", "cache.root", "cache.engine", "cache.workers", "cache.max_retries",
+             "cache.allow_exceed_disk", "parallel.engine", "parallel.ray_address", "parallel.max_failures",
+             "parallel.checkpoint_every", "parallel.keep_checkpoints")
+
+
+def _identity_tree(tree: dict) -> dict:
+    """A config tree without the settings that are not part of a run's identity."""
+    out = {k: copy.deepcopy(v) for k, v in tree.items() if k not in NOT_IDENTITY}
+    for dotted in PLACEMENT:
+        section, field = dotted.split(".")
+        if isinstance(out.get(section), dict):
+            out[section].pop(field, None)
+    return out
 
 
 def training_hash(cfg: RunConfig) -> str:
-    """The run's key: a hash of every setting but ``NOT_IDENTITY``."""
-    return cfg.hash(*(k for k in cfg.model_dump() if k not in NOT_IDENTITY))
+    """The run's key: a hash of every setting but ``NOT_IDENTITY`` and ``PLACEMENT``."""
+    return stable_hash(_identity_tree(cfg.model_dump(mode="json")))
 
 
 def eval_hash(cfg: RunConfig) -> str:
@@ -53,11 +69,34 @@ def changed_settings(tree: dict, cfg: RunConfig) -> list[str]:
         pass
     old, new = _flat(tree), _flat(cfg.model_dump(mode="json"))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k.split(".")[0] not in NOT_IDENTITY and old.get(k) != new.get(k)]
+            if k.split(".")[0] not in NOT_IDENTITY and k not in PLACEMENT and old.get(k) != new.get(k)]
 
 
 def keyed_by(tree: dict, stored_hash: str | None) -> bool:
     """Whether a run's stored key was computed from this saved config tree: ``training_hash`` of it as it was saved
-    (before fields were added to the schema since), or the whole tree's hash (how runs were keyed before
-    2026-12-05). Then config.yaml vouches for the run, and ``changed_settings`` says whether it is this config's."""
-    return stored_hash in (stable_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}), stable_hash(tree))
+    (before fields were added to the schema since), the tree without eval / output_dir only (how runs were keyed on
+    2026-12-05, before ``PLACEMENT``), or the whole tree's hash (before that). Then config.yaml vouches for the run,
+    and ``changed_settings`` says whether it is this config's."""
+    keys = (stable_hash(_identity_tree(tree)), stable_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}),
+            stable_hash(tree))
+    return stored_hash in keys
+
+
+def different_run(run_dir: Path, diff: list[str]) -> str:
+    """The one-line refusal for a run directory that holds a run of other training settings (``diff``)."""
+    listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
+    return (f"output_dir: {run_dir} holds a run of a different config{listed}; choose another output_dir or delete "
+            "that directory")
+
+
+def stage_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:
+    """For the stage commands (``hmscale stage1`` / ``stage2``), which keep no results.json of their own: the refusal
+    when ``run_dir`` already holds a run (its config.yaml) of other training settings, else None."""
+    if not (Path(run_dir) / "config.yaml").exists():
+        return None
+    tree = saved_tree(run_dir)
+    if tree is None:
+        return (f"output_dir: {run_dir} holds a run whose config.yaml is unreadable, so it cannot be matched to this "
+                "config; choose another output_dir or delete that directory")
+    diff = changed_settings(tree, cfg)
+    return different_run(run_dir, diff) if diff else None

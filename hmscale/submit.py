@@ -91,7 +91,12 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
     headers = {"Authorization": f"Bearer {token}"} if token else None
     if "://" not in address:
         address = f"http://{address}"
-    client = JobSubmissionClient(address, headers=headers)
+    try:
+        client = JobSubmissionClient(address, headers=headers)
+    except (ConnectionError, RuntimeError, ValueError) as err:  # nothing listening, a refused or malformed address
+        raise SubmitError(f"--address {address}: cannot reach a Ray cluster's job API there "
+                          f"({str(err).splitlines()[0][:160]}); check the dashboard address (http://HEAD:8265) and "
+                          "that the cluster is up (`ray status` on its head)") from None
     entrypoint = "python -m ray_jobs.run_recipe"
     runtime_env = job_runtime_env(cfg, working_dir, install)
     deadline = time.time() + 120

@@ -89,3 +89,54 @@ def test_a_field_added_to_the_schema_does_not_orphan_existing_runs(tmp_path):
     with pytest.raises(RecipeError, match=r"\(stage2.lr: 0.001 -> 0.0003\)"):  # a real change is still refused
         (tmp_path / "results.json").write_text(json.dumps({"config_hash": old_key, "stages": {}}))
         _load_results(tmp_path, build_config({}, ["stage2.lr=3e-4"]))
+
+
+def test_where_things_are_kept_and_how_the_work_is_placed_are_not_the_run(tmp_path):
+    """A run moved with its caches, resumed by the other engine or with other checkpoint / retry settings is the same
+    run; the run directory's config.yaml then describes the new placement."""
+    from hmscale.config import save_resolved
+
+    cfg = build_config({})
+    _write(tmp_path, cfg, cfg)
+    save_resolved(cfg, tmp_path)
+    moved = build_config({}, [f"data.cache_dir={tmp_path}/d", f"cache.root={tmp_path}/t", "parallel.engine=local",
+                              "parallel.ray_address=ray://head:10001", "parallel.checkpoint_every=7",
+                              "parallel.keep_checkpoints=5", "parallel.max_failures=0", "cache.workers=5",
+                              "cache.engine=ray", "cache.max_retries=1", "cache.allow_exceed_disk=true"])
+    assert training_hash(moved) == training_hash(cfg)
+    assert set(_load_results(tmp_path, moved)["stages"]) == {"prepare", "stage1", "stage2", "eval"}
+    with pytest.raises(RecipeError, match=r"\(parallel.num_workers: 1 -> 2\)"):  # the data-parallel layout is part of it
+        _load_results(tmp_path, build_config({}, ["parallel.num_workers=2"]))
+
+
+def test_a_run_keyed_before_placement_left_the_key_resumes(tmp_path):
+    """Runs keyed on 2026-12-05 (every setting but eval and output_dir) resume and are re-keyed."""
+    from hmscale.config import save_resolved
+    from hmscale.data.cachedir import stable_hash
+
+    cfg = build_config({})
+    save_resolved(cfg, tmp_path)
+    tree = cfg.model_dump(mode="json")
+    old_key = stable_hash({k: v for k, v in tree.items() if k not in ("eval", "output_dir")})
+    assert old_key != training_hash(cfg)
+    (tmp_path / "results.json").write_text(json.dumps({"config_hash": old_key, "stages": {"stage1": {}}}))
+    res = _load_results(tmp_path, build_config({}, ["parallel.engine=local"]))
+    assert "stage1" in res["stages"] and res["config_hash"] == training_hash(cfg)
+
+
+def test_stage_commands_refuse_a_directory_holding_another_run(tmp_path, capsys):
+    """`hmscale stage1 / stage2` keep no results.json: config.yaml says which run the directory holds, and a
+    command with other training settings stops before any work (and leaves config.yaml as it was)."""
+    from hmscale.cli import main
+    from hmscale.config import save_resolved
+    from hmscale.run_identity import stage_mismatch
+
+    cfg = build_config({}, [f"output_dir={tmp_path}"])
+    assert stage_mismatch(tmp_path, cfg) is None  # nothing there yet
+    save_resolved(cfg, tmp_path)
+    before = (tmp_path / "config.yaml").read_text()
+    assert stage_mismatch(tmp_path, build_config({}, [f"output_dir={tmp_path}", "eval.max_sequences=3"])) is None
+    assert main(["stage1", "-s", f"output_dir={tmp_path}", "-s", "stage1.lr=0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "(stage1.lr: 0.01 -> 0.5); choose another output_dir" in err
+    assert (tmp_path / "config.yaml").read_text() == before

@@ -88,6 +88,15 @@ class HmscaleLM(LM):
         return out
 
 
+def unknown_tasks(tasks: list[str], include_path: str | None = None) -> list[str]:
+    """The names in ``tasks`` that lm-eval-harness knows neither as a task, a group nor a tag (with the custom task
+    YAMLs of ``include_path``): checked before the perplexities, which take minutes."""
+    from lm_eval.tasks import TaskManager
+
+    known = set(TaskManager(include_path=include_path).all_tasks)
+    return [t for t in tasks if t not in known]
+
+
 def evaluate_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
                    batch_size: int = 8) -> dict:
     """Run lm-eval-harness tasks on a model object; returns {task: {metric: value}}."""
