@@ -245,6 +245,20 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def use_mpu(mpu) -> None:
+    """Make ``mpu`` (None: no model parallelism) the model-parallel unit DeepSpeed's process-wide queries see.
+
+    DeepSpeed keeps the mpu of the last engine that was given one in a module global (``deepspeed.utils.groups.mpu``,
+    from which every engine takes its data-parallel group and model-parallel size) and never clears it: an engine
+    built later in the same process without an mpu would inherit the earlier one's. In one worker, stage 2 after a
+    layer-parallel stage 1 then saw a model-parallel world of every rank with no mpu of its own (DeepSpeed's
+    ``'NoneType' object has no attribute 'get_model_parallel_rank'``), and ZeRO would have partitioned over stage 1's
+    one-rank data-parallel groups. Every engine starts from its own."""
+    from deepspeed.utils import groups
+
+    groups.mpu = mpu
+
+
 def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=None, params=None,
                  foreach_grad_checks: bool = True, grad_buckets: bool = True):
     """deepspeed.initialize with the recipe's config, schedule and (optionally) an mpu.
@@ -274,6 +288,7 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
     if resolve_adam(spec, conf) == "fused":
         optimizer = fused_adam(params, conf, spec.lr)
         del conf["optimizer"]  # DeepSpeed wraps the optimizer given instead of building one
+    use_mpu(mpu)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, optimizer=optimizer, config=conf, mpu=mpu, lr_scheduler=scheduler
     )

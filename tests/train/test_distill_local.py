@@ -121,6 +121,34 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     assert len(ports) == 2 and shm() == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
 
 
+def test_local_engine_layer_parallel_stage1_then_stage2_in_one_call(tmp_path, monkeypatch):
+    """engine=local, 2 worker processes: a layer-parallel stage 1 (DeepSpeed given its layer-parallel mpu) and then,
+    in the same processes, a data-parallel stage 2 (no mpu). DeepSpeed keeps the last mpu it was given in a
+    process-wide global: stage 2 must not inherit stage 1's (it crashed on it, and would have partitioned ZeRO over
+    stage 1's one-rank groups). Stage 2 trains as it does in fresh processes, to the same losses."""
+    import shutil
+
+    from hmscale.config import build_config
+    from hmscale.train.engine import read_metrics
+    from ray_jobs.distill import run_distill
+
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    ov = [o for o in _overrides(tmp_path) if not o.startswith(("stage1.steps", "stage2.steps", "stage2.kd_weight"))]
+    cfg = build_config({}, ov + ["stage1.steps=2", "stage2.steps=3", "stage2.kd_weight=0", "parallel.num_workers=2",
+                                 "stage1.layer_parallel=true", "parallel.zero_stage=1"])
+    res = run_distill(cfg, log=lambda *a, **k: None)
+    run = tmp_path / "run"
+    assert res["stage1"]["done"] and res["stage1"]["layer_parallel"]
+    assert res["stage2"]["done"] and res["stage2"]["dp"] == 2 and res["stage2"]["tokens"] == 3 * 4 * 2 * 64
+    # stage 2 alone, in fresh worker processes, from the same stage-1 student
+    again = tmp_path / "again"
+    shutil.copytree(run / "stage1", again / "stage1")
+    alone = run_distill(cfg, again, stages=("stage2",), log=lambda *a, **k: None)
+    assert alone["stage2"]["done"] and alone["stage2"]["final_loss"] == res["stage2"]["final_loss"]
+    assert [r["loss"] for r in read_metrics(run / "stage2" / "metrics.jsonl")] == \
+        [r["loss"] for r in read_metrics(again / "stage2" / "metrics.jsonl")]
+
+
 def test_run_refuses_a_context_length_longer_than_the_data_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.cli import main
