@@ -12,7 +12,7 @@ spawned processes on this machine (`engine=local`, several workers: torchrun-sty
 Fault tolerance: every stage checkpoint is reported to Ray Train (`ray.train.report(metrics,
 checkpoint=...)`; each worker reports its own DeepSpeed files, which Ray merges into one checkpoint);
 `FailureConfig(max_failures=parallel.max_failures)` restarts the worker group after a worker dies, and
-`train_func` resumes from `ray.train.get_checkpoint()` (stage 1 is skipped when it has finished).
+`train_func` resumes from `ray.train.get_checkpoint()` (a finished stage is skipped).
 The run directory must be visible to all workers (one node, or a shared filesystem); on a (re)start the
 furthest of Ray's restored checkpoint and the newest complete checkpoint under the run directory wins
 (a report made just before a worker died may never reach the controller), so rerunning into the same
@@ -79,6 +79,11 @@ def _stage_summaries(run_dir: Path, stages) -> dict:
         if p.exists():
             out[stage] = json.loads(p.read_text())
     return out
+
+
+def _recorded(run_dir: Path, stage: str) -> dict:
+    """A finished stage's summary as it recorded it when it ran (its tokens, seconds, losses), marked skipped."""
+    return {**json.loads((run_dir / stage / "summary.json").read_text()), "skipped": True}
 
 
 def pick_resume_point(run_dir: Path, restored_dir: Path | None, restored_meta: dict):
@@ -153,17 +158,24 @@ def train_func(config: dict):
         from hmscale.train.stage2 import run_stage2
 
         stages = tuple(config.get("stages", STAGES))
+        # a finished stage (its summary says done) is never entered again: resuming it from its last checkpoint
+        # would train nothing and write this call's empty summary (no tokens, no loss) over the one it recorded
+        finished = {s for s in STAGES if _stage_done(run_dir, s)}
         stage, resume_path = pick_resume_point(run_dir, restored_dir, meta)
-        if stage is not None and not (stage == "stage1" and _stage_done(run_dir, "stage1")) and stage in stages and rank == 0:
+        if stage is not None and stage not in finished and stage in stages and rank == 0:
             print(f"[distill] resuming {stage} from {resume_path}", flush=True)
         student = None
-        if "stage1" in stages and stage != "stage2" and not _stage_done(run_dir, "stage1"):
+        if "stage1" in stages and "stage1" in finished:
+            results["stage1"] = _recorded(run_dir, "stage1")
+        elif "stage1" in stages and stage != "stage2":
             s1 = run_stage1(cfg, run_dir, data=data, teacher=teacher, cache_dir=cache_dir if cfg.stage1.source == "cache" else None,
                             resume_from=resume_path if stage == "stage1" else None, resume=False,
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage1", rank, run_dir))
             student = s1.pop("student_model", None)
             results["stage1"] = s1
-        if "stage2" in stages:
+        if "stage2" in stages and "stage2" in finished:
+            results["stage2"] = _recorded(run_dir, "stage2")
+        elif "stage2" in stages:
             if student is None:
                 student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
             s2 = run_stage2(cfg, run_dir, data=data, student=student,
@@ -214,6 +226,9 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
                 storage_path: str | None = None, prepared: dict | None = None) -> dict:
     """Stage 1 + stage 2 (or the given `stages`) with the configured engine (parallel.engine);
     returns {"stage1": summary, "stage2": summary, "seconds": ..., "run_dir": ...}.
+    A stage already finished in run_dir (its summary.json says done) is not run again: its entry is the summary it
+    recorded when it ran (tokens, seconds, final loss), with "skipped": True; with every stage finished, nothing is
+    prepared or started.
     prepared: the result of `prepare(cfg)` when the caller already has it (skips doing it again)."""
     bad = [s for s in stages if s not in STAGES]
     if bad:
@@ -224,7 +239,13 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
     run_dir = Path(run_dir or cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
-    prep = prepared if prepared is not None else prepare(cfg, log=log, stages=stages)
+    finished = [s for s in stages if _stage_done(run_dir, s)]
+    for s in finished:
+        log(f"[distill] {s}: already done in {run_dir} (skipped)")
+    if len(finished) == len(stages):  # nothing to train: no data, teacher, cache or workers
+        return {**{s: _recorded(run_dir, s) for s in finished}, "seconds": 0.0, "run_dir": str(run_dir)}
+    todo = tuple(s for s in stages if s not in finished)
+    prep = prepared if prepared is not None else prepare(cfg, log=log, stages=todo)
     config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
               "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
@@ -239,6 +260,8 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
         res = _run_local_workers(cfg, config, run_dir, log=log)
     else:
         res = _run_ray(cfg, config, run_dir, storage_path=storage_path, log=log)
+    for s in finished:  # what a finished stage recorded when it ran (every engine: one process, local workers, Ray)
+        res[s] = _recorded(run_dir, s)
     res["seconds"] = time.perf_counter() - t0
     res["run_dir"] = str(run_dir)
     return res
@@ -309,12 +332,24 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
 
 
 def summary_line(res: dict) -> str:
-    parts = [f"[distill] done in {res['seconds']:.1f} s"]
-    if "stage1" in res:
-        parts.append(f"stage-1 loss {res['stage1'].get('final_loss'):.4g}, student in {Path(res['run_dir']) / 'stage1' / 'student'}")
-    if "stage2" in res:
-        parts.append(f"stage-2 loss {res['stage2'].get('final_loss'):.4g}, model in {Path(res['run_dir']) / 'stage2' / 'hf'}")
-    return parts[0] + (": " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+    """One line for the user: each stage's final loss and where its result is; a finished stage that was
+    skipped says so (with the loss it recorded when it ran)."""
+    run_dir = Path(res["run_dir"])
+    parts = []
+    for stage, n, what, where in (("stage1", 1, "student", run_dir / "stage1" / "student"),
+                                  ("stage2", 2, "model", run_dir / "stage2" / "hf")):
+        if stage not in res:
+            continue
+        s = res[stage]
+        loss = s.get("final_loss")
+        loss = f"{loss:.4g}" if isinstance(loss, (int, float)) else "n/a"
+        if s.get("skipped"):
+            parts.append(f"stage-{n} already done (skipped; loss {loss}), {what} in {where}")
+        else:
+            parts.append(f"stage-{n} loss {loss}, {what} in {where}")
+    ran = [s for s in STAGES if s in res and not res[s].get("skipped")]
+    head = f"[distill] done in {res['seconds']:.1f} s" if ran or not parts else "[distill] nothing to train"
+    return head + (": " + "; ".join(parts) if parts else "")
 
 
 def main(argv: list[str] | None = None) -> int:

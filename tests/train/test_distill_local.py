@@ -47,9 +47,12 @@ def test_local_distill_layout_and_export(tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(str(run / "stage2" / "hf")).eval()
     x = torch.randint(0, 512, (1, 16))
     assert model(input_ids=x).logits.shape == (1, 16, model.config.vocab_size)
-    # a rerun into the same directory resumes: nothing left to train
+    # a rerun into the same directory: nothing left to train; each stage reports what it recorded when it ran
+    summaries = {s: (run / s / "summary.json").read_text() for s in ("stage1", "stage2")}
     res2 = run_distill(cfg, log=lambda *a, **k: None)
-    assert "stage1" not in res2 and res2["stage2"]["start_step"] == 4
+    for s in ("stage1", "stage2"):
+        assert res2[s]["skipped"] and res2[s]["tokens"] == res[s]["tokens"] > 0 and res2[s]["final_loss"] == res[s]["final_loss"]
+        assert (run / s / "summary.json").read_text() == summaries[s]  # not rewritten by an empty resume
 
 
 def test_cli_eval_scores_long_contexts(tmp_path, capsys, monkeypatch):
@@ -119,6 +122,32 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     assert s2["done"] and s2["dp"] == 2 and s2["start_step"] == 2 and s2["end_step"] == 4
     assert (run / "stage2" / "hf" / "config.json").exists()
     assert len(ports) == 2 and shm() == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
+
+
+def test_separate_stage_commands_then_rerun_and_run_report_the_recorded_stages(tmp_path, capsys, monkeypatch):
+    """`hmscale stage1`, `hmscale stage2`, then `hmscale stage2` again (the finished stage is skipped with one clear
+    line, exit 0, its summary kept) and `hmscale run`: results.json and report.md carry the tokens and seconds each
+    stage recorded when it ran, not the zeros of a stage that trained nothing."""
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    from hmscale.cli import main
+
+    args = [a for o in _overrides(tmp_path) + ["stage2.kd_weight=0"] for a in ("-s", o)]
+    run = tmp_path / "run"
+    assert main(["stage1", *args]) == 0 and main(["stage2", *args]) == 0
+    recorded = {s: json.loads((run / s / "summary.json").read_text()) for s in ("stage1", "stage2")}
+    assert recorded["stage1"]["tokens"] == 4 * 4 * 64 and recorded["stage2"]["tokens"] == 4 * 4 * 64
+    capsys.readouterr()
+    assert main(["stage2", *args]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("[distill] nothing to train: stage-2 already done (skipped; loss ") and "stage2/hf" in line, line
+    assert json.loads((run / "stage2" / "summary.json").read_text()) == recorded["stage2"]
+    assert main(["run", *args]) == 0
+    results = json.loads((run / "results.json").read_text())
+    assert results["tokens"] == {s: recorded[s]["tokens"] for s in ("stage1", "stage2")}
+    for s in ("stage1", "stage2"):
+        assert results["stages"][s]["seconds"] == round(recorded[s]["seconds"], 2) > 0
+    report = (run / "report.md").read_text()
+    assert f"| stage2 | {recorded['stage2']['seconds']:.1f} | {recorded['stage2']['tokens']} |" in report
 
 
 def test_local_engine_layer_parallel_stage1_then_stage2_in_one_call(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Engines built one after another in one process (stage 1 then stage 2 in one worker) each get their own
-model-parallel unit."""
+model-parallel unit; the distill summary line of stages that were skipped or trained nothing."""
 
 import torch
 import torch.distributed as dist
@@ -51,3 +51,17 @@ def test_an_engine_without_mpu_does_not_inherit_the_previous_engines():
     assert second.mp_world_size == 1 and second.data_parallel_group is not mpu.dp and groups.mpu is None
     assert dist.get_world_size(second.data_parallel_group) == dist.get_world_size()
 
+
+def test_summary_line_of_skipped_and_empty_stages(tmp_path):
+    from ray_jobs.distill import summary_line
+
+    done = {"done": True, "final_loss": 5.5, "tokens": 100, "seconds": 1.0}
+    line = summary_line({"stage2": {**done, "skipped": True}, "seconds": 0.0, "run_dir": str(tmp_path)})
+    assert line == f"[distill] nothing to train: stage-2 already done (skipped; loss 5.5), model in {tmp_path}/stage2/hf"
+    line = summary_line({"stage1": {**done, "skipped": True}, "stage2": {**done, "final_loss": 4.25},
+                         "seconds": 2.0, "run_dir": str(tmp_path)})
+    assert line == (f"[distill] done in 2.0 s: stage-1 already done (skipped; loss 5.5), student in {tmp_path}/stage1/student; "
+                    f"stage-2 loss 4.25, model in {tmp_path}/stage2/hf")
+    # a stage that trained no step in this call and has no loss to show: said, not a crash
+    line = summary_line({"stage2": {**done, "final_loss": None}, "seconds": 0.5, "run_dir": str(tmp_path)})
+    assert line == f"[distill] done in 0.5 s: stage-2 loss n/a, model in {tmp_path}/stage2/hf"
