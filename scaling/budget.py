@@ -13,8 +13,11 @@ Flavours without published pretraining tokens (the miniatures) use ``miniature_t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+from pydantic import ValidationError
 
 from hmscale.config import BudgetConfig
 from hmscale.teacher.flavors import Flavor
@@ -59,8 +62,9 @@ class BudgetRule:
     def __post_init__(self):
         if self.kind not in ("fraction", "tokens_per_param", "fixed"):
             raise ValueError(f"budget rule: kind {self.kind!r} must be fraction, tokens_per_param or fixed")
-        if len(self.split) != 2 or any(s < 0 for s in self.split) or abs(sum(self.split) - 1) > 1e-6:
-            raise ValueError(f"budget rule: split {list(self.split)} must be two non-negative fractions summing to 1")
+        problem = split_problem(self.split)
+        if problem:
+            raise ValueError(f"budget rule: {problem}")
         if self.fraction <= 0 or self.tokens_per_param <= 0 or self.tokens <= 0:
             raise ValueError("budget rule: fraction, tokens_per_param and tokens must be positive")
 
@@ -84,11 +88,35 @@ class BudgetRule:
         return Budget(self.total_tokens(flavor, params), tuple(self.split))
 
 
-def parse_split(text: str) -> tuple[float, float]:
-    """`"10/90"`, `"0.1,0.9"` -> (0.1, 0.9)."""
+def split_problem(split) -> str | None:
+    """What is wrong with a stage split by the recipe's own rule (``budget.split``, ``BudgetConfig``), else None."""
+    try:
+        BudgetConfig(split=tuple(split))
+    except ValidationError as err:
+        return err.errors()[0]["msg"].removeprefix("Value error, ")
+    return None
+
+
+def parse_split(text: str, option: str = "--split") -> tuple[float, float]:
+    """`"10/90"` (percentages), `"0.1,0.9"` or `"0.1/0.9"` (fractions) -> (0.1, 0.9).
+
+    Numbers summing to more than 1 are percentages; either way the result must pass ``budget.split``'s rule (two
+    non-negative fractions summing to 1): nothing is renormalised, so ``50/60`` is an error, as in the config.
+    Errors are one line naming ``option``.
+    """
+    hint = "write stage-1/stage-2 percentages summing to 100 (e.g. 10/90) or fractions summing to 1 (e.g. 0.1,0.9)"
     sep = "/" if "/" in text else ","
-    parts = [float(p) for p in text.split(sep)]
-    if len(parts) != 2 or sum(parts) <= 0:
-        raise ValueError(f"split {text!r}: write two numbers, e.g. 10/90 or 0.1,0.9")
-    s = sum(parts)
-    return (parts[0] / s, parts[1] / s)
+    try:
+        parts = [float(p) for p in text.split(sep)]
+    except ValueError:
+        parts = []
+    if len(parts) != 2 or not all(math.isfinite(p) for p in parts):
+        raise ValueError(f"{option}: {text!r} is not two numbers; {hint}")
+    percent = sum(parts) > 1 + 1e-6
+    if percent:
+        parts = [p / 100 for p in parts]
+    if split_problem(parts):
+        raise ValueError(f"{option}: {text!r} read as {'percentages' if percent else 'fractions'} is the split "
+                         f"{[round(p, 6) for p in parts]}, not two non-negative fractions summing to 1 (budget.split's "
+                         f"rule); {hint}")
+    return (parts[0], parts[1])

@@ -73,6 +73,9 @@ def plan_cmd(
     from scaling.planner import PlanSettings, load_throughput, plan, write_plan
 
     try:
+        for opt, value in (("--tokens", tokens), ("--budget-fraction", budget_fraction)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{opt}: {value} must be positive")
         rule = BudgetRule(kind="fixed", tokens=tokens, split=parse_split(split)) if tokens else BudgetRule(
             split=parse_split(split), **({"fraction": budget_fraction} if budget_fraction else {})
         )
@@ -130,7 +133,7 @@ def run_cmd(
         argv += ["--num-cpus", str(num_cpus)]
     if budget_fraction is not None:
         argv += ["--budget-fraction", str(budget_fraction)]
-    if split:
+    if split is not None:
         argv += ["--split", split]
     if resources:
         argv += ["--resources", resources]

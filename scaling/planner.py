@@ -303,12 +303,35 @@ class Layout:
         return self.dp * self.tp
 
 
+def check_forced_layout(flavor: Flavor | Size | str, settings: PlanSettings) -> None:
+    """A forced ``tp`` (--tp, with --zero when forced too) checked by the recipe config's own rules for this
+    teacher (``RunConfig``: tp divides the heads, no ZeRO-3 with tp > 1, ...): the planner must not lay out what
+    ``hmscale check`` rejects. One-line ValueError naming the options; flavours outside the registry are not checked."""
+    from hmscale.config import ConfigError, build_config
+    from hmscale.teacher.flavors import FLAVORS
+
+    f = _flavor(flavor)
+    if settings.tp is None or FLAVORS.get(f.name) != f:
+        return
+    parallel = {"tp": settings.tp, "num_workers": max(settings.tp, 1)}
+    if settings.zero_stage is not None:
+        parallel["zero_stage"] = settings.zero_stage
+    try:
+        build_config({"teacher": {"flavor": f.name, "name_or_path": f.hub_id}, "parallel": parallel})
+    except ConfigError as err:
+        given = f"--tp {settings.tp}" + (f" with --zero {settings.zero_stage}" if settings.zero_stage is not None else "")
+        change = "--tp or --zero" if settings.zero_stage is not None else "--tp"
+        raise ValueError(f"{given}: not a layout the recipe accepts for {f.name} ({err}); change {change}, or leave "
+                         "--tp out and the planner picks a tp per size") from None
+
+
 def choose_layout(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> Layout:
     """The smallest (dp, tp, ZeRO) layout whose stage-2 training state fits one GPU (module docstring)."""
     s = settings or PlanSettings()
     f = _flavor(flavor)
+    check_forced_layout(f, s)
     budget = s.usable_bytes
-    tps = [s.tp] if s.tp else _divisors(f.n_heads, s.max_tp)
+    tps = [s.tp] if s.tp is not None else _divisors(f.n_heads, s.max_tp)
     if s.lora_rank:
         if s.tp and s.tp > 1:
             raise ValueError("plan: LoRA runs with ZeRO data parallelism only (tp=1); drop --tp or --lora-rank")

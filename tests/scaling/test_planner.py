@@ -157,13 +157,48 @@ def test_budget_rules():
     assert BudgetRule(kind="fixed", tokens=1000).total_tokens(f) == 1000
     assert BudgetRule(fraction=0.5, max_tokens=10).total_tokens(f) == 10
     assert BudgetRule().total_tokens(resolve_sizes("nano")[0].flavor) == 400_000
-    assert parse_split("10/90") == pytest.approx((0.1, 0.9)) and parse_split("1,3") == pytest.approx((0.25, 0.75))
-    with pytest.raises(ValueError):
+    assert parse_split("10/90") == pytest.approx((0.1, 0.9)) and parse_split("0.25,0.75") == pytest.approx((0.25, 0.75))
+    assert parse_split("0.2/0.8") == pytest.approx((0.2, 0.8)) and parse_split("100/0") == (1.0, 0.0)
+    with pytest.raises(ValueError, match="budget.split"):
         BudgetRule(split=(0.5, 0.6))
     # same rounding as the config
     cfg = build_config(overrides=["budget.total_tokens=12345"])
     bb = Budget(12345, (0.1, 0.9))
     assert (bb.stage1_tokens, bb.stage2_tokens) == (cfg.budget.stage1_tokens, cfg.budget.stage2_tokens)
+
+
+@pytest.mark.parametrize("text", ["50/60", "1,3", "0.3,0.3", "-10/110"])
+def test_split_follows_the_config_rule_without_renormalising(text):
+    """--split is percentages summing to 100 or fractions summing to 1, by budget.split's own rule (BudgetConfig)."""
+    with pytest.raises(ValueError, match=r"^--split: .*summing to 1 \(budget\.split's rule\)") as err:
+        parse_split(text)
+    assert "\n" not in str(err.value) and "10/90" in str(err.value)
+    # what the option accepts is exactly what the config accepts
+    with pytest.raises(ValueError):
+        build_config(overrides=[f"budget.split=[{text.replace('/', ',')}]"])
+
+
+@pytest.mark.parametrize("text", ["abc", "10/90/0", "", "nan/1", "10/x"])
+def test_split_that_is_not_two_numbers_names_the_option(text):
+    with pytest.raises(ValueError, match=r"^--split: .* is not two numbers; write .*10/90") as err:
+        parse_split(text)
+    assert "could not convert" not in str(err.value)
+    assert parse_split("10/90", option="budget rule") == pytest.approx((0.1, 0.9))
+
+
+def test_forced_tp_follows_the_config_rule():
+    """--tp must divide the teacher's heads (RunConfig's rule: what `hmscale check` rejects is not planned)."""
+    with pytest.raises(ValueError, match=r"^--tp 3: .*pythia-70m.*does not divide the teacher's 8 heads"):
+        choose_layout("pythia-70m", PlanSettings(tp=3))
+    with pytest.raises(ValueError, match="parallel.tp"):
+        build_config(overrides=["teacher.flavor=pythia-70m", "teacher.name_or_path=EleutherAI/pythia-70m",
+                                "parallel.tp=3", "parallel.num_workers=3"])
+    assert choose_layout("pythia-160m", PlanSettings(tp=3)).tp == 3  # 12 heads
+    assert choose_layout("pythia-nano", PlanSettings(tp=2)).tp == 2  # a miniature: its 4 heads
+    with pytest.raises(ValueError, match=r"^--tp 0: "):
+        choose_layout("pythia-70m", PlanSettings(tp=0))
+    with pytest.raises(ValueError, match=r"^--tp 2 with --zero 3: .*ZeRO 0, 1 or 2"):
+        choose_layout("pythia-1b", PlanSettings(tp=2, zero_stage=3))
 
 
 def test_cache_bytes():
@@ -218,6 +253,26 @@ def test_cli_plan_writes_table_csv_json(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(app, ["scale", "plan", "--sizes", "13b"])
     assert bad.exit_code == 2
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--sizes", "70m", "--tp", "3"], "--tp 3: not a layout the recipe accepts for pythia-70m (parallel.tp: 3 does not divide the teacher's 8 heads"),
+    (["--sizes", "pythia", "--tp", "3"], "for pythia-70m"),  # the first size it does not fit stops the plan
+    (["--sizes", "1b", "--tp", "2", "--zero", "3"], "--tp 2 with --zero 3:"),
+    (["--sizes", "70m", "--split", "50/60"], "--split: '50/60' read as percentages is the split [0.5, 0.6]"),
+    (["--sizes", "70m", "--split", "abc"], "--split: 'abc' is not two numbers"),
+    (["--sizes", "70m", "--tokens", "0"], "--tokens: 0 must be positive"),
+    (["--sizes", "70m", "--budget-fraction", "0"], "--budget-fraction: 0.0 must be positive"),
+])
+def test_cli_plan_rejects_what_the_config_rejects(args, says):
+    from typer.testing import CliRunner
+
+    from hmscale.cli import app
+
+    res = CliRunner().invoke(app, ["scale", "plan", *args])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hmscale: error: ") and says in lines[0], res.output
 
 
 def test_activation_estimate_matches_the_h200_measurement():
