@@ -4,7 +4,9 @@
     ray job submit --working-dir . -- python -m ray_jobs.scaling --sizes pythia --out /shared/scale
 
 Each size runs as a Ray task with its own resources (see `scaling.sweep`); finished sizes
-(a results.json in OUT/runs/<size>) are skipped, so rerunning the same command resumes.
+(a results.json in OUT/runs/<size> holding the final evaluation of a run of the same training settings) are
+skipped, so rerunning the same command resumes. A size directory holding a run of other training settings stops
+the study before any work, with a one-line error naming the changed settings (exit code 2).
 Writes OUT/results.csv, OUT/results.json and OUT/plots/*.png.
 """
 
@@ -48,12 +50,14 @@ def main(argv=None) -> int:
             print(f"scaling: error: config file {a.config!r} does not exist", file=sys.stderr)
             return 2
         base = yaml.safe_load(Path(a.config).read_text()) or {}
-    rule_kw = {}
-    if a.budget_fraction is not None:
-        rule_kw["fraction"] = a.budget_fraction
-    if a.split:
-        rule_kw["split"] = parse_split(a.split)
     try:
+        rule_kw = {}
+        if a.budget_fraction is not None:
+            if not a.budget_fraction > 0:
+                raise ValueError(f"--budget-fraction: {a.budget_fraction} must be positive (1/30 ~ 10B tokens per Pythia size)")
+            rule_kw["fraction"] = a.budget_fraction
+        if a.split is not None:
+            rule_kw["split"] = parse_split(a.split)
         rows = run_sweep(
             a.sizes, a.out, overrides=a.overrides, base_tree=base, rule=BudgetRule(**rule_kw),
             engine="local" if a.local else "ray", ray_address=a.address, ray_num_cpus=a.num_cpus,

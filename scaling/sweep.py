@@ -10,8 +10,12 @@ keyed by teacher fingerprint + data-plan hash, so every run (and every rerun, an
 pointed at the same root) with the same teacher and plan shares one cache.
 
 Resumable: a finished size (its run directory's ``results.json`` holds the final evaluation; the
-recipe writes that file stage by stage) is skipped and its results are read back; a failed size is recorded (status ``failed``, the error) and retried by the next run; the
-recipe itself resumes inside a size. The table (``OUT/results.csv``, ``OUT/results.json``) is
+recipe writes that file stage by stage) is skipped and its results are read back, when that run has this sweep's
+training settings (``hmscale.run_identity``, as the recipe decides: ``size_mismatch``). A run directory holding a
+run (finished or part-way) of other training settings stops the sweep before any work, with a one-line error
+naming the changed settings (another --out, or delete that size's directory); a finished run whose evaluation
+settings changed is run again (the recipe redoes only its eval). A failed size is recorded (status ``failed``,
+the error) and retried by the next run; the recipe itself resumes inside a size. The table (``OUT/results.csv``, ``OUT/results.json``) is
 rewritten atomically after every finished size, and the plots (``OUT/plots/*.png``) at the end.
 
 Resources: by default a size's task asks for ``cpus_per_size`` CPUs and, for a GPU run with the
@@ -34,7 +38,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hmscale.atomic import atomic_write_json
-from hmscale.config import RunConfig, apply_overrides, build_config
+from hmscale.config import RunConfig, apply_overrides, build_config, save_resolved
+from hmscale.run_identity import changed_settings, eval_hash, keyed_by, saved_tree, training_hash
 from scaling.budget import BudgetRule
 from scaling.planner import PlanSettings, plan_size
 from scaling.registry import Size, get_size, resolve_sizes
@@ -178,6 +183,49 @@ def finished_results(path: str | os.PathLike) -> dict | None:
     return res
 
 
+def _read_results(path: Path) -> dict | None:
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return res if isinstance(res, dict) else None
+
+
+def size_mismatch(name: str, cfg: RunConfig) -> str | None:
+    """The one-line refusal when the size's run directory holds a run (finished or part-way) of other training
+    settings than ``cfg``'s, else None: the recipe's own test (``hmscale.recipe._load_results``: the stored
+    ``config_hash`` against ``training_hash``, else the saved config.yaml's ``changed_settings`` and ``keyed_by``),
+    made before any size runs, so that a study neither reuses stale results nor fails size by size."""
+    run_dir = Path(cfg.output_dir)
+    results = _read_results(run_dir / RESULTS)
+    if results is None:  # no run yet (or an unreadable results.json: the recipe reports that itself)
+        return None
+    cfg = cfg.with_absolute_paths()  # what the recipe hashes
+    stored = results.get("config_hash")
+    if stored == training_hash(cfg):
+        return None
+    fix = f"use another --out for these settings, or delete {run_dir} to run {name} again with them"
+    tree = saved_tree(run_dir)
+    if tree is None:
+        return (f"{name}: {run_dir} holds a run whose config.yaml is missing or unreadable, so it cannot be matched "
+                f"to these settings; {fix}")
+    diff = changed_settings(tree, cfg)
+    if diff == [] and keyed_by(tree, stored):  # keyed by an older hmscale; the same training settings
+        return None
+    finished = "finished " if finished_results(run_dir / RESULTS) is not None else ""
+    listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
+    return f"{name}: {run_dir} holds a {finished}run of other training settings{listed}; {fix}"
+
+
+def eval_current(results: dict, cfg: RunConfig) -> bool:
+    """Whether a finished run's evaluation used ``cfg``'s evaluation settings (the recipe redoes its eval stage
+    when they changed; results without the recipe's per-stage records count as current)."""
+    stages = results.get("stages")
+    if not isinstance(stages, dict) or not isinstance(stages.get("eval"), dict):
+        return True
+    return stages["eval"].get("eval_hash") == eval_hash(cfg)
+
+
 def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
     """One table row from a recipe's results dict (tolerant to nesting: `tokens: {stage1: ..}` etc.)."""
     flat = {k: v for k, v in _flatten(results).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -251,9 +299,15 @@ def run_size(cfg_tree: dict, recipe: str | Callable = DEFAULT_RECIPE, tag: str =
     t0 = time.time()
     results = fn(cfg, log=log)
     results = dict(results or {})
-    res_path = Path(cfg.output_dir) / RESULTS
-    if not res_path.exists():  # a recipe that only returns: keep the sweep resumable anyway
-        atomic_write_json(res_path, results)
+    run_dir = Path(cfg.output_dir)
+    # a recipe that only returns, or keeps no run identity: keep the sweep resumable anyway (results.json with the
+    # settings' key and config.yaml, as hmscale.recipe writes them, so that a rerun can tell it is the same run)
+    on_disk = _read_results(run_dir / RESULTS)
+    if on_disk is None or "config_hash" not in on_disk:
+        atomic_write_json(run_dir / RESULTS, {**(results if on_disk is None else on_disk),
+                                              "config_hash": training_hash(cfg.with_absolute_paths())})
+    if not (run_dir / "config.yaml").exists():
+        save_resolved(cfg, run_dir)
     results.setdefault("_sweep_task_wall_s", time.time() - t0)
     return results
 
@@ -308,6 +362,10 @@ def run_sweep(
     overrides = list(overrides)
     sizes_ = resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))
     cfgs = {s.name: size_config(s, out, base_tree, overrides, rule) for s in sizes_}
+    for s in sizes_:  # before any work: a size directory holding a run of other settings stops the study
+        problem = size_mismatch(s.name, cfgs[s.name])
+        if problem:
+            raise ValueError(problem)
     atomic_write_json(out / "sweep.json", {
         "sizes": [s.name for s in sizes_], "overrides": overrides, "base": base_tree or {},
         "recipe": recipe if isinstance(recipe, str) else f"{recipe.__module__}:{recipe.__qualname__}",
@@ -344,10 +402,12 @@ def run_sweep(
     for s in sizes_:
         res_path = Path(cfgs[s.name].output_dir) / RESULTS
         prior = finished_results(res_path)
-        if prior is not None:
-            log(f"[scale] {s.name}: finished earlier ({res_path}); skipping")
+        if prior is not None and eval_current(prior, cfgs[s.name]):
+            log(f"[scale] {s.name}: finished earlier with these settings ({res_path}); skipping")
             finish(s.name, prior, "skipped")
         else:
+            if prior is not None:
+                log(f"[scale] {s.name}: evaluation settings changed; the recipe evaluates it again")
             todo.append(s)
             rows[s.name]["status"] = "pending"
     _write_table(out, [rows[s.name] for s in sizes_])

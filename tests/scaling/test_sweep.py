@@ -245,3 +245,158 @@ def test_cli_scale_run_reports_bad_input(tmp_path):
 
     res = CliRunner().invoke(app, ["scale", "run", "--sizes", "nano", "--out", str(tmp_path), "--local", "-s", "stage2.lr=-1"])
     assert res.exit_code == 2 and "stage2.lr" in res.output
+
+
+# --------------------------------------------------------------------------- run identity: skip only the same run
+
+
+def identity_recipe(cfg, log=print):
+    """The recipe's run-directory bookkeeping without the work: hmscale.recipe's own identity test (it refuses a
+    directory holding a run of other training settings), config.yaml, results.json with the key and an eval record."""
+    from hmscale.config import save_resolved
+    from hmscale.recipe import _load_results
+    from hmscale.run_identity import eval_hash
+
+    cfg = cfg.with_absolute_paths()
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = _load_results(run_dir, cfg)
+    save_resolved(cfg, run_dir)
+    with open(run_dir / "calls.txt", "a") as fh:
+        fh.write("call\n")
+    results.update(teacher_ppl=10.0, hedgehog_ppl=13.0, hedgemamba_ppl=10.5 + cfg.budget.total_tokens / 1e6)
+    results["stages"]["eval"] = {"seconds": 0.1, "eval_hash": eval_hash(cfg)}
+    atomic_write_json(run_dir / "results.json", results)
+    return results
+
+
+def _sweep(out, *overrides, recipe=identity_recipe):
+    return run_sweep(["nano"], out, overrides=["budget.total_tokens=20000", *overrides], engine="local",
+                     recipe=recipe, plots=False, log=lambda *a: None)
+
+
+def test_rerun_with_other_training_settings_stops_naming_them(tmp_path):
+    """The walkthrough: a finished size rerun with budget.total_tokens=30000 (was 20000) was skipped and its old
+    results written as `skipped`. Now the study stops before any work, naming the setting and what to do."""
+    out = tmp_path / "scale"
+    assert _sweep(out)[0]["status"] == "done"
+    table, sweep_json = (out / "results.csv").read_text(), (out / "sweep.json").read_text()
+    with pytest.raises(ValueError) as err:
+        _sweep(out, "budget.total_tokens=30000")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("pythia-nano: ")
+    assert "budget.total_tokens: 20000 -> 30000" in msg and "finished run of other training settings" in msg
+    assert "another --out" in msg and f"delete {out.resolve() / 'runs' / 'pythia-nano'}" in msg
+    assert calls(out, "pythia-nano") == 1  # nothing ran, nothing was overwritten
+    assert (out / "results.csv").read_text() == table and (out / "sweep.json").read_text() == sweep_json
+    # the recipe itself agrees: it refuses that directory for those settings
+    from hmscale.recipe import RecipeError
+
+    cfg = size_config("nano", out, overrides=["budget.total_tokens=30000"])
+    with pytest.raises(RecipeError, match="budget.total_tokens: 20000 -> 30000"):
+        identity_recipe(cfg)
+    # the same settings are still skipped; so are placement-only changes (where things are kept, how work is placed)
+    assert _sweep(out)[0]["status"] == "skipped"
+    assert _sweep(out, "cache.workers=2", "parallel.checkpoint_every=7")[0]["status"] == "skipped"
+    assert calls(out, "pythia-nano") == 1
+
+
+def test_rerun_with_other_settings_stops_before_any_size_runs(tmp_path):
+    """One mismatched size stops the whole study before the others run (no half-updated table)."""
+    out = tmp_path / "scale"
+    run_sweep(["nano"], out, overrides=["seed=1"], engine="local", recipe=identity_recipe, plots=False, log=lambda *a: None)
+    with pytest.raises(ValueError, match=r"pythia-nano: .*\(seed: 1 -> 2\)"):
+        run_sweep(["micro", "nano"], out, overrides=["seed=2"], engine="local", recipe=identity_recipe, plots=False,
+                  log=lambda *a: None)
+    assert calls(out, "pythia-micro") == 0
+
+
+def test_part_way_run_of_other_settings_is_refused_up_front(tmp_path):
+    """A size that stopped part-way under other settings: the recipe would refuse it; the sweep says so first."""
+    out = tmp_path / "scale"
+    cfg = size_config("nano", out, overrides=["budget.total_tokens=20000"]).with_absolute_paths()
+    from hmscale.config import save_resolved
+    from hmscale.run_identity import training_hash
+
+    run_dir = Path(cfg.output_dir)
+    save_resolved(cfg, run_dir)
+    atomic_write_json(run_dir / "results.json", {"config_hash": training_hash(cfg), "stages": {"prepare": {"seconds": 1}}})
+    with pytest.raises(ValueError, match=r"holds a run of other training settings \(budget.total_tokens: 20000 -> 30000\)"):
+        _sweep(out, "budget.total_tokens=30000")
+    assert _sweep(out)[0]["status"] == "done"  # the same settings resume it
+    assert calls(out, "pythia-nano") == 1
+
+
+def test_run_that_cannot_be_matched_is_refused(tmp_path):
+    """results.json without a key and without config.yaml (as the recipe: it cannot be matched, so no reuse)."""
+    out = tmp_path / "scale"
+    run_dir = out / "runs" / "pythia-nano"
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text(json.dumps({"teacher_ppl": 1.0, "hedgehog_ppl": 1.0, "hedgemamba_ppl": 1.0}))
+    with pytest.raises(ValueError, match="config.yaml is missing or unreadable, so it cannot be matched.*another --out"):
+        _sweep(out)
+
+
+def test_run_keyed_by_an_older_hmscale_is_still_skipped(tmp_path):
+    """A finished run whose key was computed the old way (the whole config tree) from its config.yaml, with the
+    same training settings: the recipe would take it as the same run, so the sweep skips it."""
+    import yaml
+
+    from hmscale.data.cachedir import stable_hash
+
+    out = tmp_path / "scale"
+    _sweep(out)
+    run_dir = out / "runs" / "pythia-nano"
+    tree = yaml.safe_load((run_dir / "config.yaml").read_text())
+    res = json.loads((run_dir / "results.json").read_text())
+    atomic_write_json(run_dir / "results.json", {**res, "config_hash": stable_hash(tree)})
+    assert _sweep(out)[0]["status"] == "skipped"
+    atomic_write_json(run_dir / "results.json", {**res, "config_hash": "not-a-key-of-this-config"})
+    with pytest.raises(ValueError, match="holds a finished run of other training settings; use another --out"):
+        _sweep(out)
+
+
+def test_changed_evaluation_settings_rerun_the_size(tmp_path):
+    """eval.* is not part of a run's identity, but the recipe evaluates again when it changed: no stale numbers."""
+    out = tmp_path / "scale"
+    _sweep(out)
+    rows = _sweep(out, "eval.max_sequences=3")
+    assert rows[0]["status"] == "done" and calls(out, "pythia-nano") == 2
+    assert _sweep(out, "eval.max_sequences=3")[0]["status"] == "skipped"
+
+
+def test_recipe_without_run_identity_stays_resumable(tmp_path):
+    """A recipe that writes no key nor config.yaml (the stand-in): the sweep adds them, so a rerun still skips the
+    size with the same settings and refuses it with others."""
+    out = tmp_path / "scale"
+    assert _sweep(out, recipe=standin_recipe)[0]["status"] == "done"
+    run_dir = out / "runs" / "pythia-nano"
+    assert "config_hash" in json.loads((run_dir / "results.json").read_text()) and (run_dir / "config.yaml").exists()
+    assert _sweep(out, recipe=standin_recipe)[0]["status"] == "skipped"
+    with pytest.raises(ValueError, match="budget.total_tokens: 20000 -> 30000"):
+        _sweep(out, "budget.total_tokens=30000", recipe=standin_recipe)
+
+
+def test_job_entry_stops_on_other_settings_with_one_line(tmp_path, capsys):
+    from ray_jobs.scaling import main as job_main
+
+    out = tmp_path / "scale"
+    _sweep(out)
+    base = ["--sizes", "nano", "--out", str(out), "--local", "--no-plots", "--recipe", "tests.scaling.test_sweep:identity_recipe"]
+    capsys.readouterr()
+    assert job_main([*base, "--set", "budget.total_tokens=20000"]) == 0
+    capsys.readouterr()
+    assert job_main([*base, "--set", "budget.total_tokens=30000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "budget.total_tokens: 20000 -> 30000" in err[0] and "another --out" in err[0]
+
+
+@pytest.mark.parametrize("split, says", [("50/60", "--split: '50/60' read as percentages"), ("abc", "--split: 'abc' is not two numbers")])
+def test_job_entry_checks_the_split(tmp_path, capsys, split, says):
+    from ray_jobs.scaling import main as job_main
+
+    assert job_main(["--sizes", "nano", "--out", str(tmp_path), "--local", "--split", split]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+    assert job_main(["--sizes", "nano", "--out", str(tmp_path), "--local", "--budget-fraction", "0"]) == 2
+    assert "--budget-fraction: 0.0 must be positive" in capsys.readouterr().err
