@@ -441,10 +441,37 @@ def read_metrics(path: str | os.PathLike, kind: str = "train") -> list[dict]:
 class LoopResult:
     start_step: int
     end_step: int
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # this call's steps
     last_checkpoint: str | None = None
-    seconds: float = 0.0
-    tokens: int = 0
+    seconds: float = 0.0  # this call's training time
+    tokens: int = 0  # this call's tokens
+    resumed: dict = field(default_factory=dict)  # the stage's totals at start_step (`resumed_totals`)
+
+    @property
+    def stage_tokens(self) -> int:
+        """Tokens the stage has trained on, over every attempt (a resumed stage counts its earlier ones)."""
+        return int(self.resumed.get("tokens", 0)) + self.tokens
+
+    @property
+    def stage_seconds(self) -> float:
+        """The stage's training time over every attempt (up to each one's last checkpoint)."""
+        return float(self.resumed.get("seconds", 0.0)) + self.seconds
+
+    @property
+    def final_loss(self) -> float | None:
+        """The loss of the stage's last step, this call's or, when it trained none, the checkpoint's."""
+        return self.losses[-1] if self.losses else self.resumed.get("loss")
+
+
+def resumed_totals(path: str | os.PathLike, client: dict, default_tokens: int = 0) -> dict:
+    """What a stage had done when the checkpoint at `path` was written (`client`: its client state, as
+    `Checkpointer.load` returns it): {"tokens", "seconds"} over every attempt so far, and the last step's "loss".
+    A checkpoint written before the totals were recorded: tokens from its step count (`default_tokens`), seconds 0."""
+    meta_path = Path(path) / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    return {"tokens": int(client.get("stage_tokens", meta.get("stage_tokens", default_tokens))),
+            "seconds": float(client.get("stage_seconds", meta.get("stage_seconds", 0.0))),
+            "loss": meta.get("loss")}
 
 
 def train_loop(
@@ -466,10 +493,13 @@ def train_loop(
     on_checkpoint: Callable[[int, Path, dict], None] | None = None,
     reduce_group=None,
     fault_hook: Callable[[int], None] | None = None,
+    resumed: dict | None = None,
 ) -> LoopResult:
     """Optimizer steps start_step..total_steps-1. `micro_step(step, micro)` returns (loss, extras);
-    extras are floats or 1-d tensors, all-reduced (mean) over `reduce_group` before logging."""
-    res = LoopResult(start_step=start_step, end_step=start_step)
+    extras are floats or 1-d tensors, all-reduced (mean) over `reduce_group` before logging.
+    `resumed`: the stage's totals at start_step (`resumed_totals` of the checkpoint it resumes from); each
+    checkpoint's client state carries them on (`stage_tokens`, `stage_seconds`)."""
+    res = LoopResult(start_step=start_step, end_step=start_step, resumed=dict(resumed or {}))
     last_ckpt = checkpointer.latest()
     res.last_checkpoint = str(last_ckpt) if last_ckpt else None
     end = total_steps if stop_at_step is None else min(total_steps, stop_at_step)
@@ -528,7 +558,9 @@ def train_loop(
         if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == total_steps):
             logger.log(step, eval_fn(step), kind="eval")
         if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps or step + 1 == end:
-            path = checkpointer.save(engine, step + 1, client_state(step + 1), {"stage": name, "loss": loss_val})
+            totals = {"stage_tokens": res.stage_tokens,
+                      "stage_seconds": res.stage_seconds + (time.perf_counter() - t_start)}
+            path = checkpointer.save(engine, step + 1, {**client_state(step + 1), **totals}, {"stage": name, "loss": loss_val})
             res.last_checkpoint = str(path)
             if on_checkpoint is not None:
                 on_checkpoint(step + 1, path, {"stage": name, "step": step + 1, "loss": loss_val})

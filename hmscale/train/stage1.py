@@ -43,7 +43,8 @@ from torch import nn
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import seed_everything, setup_layout, stage_dir
 from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
-from hmscale.train.engine import Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine, train_loop
+from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
+                                   resumed_totals, train_loop)
 
 
 class LayerParallelMPU:
@@ -362,10 +363,12 @@ def run_stage1(
     engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu, params=params)
 
     ckpt = Checkpointer(out / "checkpoints", keep=par.keep_checkpoints, rank=layout.rank)
-    start_step = 0
+    start_step, resumed = 0, None
     load_from = Path(resume_from) if resume_from else (ckpt.latest() if resume else None)
     if load_from is not None:
-        start_step = int(Checkpointer.load(engine, load_from).get("step", 0))
+        client = Checkpointer.load(engine, load_from)
+        start_step = int(client.get("step", 0))
+        resumed = resumed_totals(load_from, client, start_step * tokens_per_step)
     # layer-parallel: every rank reads the same rows (its own layers of them)
     sampler = Sampler(source.num_sequences, seed=cfg.seed + 1)
     bplan = BatchPlan(s1.micro_batch_size, 1, dp_rank, dp_size)
@@ -404,15 +407,15 @@ def run_stage1(
             name="stage1", engine=engine, micro_step=micro_step, total_steps=total_steps, grad_accum=1,
             start_step=start_step, checkpointer=ckpt, checkpoint_every=par.checkpoint_every, logger=logger,
             client_state=client_state, tokens_per_step=tokens_per_step, stop_at_step=stop_at_step,
-            on_checkpoint=on_checkpoint, fault_hook=fault_hook,
+            on_checkpoint=on_checkpoint, fault_hook=fault_hook, resumed=resumed,
         )
     finally:
         logger.close()
     done = res.end_step >= total_steps
     summary = {"stage": "stage1", "done": done, "mode": "cache" if cached else "online",
                "layer_parallel": mpu is not None, "start_step": start_step, "end_step": res.end_step,
-               "total_steps": total_steps, "tokens": res.tokens, "seconds": res.seconds,
-               "final_loss": res.losses[-1] if res.losses else None, "losses": res.losses,
+               "total_steps": total_steps, "tokens": res.stage_tokens, "seconds": res.stage_seconds,
+               "final_loss": res.final_loss, "losses": res.losses,
                "checkpoint": res.last_checkpoint}
     if done and export:
         meta = {"steps": total_steps, "final_loss": summary["final_loss"]}

@@ -16,7 +16,7 @@ Run dir (`<run_dir>/stage2/`):
   checkpoints/step_XXXXXXXX/   DeepSpeed state (tag `state`) + meta.json (step, samples_seen, loss)
   metrics.jsonl, tb/           train (loss, ce, kd, hidden, lr, grad_norm, tokens_per_s) and eval (val_loss, val_ppl)
   hf/                          the final model, `save_pretrained` (HF format, loads with from_pretrained)
-  summary.json                 steps, tokens, seconds, final train / val loss
+  summary.json                 steps, tokens and seconds (a resumed stage: over every attempt), final train / val loss
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from hmscale.train.engine import (
     TrainingError,
     barrier,
     build_engine,
+    resumed_totals,
     train_loop,
 )
 
@@ -449,11 +450,12 @@ def run_stage2(
         apply_cuda_graphs(engine.module, s2.micro_batch_size, seq_len, inputs_require_grad=emb_grad)
 
     ckpt = Checkpointer(out / "checkpoints", keep=getattr(par, "keep_checkpoints", 2), rank=layout.rank)
-    start_step = 0
+    start_step, resumed = 0, None
     load_from = Path(resume_from) if resume_from else (ckpt.latest() if resume else None)
     if load_from is not None:
         client = Checkpointer.load(engine, load_from)
         start_step = int(client.get("step", 0))
+        resumed = resumed_totals(load_from, client, start_step * tokens_per_step)
     sampler = Sampler(source.num_sequences, seed=cfg.seed + 2)
     bplan = BatchPlan(s2.micro_batch_size, s2.grad_accum, layout.dp_rank, layout.dp_size)
     logger = MetricsLogger(out, "stage2", total_steps, start_step, rank=layout.rank,
@@ -501,15 +503,15 @@ def run_stage2(
             start_step=start_step, checkpointer=ckpt, checkpoint_every=par.checkpoint_every, logger=logger,
             client_state=client_state, tokens_per_step=tokens_per_step, stop_at_step=stop_at_step,
             eval_fn=eval_fn if val_tokens is not None else None, eval_every=s2.eval_every,
-            on_checkpoint=on_checkpoint, fault_hook=fault_hook,
+            on_checkpoint=on_checkpoint, fault_hook=fault_hook, resumed=resumed,
         )
     finally:
         logger.close()
     done = res.end_step >= total_steps
     summary = {
         "stage": "stage2", "done": done, "start_step": start_step, "end_step": res.end_step,
-        "total_steps": total_steps, "tokens": res.tokens, "seconds": res.seconds,
-        "final_loss": res.losses[-1] if res.losses else None, "losses": res.losses,
+        "total_steps": total_steps, "tokens": res.stage_tokens, "seconds": res.stage_seconds,
+        "final_loss": res.final_loss, "losses": res.losses,
         "checkpoint": res.last_checkpoint, "dp": layout.dp_size, "tp": layout.tp_size, "zero_stage": par.zero_stage,
     }
     if done and val_tokens is not None:

@@ -120,6 +120,7 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     res = run_distill(cfg, log=lambda *a, **k: None)  # the fault marker exists: no second kill
     s2 = res["stage2"]
     assert s2["done"] and s2["dp"] == 2 and s2["start_step"] == 2 and s2["end_step"] == 4
+    assert s2["tokens"] == 4 * 4 * 2 * 64  # the whole stage's, the killed attempt's two steps included
     assert (run / "stage2" / "hf" / "config.json").exists()
     assert len(ports) == 2 and shm() == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
 

@@ -103,6 +103,8 @@ def test_stage2_resume_reproduces_losses(tmp_path, adam, gpu):
     # a fresh process would rebuild the model from scratch: so do we (weights come from the checkpoint)
     rest = run_stage2(cfg, tmp_path / "cut", student=tiny_student(seed=5)[1], source=ArraySource(toks()))
     assert rest["start_step"] == 3 and rest["done"]
+    # the summary counts the whole stage: the first attempt's tokens and seconds too
+    assert rest["tokens"] == full["tokens"] == 6 * 4 * 32 and rest["seconds"] > part["seconds"] > 0
     resumed = part["losses"] + rest["losses"]
     assert len(resumed) == len(full["losses"]) == 6
     # (on a GPU the SSD backward's partial sums may reduce in another order: 1e-5 there)
@@ -116,6 +118,15 @@ def test_stage2_resume_reproduces_losses(tmp_path, adam, gpu):
 
     m = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cut" / "stage2" / "hf"))
     assert m(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.shape[-1] == 96
+    # resumed at its last checkpoint (as after a kill between that checkpoint and the summary): no step to train, and
+    # still the stage's tokens, seconds and final loss, not this call's nothing
+    again = run_stage2(cfg, tmp_path / "cut", student=tiny_student(seed=5)[1], source=ArraySource(toks()), export=False)
+    assert again["start_step"] == 6 and again["done"] and again["losses"] == []
+    assert again["tokens"] == full["tokens"] and again["final_loss"] == rest["final_loss"]
+    ckpts = tmp_path / "cut" / "stage2" / "checkpoints"
+    meta3, meta6 = (json.loads((ckpts / f"step_0000000{k}" / "meta.json").read_text()) for k in (3, 6))
+    assert meta3["stage_tokens"] == 3 * 4 * 32 and meta6["stage_tokens"] == full["tokens"]
+    assert 0 < meta3["stage_seconds"] < meta6["stage_seconds"] <= again["seconds"] <= rest["seconds"]
 
 
 def test_stage1_online_resume_and_export(tmp_path):
