@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
 from hmscale.config import RunConfig, save_resolved
-from hmscale.run_identity import changed_settings, different_run, eval_hash, keyed_by, saved_tree, training_hash
+from hmscale.run_identity import different_run, eval_hash, run_mismatch, training_hash
 
 
 class RecipeError(RuntimeError):
@@ -35,18 +35,14 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
         return {"config_hash": training_hash(cfg), "stages": {}}
     results = json.loads(path.read_text())
     if results.get("config_hash") != training_hash(cfg):
-        tree = saved_tree(run_dir)
-        if tree is None:
-            raise RecipeError(f"output_dir: {run_dir} holds a run whose config.yaml is missing or unreadable, so it "
-                              "cannot be matched to this config; choose another output_dir or delete that directory")
-        diff = changed_settings(tree, cfg)
-        # the run's key was computed from this config.yaml (by an older hmscale: fields added since, or the whole
-        # tree) and its training settings are this config's: the same run, under the current key
-        if diff == [] and keyed_by(tree, results.get("config_hash")):
-            results["config_hash"] = training_hash(cfg)
-            atomic_write_json(path, results)  # now: config.yaml is rewritten next and could not vouch for it again
-        else:
+        diff = run_mismatch(run_dir, results.get("config_hash"), cfg)
+        if diff is not None:
             raise RecipeError(different_run(run_dir, diff))
+        # the run's key was computed from its config.yaml by an older hmscale (fields added since, or other key
+        # rules) and its training settings are this config's: the same run, under the current key, adopted now
+        # (config.yaml is rewritten next and could not vouch for it again)
+        results["config_hash"] = training_hash(cfg)
+        atomic_write_json(path, results)
     if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != eval_hash(cfg):
         del results["stages"]["eval"]  # the evaluation settings changed (or were not recorded): evaluate again
     return results

@@ -82,11 +82,30 @@ def keyed_by(tree: dict, stored_hash: str | None) -> bool:
     return stored_hash in keys
 
 
-def different_run(run_dir: Path, diff: list[str]) -> str:
-    """The one-line refusal for a run directory that holds a run of other training settings (``diff``)."""
-    listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
-    return (f"output_dir: {run_dir} holds a run of a different config{listed}; choose another output_dir or delete "
-            "that directory")
+def run_mismatch(run_dir: Path, stored_hash: str | None, cfg: RunConfig) -> list[str] | None:
+    """Whether the run kept in ``run_dir`` (its stored key; None: it keeps none, as the stage commands) is ``cfg``'s
+    run: None when it is (the same key, or a key an older hmscale computed from a config.yaml of the same training
+    settings, or, without a key, a config.yaml of the same settings), else the differing settings ('field: old ->
+    new'; empty when config.yaml is missing or unreadable, so the run cannot be matched)."""
+    if stored_hash is not None and stored_hash == training_hash(cfg):
+        return None
+    tree = saved_tree(run_dir)
+    if tree is None:
+        return []
+    diff = changed_settings(tree, cfg)
+    if diff == [] and (stored_hash is None or keyed_by(tree, stored_hash)):
+        return None
+    return diff or ["its key does not match its config.yaml"]
+
+
+def different_run(run_dir: Path, diff: list[str], fix: str = "choose another output_dir or delete that directory",
+                  what: str = "output_dir") -> str:
+    """The one-line refusal for ``run_mismatch``'s answer (``diff``)."""
+    if not diff:
+        return (f"{what}: {run_dir} holds a run whose config.yaml is missing or unreadable, so it cannot be matched "
+                f"to this config; {fix}")
+    listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})"
+    return f"{what}: {run_dir} holds a run of a different config{listed}; {fix}"
 
 
 def stage_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:
@@ -94,9 +113,5 @@ def stage_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:
     when ``run_dir`` already holds a run (its config.yaml) of other training settings, else None."""
     if not (Path(run_dir) / "config.yaml").exists():
         return None
-    tree = saved_tree(run_dir)
-    if tree is None:
-        return (f"output_dir: {run_dir} holds a run whose config.yaml is unreadable, so it cannot be matched to this "
-                "config; choose another output_dir or delete that directory")
-    diff = changed_settings(tree, cfg)
-    return different_run(run_dir, diff) if diff else None
+    diff = run_mismatch(run_dir, None, cfg)
+    return None if diff is None else different_run(run_dir, diff)

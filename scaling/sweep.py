@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 
 from hmscale.atomic import atomic_write_json
 from hmscale.config import RunConfig, apply_overrides, build_config, save_resolved
-from hmscale.run_identity import changed_settings, eval_hash, keyed_by, saved_tree, training_hash
+from hmscale.run_identity import different_run, eval_hash, run_mismatch, training_hash
 from scaling.budget import BudgetRule
 from scaling.planner import PlanSettings, plan_size
 from scaling.registry import Size, get_size, resolve_sizes
@@ -194,27 +194,20 @@ def _read_results(path: Path) -> dict | None:
 def size_mismatch(name: str, cfg: RunConfig) -> str | None:
     """The one-line refusal when the size's run directory holds a run (finished or part-way) of other training
     settings than ``cfg``'s, else None: the recipe's own test (``hmscale.recipe._load_results``: the stored
-    ``config_hash`` against ``training_hash``, else the saved config.yaml's ``changed_settings`` and ``keyed_by``),
+    ``config_hash`` against ``training_hash``, else the saved config.yaml: ``hmscale.run_identity.run_mismatch``),
     made before any size runs, so that a study neither reuses stale results nor fails size by size."""
     run_dir = Path(cfg.output_dir)
     results = _read_results(run_dir / RESULTS)
     if results is None:  # no run yet (or an unreadable results.json: the recipe reports that itself)
         return None
     cfg = cfg.with_absolute_paths()  # what the recipe hashes
-    stored = results.get("config_hash")
-    if stored == training_hash(cfg):
-        return None
-    fix = f"use another --out for these settings, or delete {run_dir} to run {name} again with them"
-    tree = saved_tree(run_dir)
-    if tree is None:
-        return (f"{name}: {run_dir} holds a run whose config.yaml is missing or unreadable, so it cannot be matched "
-                f"to these settings; {fix}")
-    diff = changed_settings(tree, cfg)
-    if diff == [] and keyed_by(tree, stored):  # keyed by an older hmscale; the same training settings
+    diff = run_mismatch(run_dir, results.get("config_hash"), cfg)
+    if diff is None:
         return None
     finished = "finished " if finished_results(run_dir / RESULTS) is not None else ""
-    listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})" if diff else ""
-    return f"{name}: {run_dir} holds a {finished}run of other training settings{listed}; {fix}"
+    return different_run(run_dir, diff, what=name,
+                         fix=f"use another --out for these settings, or delete {run_dir} to run {name} again with "
+                             "them").replace("holds a run", f"holds a {finished}run")
 
 
 def eval_current(results: dict, cfg: RunConfig) -> bool:

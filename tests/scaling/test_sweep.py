@@ -285,7 +285,7 @@ def test_rerun_with_other_training_settings_stops_naming_them(tmp_path):
         _sweep(out, "budget.total_tokens=30000")
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("pythia-nano: ")
-    assert "budget.total_tokens: 20000 -> 30000" in msg and "finished run of other training settings" in msg
+    assert "budget.total_tokens: 20000 -> 30000" in msg and "holds a finished run of a different config" in msg
     assert "another --out" in msg and f"delete {out.resolve() / 'runs' / 'pythia-nano'}" in msg
     assert calls(out, "pythia-nano") == 1  # nothing ran, nothing was overwritten
     assert (out / "results.csv").read_text() == table and (out / "sweep.json").read_text() == sweep_json
@@ -321,7 +321,7 @@ def test_part_way_run_of_other_settings_is_refused_up_front(tmp_path):
     run_dir = Path(cfg.output_dir)
     save_resolved(cfg, run_dir)
     atomic_write_json(run_dir / "results.json", {"config_hash": training_hash(cfg), "stages": {"prepare": {"seconds": 1}}})
-    with pytest.raises(ValueError, match=r"holds a run of other training settings \(budget.total_tokens: 20000 -> 30000\)"):
+    with pytest.raises(ValueError, match=r"holds a run of a different config \(budget.total_tokens: 20000 -> 30000\)"):
         _sweep(out, "budget.total_tokens=30000")
     assert _sweep(out)[0]["status"] == "done"  # the same settings resume it
     assert calls(out, "pythia-nano") == 1
@@ -352,7 +352,7 @@ def test_run_keyed_by_an_older_hmscale_is_still_skipped(tmp_path):
     atomic_write_json(run_dir / "results.json", {**res, "config_hash": stable_hash(tree)})
     assert _sweep(out)[0]["status"] == "skipped"
     atomic_write_json(run_dir / "results.json", {**res, "config_hash": "not-a-key-of-this-config"})
-    with pytest.raises(ValueError, match="holds a finished run of other training settings; use another --out"):
+    with pytest.raises(ValueError, match=r"holds a finished run of a different config \(its key does not match its config.yaml\); use another --out"):
         _sweep(out)
 
 
