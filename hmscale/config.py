@@ -142,7 +142,7 @@ class BudgetConfig(_Section):
 
     @model_validator(mode="after")
     def _check_split(self):
-        if any(f < 0 for f in self.split) or abs(sum(self.split) - 1.0) > 1e-6:
+        if not all(0 <= f <= 1 for f in self.split) or abs(sum(self.split) - 1.0) > 1e-6:  # (NaN fails the first)
             raise ValueError(f"budget.split: {list(self.split)} must be two non-negative fractions summing to 1, e.g. [0.1, 0.9]")
         return self
 

@@ -40,6 +40,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["budget.total_tokens=-5"], "budget.total_tokens"),
         (["data.source=files", "data.paths=[/no/such/file.txt]"], "data.paths"),
         (["budget.split=[0.5,0.6]"], "budget.split"),
+        (["budget.split=[.nan,1.0]"], "budget.split"),
         (["parallel.tp=2", "parallel.num_workers=2", "parallel.zero_stage=3"], "parallel.zero_stage"),
         (["parallel.cuda_graphs=true"], "parallel.cuda_graphs"),
         (["parallel.cuda_graphs=true", "parallel.use_gpu=true", "parallel.compile=true", "parallel.zero_stage=0"],
