@@ -12,7 +12,10 @@ the final state and the gradients of every input (x, dt, A, B, C, D, z, dt_bias,
 (``kernels.compat``'s docstring). The decode step: Mamba-2's tied form (one dt, A, dt_bias per head, expanded) and a
 per-channel form, with D, z, dt_bias, softplus and state_batch_indices. The varlen states (cu_seqlens, batch 1).
 Limits for ours against mamba_ssm: 1e-4 in
-fp32 (tf32 off), 3e-2 in bf16 (two bf16 implementations, each ~1e-2 from float64). Exit code 1 if a case fails.
+fp32 (tf32 off), 3e-2 in bf16 (two bf16 implementations, each ~1e-2 from float64). Where mamba_ssm's own result is
+further than that from float64 (on the H200 its fp32 case is 1.4e-3 away, the size of TF32 rounding, ours 2.8e-6;
+2026-12-05), the two may differ by up to twice its own error, and ours must then be within the limit of float64
+(``agree``). Exit code 1 if a case fails.
 """
 
 from __future__ import annotations
@@ -117,6 +120,16 @@ def run(fn, t, seq_idx, gy, gs, device, **kw):
     return {"y": y, "final": s, **{f"d{k}": g for k, g in zip(leaves, grads)}}
 
 
+def agree(ours_vs_them: float, ours_ref: float, them_ref: float, limit: float) -> bool:
+    """The verdict on one case: the two implementations within ``limit`` of each other, or, where mamba_ssm's own error
+    from float64 is above the limit, within twice that error and ours within the limit of float64."""
+    if not all(math.isfinite(v) for v in (ours_vs_them, ours_ref, them_ref)):
+        return False
+    if ours_vs_them <= limit:
+        return True
+    return them_ref > limit and ours_ref <= limit and ours_vs_them <= 2 * them_ref
+
+
 def varlen_cases(theirs, names, dtypes, seed) -> int:
     """``return_varlen_states`` with ``cu_seqlens`` (batch 1, sequences packed, seq_idx to match): the state after each
     sequence, both sides against the float64 scan cut after that sequence. Without initial_states ours must match
@@ -144,7 +157,7 @@ def varlen_cases(theirs, names, dtypes, seed) -> int:
                                          initial_state=None if init is None else init.double())[1][0] for e in cuts[1:]])
         limit = 1e-4 if dname == "fp32" else 3e-2
         e_vs, e_ours, e_them = rel(ours, them), rel(ours, ref), rel(them, ref)
-        ok = math.isfinite(e_vs) and (initial or e_vs <= limit)
+        ok = math.isfinite(e_vs) and (initial or agree(e_vs, e_ours, e_them, limit))
         fails += not ok
         print(f"{'b1 l231 5 seqs':<16} {dname:<6} {'yes' if initial else 'no':<7} | {e_vs:.2e}          | {e_ours:.2e}    "
               f"| {e_them:.2e}         | {'ok' if ok else 'FAIL'}{' (printed only)' if initial else ''}")
@@ -195,10 +208,10 @@ def main() -> int:
             vs = {k: rel(ours[k], them[k]) for k in ref}
             worst = max(vs, key=vs.get)
             limit = 1e-4 if dname == "fp32" else 3e-2
-            ok = all(math.isfinite(v) and v <= limit for v in vs.values())
-            fails += not ok
             ours_ref = max(rel(ours[k], ref[k]) for k in ref)
             them_ref = max(rel(them[k], ref[k]) for k in ref)
+            ok = agree(vs[worst], ours_ref, them_ref, limit)
+            fails += not ok
             print(f"{name:<15} {dname:<6} {'(h,p)' if d_per_channel else '(h,)':<6} | {vs[worst]:.2e} ({worst:<15}) "
                   f"{'ok' if ok else 'FAIL'} | {ours_ref:.2e}    | {them_ref:.2e}         | {time.time() - t0:.0f}")
     print()
