@@ -126,12 +126,13 @@ def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = 
 def _run_stages(config, overrides, stages: tuple) -> None:
     """Run the given distillation stages (parallel.engine: local, one process, or ray, Ray Train workers)."""
     from hmscale.recipe import RecipeError, check_local_gpu
-    from hmscale.run_identity import stage_mismatch
+    from hmscale.run_identity import saved_config_mismatch
     from hmscale.train.engine import TrainingError
     from ray_jobs.distill import run_distill, summary_line
 
     cfg = _config(config, overrides)
-    refusal = stage_mismatch(Path(cfg.output_dir).expanduser().resolve(), cfg)
+    absolute = cfg.with_absolute_paths()  # as run_distill saves it
+    refusal = saved_config_mismatch(Path(absolute.output_dir), absolute)
     if refusal:
         fail(refusal)
     try:
@@ -171,11 +172,13 @@ def eval_(
     cfg = _config(config, list(overrides or []) + extra)
     from hmscale.recipe import RecipeError, evaluate_run
 
-    task_list = [t for t in (tasks or "").split(",") if t] or list(cfg.eval.tasks)
+    task_list = [t for t in (tasks or "").split(",") if t]
+    tasks_from = "--tasks" if task_list else "eval.tasks"
+    task_list = task_list or list(cfg.eval.tasks)
     try:
         # progress to stderr: stdout carries the results' JSON alone
         res = evaluate_run(cfg, tasks=task_list, include_path=include_path, limit=limit,
-                           log=lambda msg: typer.echo(msg, err=True))
+                           log=lambda msg: typer.echo(msg, err=True), tasks_from=tasks_from)
     except (RecipeError, ValueError) as err:
         fail(str(err))
     typer.echo(json.dumps(res, indent=2))

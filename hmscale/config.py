@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,21 +24,30 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line that says what to change."""
 
 
-_NUMBERS = (int, float, int | None, float | None)
+def _number_field(annotation) -> bool:
+    """Whether a field's type holds numbers (int / float, alone, optional, or in a list / tuple), not booleans."""
+    leaves, todo = set(), [annotation]
+    while todo:
+        a = todo.pop()
+        args = typing.get_args(a)
+        if args and typing.get_origin(a) is not Literal:
+            todo.extend(args)
+        else:
+            leaves.add(a)
+    return bool(leaves & {int, float}) and bool not in leaves
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, data):
-        # pydantic's lax mode reads true / false as 1 / 0 for a number field; a YAML boolean there is a mistake
-        if isinstance(data, dict):
-            for name, field in cls.model_fields.items():
-                if isinstance(data.get(name), bool) and field.annotation in _NUMBERS:
-                    raise ValueError(f"{name} must be a number, not {data[name]!r}")
-        return data
+    def _no_bool_numbers(cls, value, info):
+        # pydantic's lax mode reads true / false as 1 / 0 for a number; a YAML boolean there is a mistake
+        if _number_field(cls.model_fields[info.field_name].annotation) and (
+                isinstance(value, bool) or isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value)):
+            raise ValueError("a boolean where a number is expected")
+        return value
 
 
 class TeacherConfig(_Section):
@@ -335,10 +345,10 @@ class RunConfig(_Section):
             raise ValueError(f"cache.capture.layers: {bad} out of range for the teacher's {n_layers} layers; use "
                              f"0..{n_layers - 1} or 'all'")
         s2 = self.stage2
-        if s2.kd_weight > 0 and s2.kd_source == "cache" and not (self.cache.enabled and self.cache.capture.topk > 0):
+        if s2.kd_weight > 0 and s2.kd_source == "cache" and self.cache.capture.topk == 0:
             raise ValueError(f"stage2.kd_weight: {s2.kd_weight} with stage2.kd_source=cache needs the teacher's top-k "
-                             "in the cache; set cache.capture.topk (e.g. 32) with cache.enabled=true, or "
-                             "stage2.kd_source=online, or stage2.kd_weight=0")
+                             "in the cache; set cache.capture.topk (e.g. 32), or stage2.kd_source=online, or "
+                             "stage2.kd_weight=0")
         if self.stage2.lora_rank and self.parallel.tp > 1:
             raise ValueError("stage2.lora_rank: LoRA runs with ZeRO data parallelism only; set parallel.tp=1 or "
                              "stage2.lora_rank=0")

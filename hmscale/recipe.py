@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
 from hmscale.config import RunConfig, save_resolved
-from hmscale.run_identity import different_run, eval_hash, run_mismatch, training_hash
+from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
 
 class RecipeError(RuntimeError):
@@ -31,7 +31,10 @@ class RecipeError(RuntimeError):
 
 def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
     path = run_dir / "results.json"
-    if not path.exists():
+    if not path.exists():  # no recipe run here yet; the stage commands may have trained one (config.yaml says which)
+        refusal = saved_config_mismatch(run_dir, cfg)
+        if refusal:
+            raise RecipeError(refusal)
         return {"config_hash": training_hash(cfg), "stages": {}}
     results = json.loads(path.read_text())
     if results.get("config_hash") != training_hash(cfg):
@@ -233,7 +236,7 @@ def evaluate_models(cfg: RunConfig, data, models: dict, log=print) -> dict:
 
 
 def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: str | None = None,
-                 limit: int | None = None, log=print) -> dict:
+                 limit: int | None = None, log=print, tasks_from: str = "--tasks") -> dict:
     """Perplexity of the teacher and both students of a finished run; lm-eval tasks on the final model."""
     from hmscale.data import prepare_data
     from hmscale.teacher import get_teacher
@@ -248,7 +251,7 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
         unknown = unknown_tasks(tasks, include_path)
         if unknown:
             where = f" (nor in --include-path {include_path})" if include_path else " (custom YAMLs: --include-path)"
-            raise RecipeError(f"--tasks: lm-eval-harness knows no task {', '.join(map(repr, unknown))}{where}; "
+            raise RecipeError(f"{tasks_from}: lm-eval-harness knows no task {', '.join(map(repr, unknown))}{where}; "
                               "`lm_eval --tasks list` lists them")
     data = prepare_data(cfg, log=log)
     teacher = get_teacher(cfg, data, log=log)

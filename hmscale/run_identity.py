@@ -108,9 +108,10 @@ def different_run(run_dir: Path, diff: list[str], fix: str = "choose another out
     return f"{what}: {run_dir} holds a run of a different config{listed}; {fix}"
 
 
-def stage_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:
-    """For the stage commands (``hmscale stage1`` / ``stage2``), which keep no results.json of their own: the refusal
-    when ``run_dir`` already holds a run (its config.yaml) of other training settings, else None."""
+def saved_config_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:
+    """For a directory without a stored key (the stage commands keep no results.json; a recipe run killed before its
+    first record): the refusal when ``run_dir`` already holds a run (its config.yaml) of other training settings, else
+    None. ``cfg`` with absolute paths, as runs save it."""
     if not (Path(run_dir) / "config.yaml").exists():
         return None
     diff = run_mismatch(run_dir, None, cfg)

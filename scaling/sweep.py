@@ -196,12 +196,13 @@ def size_mismatch(name: str, cfg: RunConfig) -> str | None:
     settings than ``cfg``'s, else None: the recipe's own test (``hmscale.recipe._load_results``: the stored
     ``config_hash`` against ``training_hash``, else the saved config.yaml: ``hmscale.run_identity.run_mismatch``),
     made before any size runs, so that a study neither reuses stale results nor fails size by size."""
+    cfg = cfg.with_absolute_paths()  # what the recipe hashes
     run_dir = Path(cfg.output_dir)
     results = _read_results(run_dir / RESULTS)
-    if results is None:  # no run yet (or an unreadable results.json: the recipe reports that itself)
-        return None
-    cfg = cfg.with_absolute_paths()  # what the recipe hashes
-    diff = run_mismatch(run_dir, results.get("config_hash"), cfg)
+    if results is None and not (run_dir / "config.yaml").exists():
+        return None  # no run yet (or an unreadable results.json: the recipe reports that itself)
+    # without results.json (a run killed before its first record) config.yaml alone says which run it is
+    diff = run_mismatch(run_dir, None if results is None else results.get("config_hash"), cfg)
     if diff is None:
         return None
     finished = "finished " if finished_results(run_dir / RESULTS) is not None else ""

@@ -125,18 +125,33 @@ def test_a_run_keyed_before_placement_left_the_key_resumes(tmp_path):
 
 
 def test_stage_commands_refuse_a_directory_holding_another_run(tmp_path, capsys):
-    """`hmscale stage1 / stage2` keep no results.json: config.yaml says which run the directory holds, and a
-    command with other training settings stops before any work (and leaves config.yaml as it was)."""
+    """`hmscale stage1 / stage2` keep no results.json: config.yaml (saved with absolute paths, as run_distill saves
+    it) says which run the directory holds, and a command with other training settings stops before any work (and
+    leaves config.yaml as it was); the same settings with a relative ds_config path pass."""
     from hmscale.cli import main
     from hmscale.config import save_resolved
-    from hmscale.run_identity import stage_mismatch
+    from hmscale.run_identity import saved_config_mismatch
 
-    cfg = build_config({}, [f"output_dir={tmp_path}"])
-    assert stage_mismatch(tmp_path, cfg) is None  # nothing there yet
+    run = ["-s", f"output_dir={tmp_path}", "-s", "parallel.ds_config=ds_configs/zero2.json"]
+    cfg = build_config({}, run[1::2]).with_absolute_paths()
+    assert saved_config_mismatch(tmp_path, cfg) is None  # nothing there yet
     save_resolved(cfg, tmp_path)
     before = (tmp_path / "config.yaml").read_text()
-    assert stage_mismatch(tmp_path, build_config({}, [f"output_dir={tmp_path}", "eval.max_sequences=3"])) is None
-    assert main(["stage1", "-s", f"output_dir={tmp_path}", "-s", "stage1.lr=0.5"]) == 2
+    assert saved_config_mismatch(tmp_path, build_config({}, [f"output_dir={tmp_path}", "eval.max_sequences=3",
+                                                             "parallel.ds_config=ds_configs/zero2.json"])
+                                 .with_absolute_paths()) is None
+    assert main(["stage1", *run, "-s", "stage1.lr=0.5"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "(stage1.lr: 0.01 -> 0.5); choose another output_dir" in err
     assert (tmp_path / "config.yaml").read_text() == before
+
+
+def test_run_refuses_a_directory_the_stage_commands_trained_with_other_settings(tmp_path):
+    """No results.json (stage commands, or a recipe run killed before its first record), but a config.yaml of other
+    training settings: `hmscale run` must not take the models there for its own."""
+    from hmscale.config import save_resolved
+
+    save_resolved(build_config({}, ["seed=1"]), tmp_path)
+    with pytest.raises(RecipeError, match=r"holds a run of a different config \(seed: 1 -> 2\)"):
+        _load_results(tmp_path, build_config({}, ["seed=2"]))
+    assert _load_results(tmp_path, build_config({}, ["seed=1"]))["stages"] == {}

@@ -54,6 +54,8 @@ def test_eval_checks_its_arguments_before_the_perplexities(tmp_path, capsys):
     err = _one_line(capsys)
     assert "lm-eval-harness knows no task 'no_such_task_here'" in err
     assert not (tmp_path / "d").exists()  # refused before the data was prepared
+    assert main(["eval", "-s", f"output_dir={run}", "-s", "eval.tasks=[no_such_task_here]"]) == 2
+    assert _one_line(capsys).startswith("hmscale: error: eval.tasks: lm-eval-harness knows no task")
 
 
 def test_cache_engine_is_checked_first(capsys):

@@ -400,3 +400,16 @@ def test_job_entry_checks_the_split(tmp_path, capsys, split, says):
     assert len(err) == 1 and says in err[0]
     assert job_main(["--sizes", "nano", "--out", str(tmp_path), "--local", "--budget-fraction", "0"]) == 2
     assert "--budget-fraction: 0.0 must be positive" in capsys.readouterr().err
+
+
+def test_size_directory_with_only_a_config_of_other_settings_is_refused(tmp_path):
+    """A size killed before the recipe's first record leaves config.yaml without results.json: config.yaml alone
+    says which run it is, as the recipe decides."""
+    from hmscale.config import save_resolved
+    from scaling.sweep import size_mismatch
+
+    old = size_config("nano", tmp_path, overrides=["budget.total_tokens=20000"])
+    save_resolved(old.with_absolute_paths(), old.output_dir)
+    new = size_config("nano", tmp_path, overrides=["budget.total_tokens=30000"])
+    assert "(budget.total_tokens: 20000 -> 30000)" in size_mismatch("pythia-nano", new)
+    assert size_mismatch("pythia-nano", old) is None
