@@ -451,26 +451,30 @@ def build_config(tree: dict | None = None, overrides: list[str] | None = None) -
         raise ConfigError(_format_error(err)) from None
 
 
+def read_config_tree(path: str | os.PathLike, overrides: list[str] | None = None) -> dict:
+    """The mapping a YAML config file holds (not yet validated), with one-line errors for what is not one."""
+    p = Path(path)
+    if not p.exists():
+        hint = next((f"; an override needs '=': -s {o}={p}" for o in overrides or [] if "=" not in o), "")
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file (e.g. configs/pythia-410m.yaml), "
+                          f"or none for the embedded defaults{hint}")
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML file (a run directory's is "
+                          f"{str(p / 'config.yaml')!r})")
+    try:
+        tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
+    return tree
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (or the embedded defaults when path is None) and apply dotted overrides."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            hint = next((f"; an override needs '=': -s {o}={p}" for o in overrides or [] if "=" not in o), "")
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file (e.g. configs/pythia-410m.yaml), "
-                              f"or none for the embedded defaults{hint}")
-        if p.is_dir():
-            raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML file (a run directory's is "
-                              f"{str(p / 'config.yaml')!r})")
-        try:
-            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
-        except (UnicodeDecodeError, OSError) as err:
-            raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
+    tree = read_config_tree(path, overrides) if path is not None else {}
     return build_config(tree, overrides)
 
 

@@ -37,20 +37,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    import yaml
-
-    from hmscale.config import ConfigError
+    from hmscale.config import ConfigError, read_config_tree
     from scaling.budget import BudgetRule, parse_split
     from scaling.sweep import run_sweep
 
     a = parse_args(argv)
-    base = {}
-    if a.config:
-        if not Path(a.config).exists():
-            print(f"scaling: error: config file {a.config!r} does not exist", file=sys.stderr)
-            return 2
-        base = yaml.safe_load(Path(a.config).read_text()) or {}
     try:
+        base = read_config_tree(a.config) if a.config else {}
         rule_kw = {}
         if a.budget_fraction is not None:
             if not a.budget_fraction > 0:

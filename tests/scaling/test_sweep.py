@@ -413,3 +413,15 @@ def test_size_directory_with_only_a_config_of_other_settings_is_refused(tmp_path
     new = size_config("nano", tmp_path, overrides=["budget.total_tokens=30000"])
     assert "(budget.total_tokens: 20000 -> 30000)" in size_mismatch("pythia-nano", new)
     assert size_mismatch("pythia-nano", old) is None
+
+
+def test_job_entry_reads_its_config_as_the_cli_does(tmp_path, capsys):
+    """--config goes through hmscale.config.read_config_tree: a missing file, a directory or a non-mapping is one line."""
+    from ray_jobs.scaling import main as job_main
+
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    for path, says in [(tmp_path / "none.yaml", "does not exist"), (tmp_path, "is a directory"),
+                       (tmp_path / "list.yaml", "the top level must be a mapping")]:
+        assert job_main(["--sizes", "nano", "--out", str(tmp_path / "o"), "--local", "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("scaling: error: config file") and says in err[0]
