@@ -41,6 +41,12 @@ def test_remote_address_without_token_is_refused(monkeypatch, tmp_path):
         submit(build_config(), "http://10.1.2.3:8265", follow=False)
 
 
+def test_an_address_where_no_cluster_listens_is_one_line():
+    cfg = build_config({}, TINY)
+    with pytest.raises(SubmitError, match=r"cannot reach a Ray cluster's job API there .*; check the dashboard address"):
+        submit(cfg, f"http://127.0.0.1:{_free_port()}", follow=False, log=lambda m: None)
+
+
 def test_install_asks_ray_for_the_dependencies_the_cluster_lacks():
     from hmscale.submit import job_runtime_env
 
