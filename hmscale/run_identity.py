@@ -99,13 +99,14 @@ def run_mismatch(run_dir: Path, stored_hash: str | None, cfg: RunConfig) -> list
 
 
 def different_run(run_dir: Path, diff: list[str], fix: str = "choose another output_dir or delete that directory",
-                  what: str = "output_dir") -> str:
+                  what: str = "output_dir", finished: bool = False) -> str:
     """The one-line refusal for ``run_mismatch``'s answer (``diff``)."""
+    run = "a finished run" if finished else "a run"
     if not diff:
-        return (f"{what}: {run_dir} holds a run whose config.yaml is missing or unreadable, so it cannot be matched "
+        return (f"{what}: {run_dir} holds {run} whose config.yaml is missing or unreadable, so it cannot be matched "
                 f"to this config; {fix}")
     listed = f" ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})"
-    return f"{what}: {run_dir} holds a run of a different config{listed}; {fix}"
+    return f"{what}: {run_dir} holds {run} of a different config{listed}; {fix}"
 
 
 def saved_config_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:

@@ -165,30 +165,22 @@ def _pick(flat: dict, *names: str):
     return None
 
 
-def finished_results(path: str | os.PathLike) -> dict | None:
-    """The results of a finished size, else None.
-
-    The recipe writes results.json stage by stage, so "finished" means it holds the final evaluation
-    (``hedgemamba_ppl``); a partial one is resumed by the recipe itself.
-    """
-    p = Path(path)
-    if not p.exists():
-        return None
-    try:
-        res = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(res, dict) or _num(res.get("hedgemamba_ppl")) is None:
-        return None
-    return res
-
-
 def _read_results(path: Path) -> dict | None:
     try:
         res = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
     return res if isinstance(res, dict) else None
+
+
+def finished_results(path: str | os.PathLike) -> dict | None:
+    """The results of a finished size, else None.
+
+    The recipe writes results.json stage by stage, so "finished" means it holds the final evaluation
+    (``hedgemamba_ppl``); a partial one is resumed by the recipe itself.
+    """
+    res = _read_results(Path(path))
+    return res if res is not None and _num(res.get("hedgemamba_ppl")) is not None else None
 
 
 def size_mismatch(name: str, cfg: RunConfig) -> str | None:
@@ -205,10 +197,8 @@ def size_mismatch(name: str, cfg: RunConfig) -> str | None:
     diff = run_mismatch(run_dir, None if results is None else results.get("config_hash"), cfg)
     if diff is None:
         return None
-    finished = "finished " if finished_results(run_dir / RESULTS) is not None else ""
-    return different_run(run_dir, diff, what=name,
-                         fix=f"use another --out for these settings, or delete {run_dir} to run {name} again with "
-                             "them").replace("holds a run", f"holds a {finished}run")
+    return different_run(run_dir, diff, what=name, finished=finished_results(run_dir / RESULTS) is not None,
+                         fix=f"use another --out for these settings, or delete {run_dir} to run {name} again with them")
 
 
 def eval_current(results: dict, cfg: RunConfig) -> bool:
