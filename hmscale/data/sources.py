@@ -193,7 +193,11 @@ class FileSource(_TableSource):
                 if builder == "text":
                     yield None, f
                     continue
-                ds = datasets.load_dataset(builder, data_files=[f], split="train")
+                try:
+                    ds = datasets.load_dataset(builder, data_files=[f], split="train")
+                except Exception as err:  # noqa: BLE001 - datasets wraps the parser's error; named with the file
+                    raise ValueError(f"data.paths: {f!r} is not readable as {Path(f).suffix.lower()[1:]}: "
+                                     f"{_root_cause(err)}; fix or remove the file") from None
                 if self.text_field not in ds.column_names:
                     raise ValueError(f"data.text_field: {self.text_field!r} is not a column of {f!r}; choose one of "
                                      f"{', '.join(ds.column_names)}")
@@ -203,7 +207,12 @@ class FileSource(_TableSource):
         for ds, column in self._tables():
             if ds is None:
                 with open(column, encoding="utf-8") as fh:
-                    yield fh.read()
+                    try:
+                        text = fh.read()
+                    except UnicodeDecodeError as err:
+                        raise ValueError(f"data.paths: {column!r} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                                         "convert it to UTF-8 or remove it") from None
+                yield text
             else:
                 yield from self._column(ds, column)
 
@@ -223,6 +232,14 @@ def source_from_config(data_cfg) -> TextSource:
     if data_cfg.source == "files":
         return FileSource(list(data_cfg.paths), data_cfg.text_field, data_cfg.val_fraction, data_cfg.max_documents)
     raise ValueError(f"data.source: unknown source {data_cfg.source!r}; use embedded, hf or files")
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost error behind ``err`` (a library's wrapper names none of the file's trouble)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(err).__name__
 
 
 def _sha(*parts: str) -> str:

@@ -43,6 +43,21 @@ def test_missing_path_and_bad_extension(files, tmp_path):
         FileSource([str(tmp_path / "x.csv")])
 
 
+@pytest.mark.parametrize("name, content, says", [
+    ("bad.jsonl", b'{"text": "a fine first row"}\nnot json at all\n', "not readable as jsonl: JSON parse error"),
+    ("bad.parquet", b"PAR1 these bytes are no parquet table", "not readable as parquet"),
+    ("bad.txt", "caf\u00e9 au lait".encode("latin-1"), "is not UTF-8 text"),
+])
+def test_unreadable_file_is_one_line_naming_it(tmp_path, name, content, says):
+    (tmp_path / name).write_bytes(content)
+    src = FileSource([str(tmp_path / name)])
+    with pytest.raises(ValueError) as err:
+        src.documents("train")
+    msg = str(err.value)
+    assert msg.startswith("data.paths: ") and repr(str(tmp_path / name)) in msg and says in msg
+    assert "\n" not in msg and err.value.__cause__ is None  # one line, not the library's chained traceback
+
+
 def test_prepare_data_from_files(files, tmp_path):
     root, _ = files
     cfg = build_config({"tokenizer": {"vocab_size": 300},
