@@ -1,6 +1,6 @@
 """lm-evaluation-harness adapter: any hmscale model (teacher, Hedgehog, HedgeMamba) as an `lm_eval` LM.
 
-    hmscale eval RUN_DIR --tasks hellaswag,lambada_openai
+    hmscale eval RUN_DIR/config.yaml --tasks hellaswag,lambada_openai
     lm_eval --model hmscale --model_args pretrained=runs/demo/stage2/hf --tasks ...   (after `import hmscale.eval.lm_eval_adapter`)
 """
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from tqdm import tqdm
 
 
 @register_model("hmscale")
@@ -38,11 +39,33 @@ class HmscaleLM(LM):
     def _encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Context and continuation tokens as lm-eval-harness's own models split them (``TemplateLM._encode_pair``):
+        the context's trailing whitespace moves to the continuation and the pair is tokenised whole, so a
+        continuation is scored on the tokens it has in running text (``"Answer: " + "A"`` scores the token ``" A"``,
+        not ``" "`` then ``"A"``); an empty context is the end-of-text token."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        if not context:
+            return [self.tok.eos_token_id], self._encode(continuation)
+        whole, ctx = self._encode(context + continuation), self._encode(context)
+        return ctx, whole[len(ctx):]
+
+    def _progress(self, requests, disable_tqdm: bool):
+        return tqdm(requests, desc=f"[lm-eval] {type(self).__name__}", disable=disable_tqdm or len(requests) < 2,
+                    mininterval=5.0)
+
     @torch.no_grad()
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """Sum of log p(continuation | context) and whether it is the greedy continuation."""
-        ids = (context + continuation)[-(self.max_length + 1):]
         n = len(continuation)
+        if n == 0:
+            return 0.0, True
+        if n > self.max_length:
+            raise ValueError(f"lm-eval: a continuation of {n} tokens does not fit max_length={self.max_length}; "
+                             "raise max_length")
+        ids = (context + continuation)[-(self.max_length + 1):]
         inp = torch.tensor([ids[:-1]], device=self._device)
         logp = F.log_softmax(self.model(input_ids=inp).logits[0].float(), dim=-1)[-n:]
         target = torch.tensor(ids[-n:], device=self._device)
@@ -51,17 +74,15 @@ class HmscaleLM(LM):
         return total, greedy
 
     # ---------------------------------------------------------------- LM API
-    def loglikelihood(self, requests):
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
         out = []
-        for req in requests:
-            context, continuation = req.args
-            ctx = self._encode(context) or [self.tok.eos_token_id]
-            out.append(self._score(ctx, self._encode(continuation)))
+        for req in self._progress(requests, disable_tqdm):
+            out.append(self._score(*self._encode_pair(*req.args)))
         return out
 
-    def loglikelihood_rolling(self, requests):
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         out = []
-        for req in requests:
+        for req in self._progress(requests, disable_tqdm):
             ids = [self.tok.eos_token_id] + self._encode(req.args[0])
             total, step = 0.0, self.max_length
             for start in range(1, len(ids), step):
@@ -71,16 +92,18 @@ class HmscaleLM(LM):
         return out
 
     @torch.no_grad()
-    def generate_until(self, requests):
+    def generate_until(self, requests, disable_tqdm: bool = False):
         out = []
-        for req in requests:
+        for req in self._progress(requests, disable_tqdm):
             context, kwargs = req.args
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.get("max_gen_toks", 64))
             ids = torch.tensor([self._encode(context)[-self.max_length:] or [self.tok.eos_token_id]], device=self._device)
+            # the stop strings end the generation (else every request ran its max_gen_toks); the text is cut below
+            stopping = {"stop_strings": until, "tokenizer": self.tok} if until else {}
             gen = self.model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False,
-                                      pad_token_id=self.tok.eos_token_id)
+                                      pad_token_id=self.tok.eos_token_id, **stopping)
             text = self.tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0]

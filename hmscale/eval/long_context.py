@@ -15,6 +15,7 @@ forward's (tested).
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +65,10 @@ def _has_recurrent_cache(model) -> bool:
 
 @torch.no_grad()
 def position_nll(model, rows, batch_size: int = 1, segment: int | None = None,
-                 device: str | torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 device: str | torch.device | None = None, progress=None) -> tuple[np.ndarray, np.ndarray]:
     """(sum of next-token NLL, count) per target position 1..L-1 over ``rows`` (n, L). With ``segment`` (HedgeMamba
-    only) each row goes through the model ``segment`` tokens at a time, the recurrent cache carried between them."""
+    only) each row goes through the model ``segment`` tokens at a time, the recurrent cache carried between them.
+    ``progress(rows_done, n)`` is called after each batch of rows."""
     rows = torch.as_tensor(rows).long()
     if rows.ndim != 2 or rows.shape[1] < 2:
         raise ValueError(f"rows must be (n, L) with L >= 2, got shape {tuple(rows.shape)}")
@@ -95,6 +97,8 @@ def position_nll(model, rows, batch_size: int = 1, segment: int | None = None,
                     nll = F.cross_entropy(logits[:, c:e].float().reshape(-1, logits.shape[-1]),
                                           ids[:, a + 1 + c:a + 1 + e].reshape(-1), reduction="none")
                     total[a + c:a + e] += nll.view(-1, e - c).sum(0).double().cpu().numpy()
+            if progress is not None:
+                progress(min(i + batch_size, n), n)
     finally:
         model.train(was_training)
     return total, np.full(L - 1, n, dtype=np.int64)
@@ -110,10 +114,26 @@ def bucket_perplexities(total: np.ndarray, count: np.ndarray, edges: list[int]) 
     return out
 
 
+def _progress_log(name: str, every: float, log):
+    """A ``position_nll`` progress callback: one log line per ``every`` seconds at most (long rows of a large model
+    take minutes per model; without it the run is silent until the model's table line)."""
+    t0 = last = time.monotonic()
+
+    def report(done: int, n: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done < n and now - last >= every:
+            last = now
+            log(f"[eval] long context {name}: {done}/{n} rows scored in {now - t0:.0f} s")
+
+    return report
+
+
 def long_context_eval(models: dict, rows: np.ndarray, train_len: int, tokens_per_batch: int = 8192,
-                      segment: int | None = 4096, rows_from: str = "documents", log=print) -> dict:
+                      segment: int | None = 4096, rows_from: str = "documents", log=print,
+                      progress_every: float = 30.0) -> dict:
     """Bucketed perplexities of each named model on ``rows``; HedgeMamba models are fed in ``segment``-token
-    pieces carrying their state (``None``: whole rows)."""
+    pieces carrying their state (``None``: whole rows). A progress line every ``progress_every`` seconds."""
     n, length = rows.shape
     edges = bucket_edges(length, train_len)
     bs = max(1, tokens_per_batch // length)
@@ -121,7 +141,8 @@ def long_context_eval(models: dict, rows: np.ndarray, train_len: int, tokens_per
            "buckets": [[lo, hi] for lo, hi in zip(edges[:-1], edges[1:])], "ppl": {}, "overall_ppl": {}}
     for name, model in models.items():
         seg = segment if segment is not None and segment < length and _has_recurrent_cache(model) else None
-        total, count = position_nll(model, rows, batch_size=bs, segment=seg)
+        total, count = position_nll(model, rows, batch_size=bs, segment=seg,
+                                    progress=_progress_log(name, progress_every, log))
         out["ppl"][name] = bucket_perplexities(total, count, edges)
         out["overall_ppl"][name] = float(math.exp(total.sum() / count.sum()))
         log(f"[eval] long context {name}: " + ", ".join(

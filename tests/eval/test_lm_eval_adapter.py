@@ -61,3 +61,76 @@ def test_loglikelihood_matches_a_direct_forward():
     logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0, -1]
     expected = torch.log_softmax(logits, -1)[ids[-1]].item()
     assert abs(score - expected) < 1e-5
+
+
+class _Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+def _bpe_model():
+    from hmscale.data.tokenizer import train_bpe
+
+    docs = [f"def f{i}(x):\n    return x * {i} + state_{i % 7}\nAnswer: {'ABCD'[i % 4]}\n" for i in range(300)]
+    tok = train_bpe(docs, 300)
+    torch.manual_seed(1)
+    return GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=len(tok))).eval(), tok
+
+
+def _direct_logprob(model, ctx_ids, cont_ids):
+    ids = torch.tensor([ctx_ids + cont_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids[:, :-1]).logits[0].float(), -1)[-len(cont_ids):]
+    return logp.gather(-1, torch.tensor(cont_ids)[:, None]).sum().item()
+
+
+def test_trailing_space_of_the_context_moves_to_the_continuation():
+    """As lm-eval-harness's own models: "return " + "x" is scored on the tokens of "return x" (" x"), not on " "
+    then "x" (which a BPE never produces in running text)."""
+    model, tok = _bpe_model()
+    lm = HmscaleLM(model=model, tokenizer=tok)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for context, continuation in [("def f3(x):\n    return ", "x"), ("Answer: ", "B"), ("def f1(x):\n    return", " x")]:
+        whole, ctx = enc(context.rstrip() + context[len(context.rstrip()):] + continuation), enc(context.rstrip())
+        if context != context.rstrip():  # the case that matters: tokenised apart, the pair has other tokens
+            assert enc(context) + enc(continuation) != whole
+        (score, _), = lm.loglikelihood([_Req(context, continuation)])
+        assert abs(score - _direct_logprob(model, ctx, whole[len(ctx):])) < 1e-5
+
+
+def test_loglikelihood_edge_cases_and_progress(capsys):
+    model, tok = _bpe_model()
+    lm = HmscaleLM(model=model, tokenizer=tok, max_length=8)
+    reqs = [_Req("def f2(x):", "\n    return x"), _Req("", "def f5(x):"), _Req("Answer:", ""), _Req("  ", "def f5(x):")]
+    scores = lm.loglikelihood(reqs, disable_tqdm=True)  # the keyword lm-eval's TemplateLM takes
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert abs(scores[1][0] - _direct_logprob(model, [tok.eos_token_id], enc("def f5(x):"))) < 1e-5
+    assert abs(scores[3][0] - _direct_logprob(model, [tok.eos_token_id], enc("  def f5(x):"))) < 1e-5  # all blank
+    assert scores[2] == (0.0, True)  # nothing to score
+    assert "[lm-eval]" not in capsys.readouterr().err
+    lm.loglikelihood(reqs)
+    assert "[lm-eval] HmscaleLM" in capsys.readouterr().err  # progress on long task runs
+    with pytest.raises(ValueError, match="does not fit max_length=8"):
+        lm.loglikelihood([_Req("x", " ".join(["state"] * 20))])
+    assert isinstance(lm.loglikelihood_rolling([_Req("def f1(x):\n    return x\n" * 3)], disable_tqdm=True)[0], float)
+
+
+def test_generate_until_stops_at_the_stop_string():
+    """A stop string ends the generation (not only cuts its text): a request costs its answer's tokens, not
+    max_gen_toks forwards; the text is the greedy continuation up to the stop string."""
+    model, tok = _bpe_model()
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    (x,), (nl,) = enc(" x"), enc("\n")
+    forward, calls = model.forward, []
+
+    def writes_x_then_newline(*args, **kwargs):  # the model's own forward, its last logits pushed to " x", " x", "\n"
+        calls.append(1)
+        out = forward(*args, **kwargs)
+        out.logits[:, -1, x if len(calls) < 3 else nl] += 1e4
+        return out
+
+    model.forward = writes_x_then_newline
+    lm = HmscaleLM(model=model, tokenizer=tok)
+    out = lm.generate_until([_Req("def f1(", {"until": ["\n"], "max_gen_toks": 40})], disable_tqdm=True)
+    assert out == [" x x"]
+    assert len(calls) == 3  # not 40 forwards

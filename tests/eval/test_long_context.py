@@ -111,3 +111,24 @@ def test_long_context_eval_reports_every_model_and_bucket():
     assert len(logs) == 2 and logs[1].startswith("[eval] long context hedgemamba: [1, 24)")
     table = long_context_table(res, {"teacher": "T"})
     assert table[0] == "| model | 1-23 | 24-47 * | 48-95 * |" and table[2].startswith("| T | ")
+
+
+def test_long_context_eval_logs_progress_while_a_model_scores():
+    """Long rows of a large model take minutes per model: a progress line comes (at most every progress_every
+    seconds) before the model's result line, and none after its last batch; the scores do not change."""
+    student = make_model()
+    rows = np.random.default_rng(3).integers(1, VOCAB, size=(5, 64))
+    quiet, logs = [], []
+    want = long_context_eval({"hedgemamba": student}, rows, train_len=16, tokens_per_batch=128, segment=24,
+                             log=quiet.append)
+    assert len(quiet) == 1  # progress_every=30 s: a 5-row toy run is done long before
+    res = long_context_eval({"hedgemamba": student}, rows, train_len=16, tokens_per_batch=128, segment=24,
+                            log=logs.append, progress_every=0)
+    assert res == want
+    assert [line.rsplit(" in ", 1)[0] for line in logs[:-1]] == [
+        f"[eval] long context hedgemamba: {d}/5 rows scored" for d in (2, 4)]
+    assert all(line.endswith(" s") for line in logs[:-1])
+    assert logs[-1].startswith("[eval] long context hedgemamba: [1, 16)")
+    seen = []
+    position_nll(student, rows, batch_size=3, progress=lambda done, n: seen.append((done, n)))
+    assert seen == [(3, 5), (5, 5)]
