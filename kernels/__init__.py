@@ -21,20 +21,29 @@ Public API (see DESIGN.md, "Contracts"):
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
-PyTorch path otherwise. The model's glue follows the same choice outside compiled graphs (``glue_on_triton``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this).
+PyTorch path otherwise. The model's glue follows the same choice outside compiled graphs (``glue_on_triton``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this; ``ssd`` then applies
+``kernels.interpreter``'s bf16 fix itself).
+
+``ssd_step`` is differentiable on both backends: the fused Triton step is one launch without autograd (under
+``torch.no_grad`` / ``inference_mode``, or when no input requires grad); where autograd needs gradients its backward
+differentiates the PyTorch step.
 
 The normaliser (``normalize=True``) is divided without an epsilon.
+
+Arguments are checked before any work, on shapes, dtypes and devices only (no host synchronisation): a wrong one
+raises a one-line ``ValueError`` naming it (``check_ssd_args``; ``step.check_step_args`` for the decode step).
+``seq_idx`` values are not read: a new document starts wherever it changes, whether it rises or not.
 """
 
 from __future__ import annotations
 
 import os
 
-from .chunked_torch import ssd_chunked_torch
+from .chunked_torch import check_ssd_args, ssd_chunked_torch
 from .reference import (causal_depthwise_conv_reference, cross_entropy_reference, hedgehog_feature_map_reference, sigmoid_gate_reference,
                         ssd_recurrent_reference, ssd_reference)
 
-__all__ = ["ssd", "ssd_step", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
+__all__ = ["ssd", "ssd_step", "check_ssd_args", "ssd_reference", "ssd_recurrent_reference", "ssd_chunked_torch",
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend", "glue_on_triton",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
            "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
@@ -67,11 +76,23 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
               normalize=normalize, return_final_state=return_final_state)
     which = resolve_backend(x, backend)
     if which == "triton":
+        _patch_interpreter()
         from .ssd_autograd import ssd_triton
-        return ssd_triton(x, dt, A, B, C, **kw)
+        return ssd_triton(x, dt, A, B, C, **kw)  # checks its arguments (check_ssd_args)
     if which == "reference":
+        check_ssd_args(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
         return ssd_reference(x, dt, A, B, C, **kw)
-    return ssd_chunked_torch(x, dt, A, B, C, **kw)
+    return ssd_chunked_torch(x, dt, A, B, C, **kw)  # checks its arguments
+
+
+def _patch_interpreter() -> None:
+    """Under ``TRITON_INTERPRET=1`` the interpreter's bf16 dots multiply raw bits (``kernels.interpreter``): widen
+    them before the first Triton SSD runs, so a CPU run of the Triton path computes what the GPU does (bf16 outputs
+    were off by 1e9 relative without it). Nothing happens otherwise."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from .interpreter import patch_interpreter_bf16_dot
+
+        patch_interpreter_bf16_dot()
 
 
 def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None):
@@ -102,5 +123,8 @@ def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(name)
     import importlib
+
+    if name == "ssd_triton":
+        _patch_interpreter()
 
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

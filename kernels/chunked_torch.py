@@ -15,16 +15,75 @@ Document boundaries (``seq_idx``) zero every term that would cross them.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
 from .reference import doc_ids_from_seq_idx, expand_groups
 
-__all__ = ["ssd_chunked_torch"]
+__all__ = ["ssd_chunked_torch", "check_ssd_args"]
+
+
+def check_ssd_args(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None, normalize=False,
+                   fn="ssd", init_name="initial_state") -> None:
+    """The contract of :func:`kernels.ssd` on shapes, dtypes and devices, checked before any work: a one-line
+    ``ValueError`` naming the argument and what to pass. Reads no tensor data (no host synchronisation)."""
+
+    def bad(msg):
+        raise ValueError(f"{fn}: {msg}")
+
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), (init_name, initial_state),
+                    ("seq_idx", seq_idx)):
+        if t is None and name in ("D", init_name, "seq_idx"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            bad(f"{name} must be a tensor, got {type(t).__name__}")
+        if name != "seq_idx" and not t.is_floating_point():
+            bad(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != x.device:
+            bad(f"{name} is on {t.device} but x is on {x.device}: put every tensor on one device")
+    if x.dim() != 4:
+        bad(f"x must be (b, l, h, p), got shape {tuple(x.shape)}")
+    b, l, h, p = x.shape
+    if tuple(dt.shape) != (b, l, h):
+        hint = "; drop the last dim (dt[..., 0])" if tuple(dt.shape) == (b, l, h, 1) else ""
+        bad(f"dt must be (b, l, h) = {(b, l, h)}, one step per token and head, got {tuple(dt.shape)}{hint}")
+    if tuple(A.shape) != (h,):
+        hint = f"; one decay per head: A.reshape({h})" if A.numel() == h else (
+            "; one decay per head (a per-channel A is Mamba-1's: kernels.compat.selective_state_update takes it)"
+            if A.dim() == 3 else "")
+        bad(f"A must be (h,) = ({h},), got {tuple(A.shape)}{hint}")
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() != 4 or tuple(t.shape[:2]) != (b, l) or h % t.shape[2] != 0:
+            hint = "; add the group dim: B[:, :, None], C[:, :, None]" if t.dim() == 3 else ""
+            bad(f"{name} must be (b, l, g, n) with b, l = {(b, l)} and h = {h} a multiple of g, "
+                f"got {tuple(t.shape)}{hint}")
+    if B.shape != C.shape:
+        bad(f"B and C must have one shape (b, l, g, n), got {tuple(B.shape)} and {tuple(C.shape)}")
+    n = B.shape[3]
+    if D is not None and tuple(D.shape) not in ((h,), (h, p), (h, 1)):
+        bad(f"D must be (h,) = ({h},) or (h, p) = {(h, p)}, got {tuple(D.shape)}")
+    ps = p + int(bool(normalize))
+    if initial_state is not None and tuple(initial_state.shape) != (b, h, ps, n):
+        extra = " (p + 1 rows with normalize=True: the last one is the normaliser's)" if normalize else ""
+        bad(f"{init_name} must be (b, h, p, n) = {(b, h, ps, n)}{extra}, got {tuple(initial_state.shape)}")
+    if seq_idx is not None:
+        if tuple(seq_idx.shape) != (b, l):
+            bad(f"seq_idx must be (b, l) = {(b, l)}, got {tuple(seq_idx.shape)}")
+        if seq_idx.is_floating_point() or seq_idx.is_complex():
+            bad(f"seq_idx must be an integer tensor (int32, as mamba_ssm), got {seq_idx.dtype}")
+    try:
+        q = operator.index(chunk_size)
+    except TypeError:
+        q = 0
+    if q < 1 or isinstance(chunk_size, bool):
+        bad(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
 def ssd_chunked_torch(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
                       normalize=False, return_final_state=False, **_ignored):
+    check_ssd_args(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
     b, l, h, p = x.shape
     n = B.shape[-1]
     Q = int(chunk_size)

@@ -78,12 +78,18 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l). Returns y (b, l, h, p) in x's dtype, and the
     final state (b, h, p, n) fp32 with ``return_final_states``. ``backend`` as in :func:`kernels.ssd`.
     """
+    from kernels import check_ssd_args, ssd
+
+    # first: a wrong dt is named as such (not as a dt_bias of the wrong length), a wrong seq_idx before it is read
+    check_ssd_args(x, dt, A, B, C, _chunk(), D, initial_states, seq_idx, fn="mamba_chunk_scan_combined",
+                   init_name="initial_states")
     if return_varlen_states:
         _check_varlen(x, cu_seqlens, seq_idx)
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     del chunk_size  # the function does not depend on it; see the module docstring
-    from kernels import ssd
+    if z is not None and z.device != x.device:
+        raise ValueError(f"mamba_chunk_scan_combined: z is on {z.device} but x is on {x.device}")
 
     d = _dt_processed(dt, dt_bias, dt_softplus, dt_limit)
     out = ssd(x, d, _fp32(A), B, C, chunk_size=_chunk(), D=D, initial_state=initial_states, seq_idx=seq_idx,
@@ -144,12 +150,49 @@ def _tied(t, dims) -> bool:
     return t is None or all(t.stride(d) == 0 or t.shape[d] == 1 for d in dims)
 
 
+def _check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None:
+    """Shapes, dtypes and devices of :func:`selective_state_update`'s arguments (after the head dim is added), beyond
+    the state / x / dt / A check there: one-line ``ValueError`` each, no tensor data read."""
+
+    def bad(msg):
+        raise ValueError(f"selective_state_update: {msg}")
+
+    for name, t in (("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                    ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            bad(f"{name} must be a tensor, got {type(t).__name__}")
+        if (name == "state_batch_indices") == t.is_floating_point():
+            bad(f"{name} must be {'an integer' if name == 'state_batch_indices' else 'a floating-point'} tensor, "
+                f"got {t.dtype}")
+        if t.device != x.device:
+            bad(f"{name} is on {t.device} but x is on {x.device}: put every tensor on one device")
+    if x.dim() != 3:
+        bad(f"x must be (b, h, p) (or (b, p) with a (b, p, n) state), got {tuple(x.shape)}")
+    b, h, p = x.shape
+    n = state.shape[-1]
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() != 3 or t.shape[0] != b or h % t.shape[1] != 0 or t.shape[2] != n:
+            bad(f"{name} must be (b, g, n) with b = {b}, n = {n} (the state's) and h = {h} a multiple of g, "
+                f"got {tuple(t.shape)}")
+    if D is not None and tuple(D.shape) not in ((h,), (h, p)):
+        bad(f"D must be (h, p) = {(h, p)} or (h,), got {tuple(D.shape)}")
+    if z is not None and z.shape != x.shape:
+        bad(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    if dt_bias is not None and tuple(dt_bias.shape) not in ((h, p), (h,)):
+        bad(f"dt_bias must be (h, p) = {(h, p)} (as mamba_ssm) or (h,), got {tuple(dt_bias.shape)}")
+    if state_batch_indices is not None and tuple(state_batch_indices.shape) != (b,):
+        bad(f"state_batch_indices must be (b,) = ({b},), got {tuple(state_batch_indices.shape)}")
+
+
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None, backend=None):
     """mamba_ssm's ``selective_state_update``: one token, ``state`` updated in place, the output returned.
 
     state (b, h, p, n) (or (b, p, n) without heads); x, dt, z (b, h, p); A (h, p, n); B, C (b, g, n); D, dt_bias
-    (h, p); ``state_batch_indices`` (b,): the state rows this batch updates. Returns out (b, h, p) in x's dtype.
+    (h, p), or (h,) for one per head; ``state_batch_indices`` (b,): the state rows this batch updates. Returns out
+    (b, h, p) in x's dtype.
     """
     heads = state.dim() == 4
     if not heads:  # (b, p, n): one head
@@ -157,7 +200,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         D = None if D is None else D.unsqueeze(0)
         z = None if z is None else z.unsqueeze(1)
         dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
+    _check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     b, h, p = x.shape
+    if dt_bias is not None and dt_bias.dim() == 1:  # one bias per head (Mamba-2's parameter): tied, stride 0
+        dt_bias = dt_bias[:, None].expand(h, p)
     rows = state if state_batch_indices is None else state[state_batch_indices]
     if rows.shape[:3] != (b, h, p) or A.shape != (h, p, rows.shape[3]) or dt.shape != x.shape:
         raise ValueError(f"selective_state_update: state {tuple(rows.shape)}, x {tuple(x.shape)}, dt {tuple(dt.shape)} "

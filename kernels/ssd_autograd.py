@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from .chunked_torch import check_ssd_args
 from .reference import doc_ids_from_seq_idx
 from .settings import env, env_frozen
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
@@ -187,12 +188,9 @@ def norm_mode() -> str:
     return "cat" if bwd_variant() == "v1" else v
 
 
-def _check(x, dt, A, B, C, chunk_size):
+def _check(x, dt, A, B, C, chunk_size, D=None, initial_state=None, seq_idx=None, normalize=False):
+    check_ssd_args(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
     b, l, h, p = x.shape
-    if dt.shape != (b, l, h) or A.shape != (h,):
-        raise ValueError(f"dt must be (b, l, h) = {(b, l, h)} and A (h,); got {tuple(dt.shape)}, {tuple(A.shape)}")
-    if B.shape != C.shape or B.shape[:2] != (b, l) or h % B.shape[2] != 0:
-        raise ValueError(f"B, C must be (b, l, g, n) with h % g == 0; got {tuple(B.shape)}, {tuple(C.shape)}")
     if l * h * (p + 1) >= 2 ** 31 or l * B.shape[2] * B.shape[3] >= 2 ** 31:
         raise ValueError("one sequence over 2^31 elements: the kernels index within a sequence in int32")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -208,7 +206,7 @@ def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_id
 
 
 def _ssd_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize, return_final_state):
-    _check(x, dt, A, B, C, chunk_size)
+    _check(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton SSD needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "
                            "triton); use backend='torch' on CPU")

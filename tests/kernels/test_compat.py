@@ -262,3 +262,10 @@ def test_several_sequences_need_a_seq_idx_that_agrees():
         with pytest.raises(ValueError, match=r"seq_idx must change exactly where cu_seqlens starts a sequence \(\[9, 10, 31\]\)"):
             mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, seq_idx=wrong,
                                       cu_seqlens=cu, return_varlen_states=True, backend="torch")
+
+
+def test_a_wrong_seq_idx_is_named_before_varlen_reads_it():
+    ins, seq_idx, cu = _packed()
+    with pytest.raises(ValueError, match=r"^mamba_chunk_scan_combined: seq_idx must be \(b, l\) = \(1, 53\)"):
+        mamba_chunk_scan_combined(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], 64, seq_idx=seq_idx[0],
+                                  cu_seqlens=cu, return_varlen_states=True, backend="torch")

@@ -52,3 +52,47 @@ def test_step_gradients_flow():
               for k in ("initial_state", "x", "dt", "A", "B", "C", "D")]
     s0, x, dt, A, B, C, D = leaves
     assert torch.autograd.gradcheck(lambda *t: ssd_step_torch(*t[:6], D=t[6]), leaves)
+
+
+@needs_triton
+@pytest.mark.parametrize("d_shape", ["h1", "h"])
+def test_triton_step_d_one_per_head_as_h1(d_shape):
+    """D (h, 1) is one skip per head, as on the torch step (the kernel read it with a channel stride of 1: 7e31 off)."""
+    ins, _ = make_inputs(2, 1, 4, 2, 16, 16, dtype=torch.float32, D=True, init=True)
+    dev, _ = on_triton_device(ins)
+    D = dev["D"][:, None] if d_shape == "h1" else dev["D"]
+    args = (dev["initial_state"], dev["x"][:, 0], dev["dt"][:, 0], dev["A"], dev["B"][:, 0], dev["C"][:, 0])
+    y1, s1 = ssd_step(*args, D=D, backend="triton")
+    y2, s2 = ssd_step_torch(*(a.double().cpu() for a in args), D=ins["D"].double())
+    assert rel(y1, y2) < 1e-6 and rel(s1, s2) < 1e-6
+
+
+@needs_triton
+@pytest.mark.parametrize("normalize", [False, True])
+def test_triton_step_passes_gradients(normalize):
+    """With inputs that require grad, the Triton step's outputs carry the gradients of the torch step (they silently
+    required none before)."""
+    ins, _ = make_inputs(2, 1, 4, 2, 16, 16, dtype=torch.float32, normalize=normalize, D=True, init=True)
+    names = ("initial_state", "x", "dt", "A", "B", "C", "D")
+    gen = torch.Generator().manual_seed(4)
+
+    def run(backend, dtype, device, needs):
+        leaves = {k: ins[k].to(dtype).to(device).requires_grad_(k in needs) for k in names}
+        pick = {k: leaves[k][:, 0] if k in ("x", "dt", "B", "C") else leaves[k] for k in names}
+        y, s = ssd_step(pick["initial_state"], pick["x"], pick["dt"], pick["A"], pick["B"], pick["C"], D=pick["D"],
+                        normalize=normalize, backend=backend)
+        wrt = [leaves[k] for k in names if k in needs]
+        return y, s, torch.autograd.grad((y.double() * gy.to(device)).sum() + (s.double() * gs.to(device)).sum(), wrt)
+
+    gy = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
+    gs = torch.randn(2, 4, 16 + int(normalize), 16, generator=gen, dtype=torch.float64)
+    for needs in (set(names), {"x", "A"}):
+        y, s, grads = run("triton", torch.float32, on_triton_device({"x": ins["x"]})[0]["x"].device, needs)
+        yr, sr, gr = run("torch", torch.float64, "cpu", needs)
+        assert rel(y, yr) < 1e-5 and rel(s, sr) < 1e-5
+        for a, r in zip(grads, gr):
+            assert rel(a, r) < 1e-5
+    with torch.no_grad():  # no autograd: the plain launch, outputs without grad
+        y, _, = ssd_step(*(ins[k][:, 0] if k in ("x", "dt", "B", "C") else ins[k].clone().requires_grad_()
+                           for k in names[:6]), D=ins["D"], normalize=normalize, backend="triton")
+    assert not y.requires_grad
