@@ -167,8 +167,11 @@ def eval_(
     context_length: Optional[int] = typer.Option(
         None, help="also score rows this long, perplexity per position bucket (sets eval.context_length)"),
 ):
-    """Perplexity of teacher and students on held-out data; lm-eval-harness tasks on the final model."""
+    """Perplexity of teacher and students on held-out data; lm-eval-harness tasks on the final model. CONFIG may be
+    a run directory (its config.yaml); training settings other than the run's are refused (eval.* may differ)."""
     extra = [f"eval.context_length={context_length}"] if context_length is not None else []
+    if config and Path(config).is_dir() and (Path(config) / "config.yaml").is_file():
+        config = str(Path(config) / "config.yaml")  # a run directory: its own resolved config
     cfg = _config(config, list(overrides or []) + extra)
     from hmscale.recipe import RecipeError, evaluate_run
 

@@ -38,9 +38,7 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
         return {"config_hash": training_hash(cfg), "stages": {}}
     results = json.loads(path.read_text())
     if results.get("config_hash") != training_hash(cfg):
-        diff = run_mismatch(run_dir, results.get("config_hash"), cfg)
-        if diff is not None:
-            raise RecipeError(different_run(run_dir, diff))
+        _check_identity(run_dir, results.get("config_hash"), cfg)
         # the run's key was computed from its config.yaml by an older hmscale (fields added since, or other key
         # rules) and its training settings are this config's: the same run, under the current key, adopted now
         # (config.yaml is rewritten next and could not vouch for it again)
@@ -49,6 +47,14 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
     if "eval" in results["stages"] and results["stages"]["eval"].get("eval_hash") != eval_hash(cfg):
         del results["stages"]["eval"]  # the evaluation settings changed (or were not recorded): evaluate again
     return results
+
+
+def _check_identity(run_dir: Path, stored_hash: str | None, cfg: RunConfig, **fix) -> None:
+    """Refuse (one line) when the run in ``run_dir`` (its stored key, or its config.yaml) has other training settings
+    than ``cfg`` (``fix``: ``different_run``'s advice, when not the default)."""
+    diff = run_mismatch(run_dir, stored_hash, cfg)
+    if diff is not None:
+        raise RecipeError(different_run(run_dir, diff, **fix))
 
 
 def check_local_gpu(cfg: RunConfig) -> None:
@@ -253,6 +259,11 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
             where = f" (nor in --include-path {include_path})" if include_path else " (custom YAMLs: --include-path)"
             raise RecipeError(f"{tasks_from}: lm-eval-harness knows no task {', '.join(map(repr, unknown))}{where}; "
                               "`lm_eval --tasks list` lists them")
+    # the run's own training settings, or a one-line refusal (other settings would train and score another teacher
+    # and put the run's feature maps on it)
+    _check_identity(run_dir, json.loads((run_dir / "results.json").read_text()).get("config_hash"),
+                    cfg.with_absolute_paths(),  # (what the recipe hashes)
+                    fix=f"evaluate it with its own settings, `hmscale eval {run_dir}` (eval.* may differ)")
     data = prepare_data(cfg, log=log)
     teacher = get_teacher(cfg, data, log=log)
     final = load_final_model(run_dir, data)

@@ -58,6 +58,26 @@ def test_eval_checks_its_arguments_before_the_perplexities(tmp_path, capsys):
     assert _one_line(capsys).startswith("hmscale: error: eval.tasks: lm-eval-harness knows no task")
 
 
+def test_eval_refuses_other_training_settings_and_takes_a_run_directory(tmp_path, capsys):
+    """`hmscale eval` with a training setting the run was not trained with would train another teacher and put the
+    run's feature maps on it: refused in one line, before any data work; a run directory stands for its config.yaml."""
+    from hmscale.config import build_config, save_resolved
+    from hmscale.run_identity import training_hash
+
+    run = tmp_path / "run"
+    cfg = build_config({}, [f"output_dir={run}", f"data.cache_dir={tmp_path}/d", "teacher.pretrain_steps=50"])
+    save_resolved(cfg.with_absolute_paths(), run)
+    (run / "results.json").write_text(json.dumps({"config_hash": training_hash(cfg.with_absolute_paths()),
+                                                  "stages": {}}))
+    assert main(["eval", str(run), "-s", "teacher.pretrain_steps=40"]) == 2
+    err = _one_line(capsys)
+    assert f"output_dir: {run} holds a run of a different config (teacher.pretrain_steps: 50 -> 40)" in err
+    assert f"`hmscale eval {run}`" in err
+    assert main(["eval", str(run / "config.yaml"), "-s", "stage2.lr=0.5"]) == 2
+    assert "stage2.lr: " in _one_line(capsys)
+    assert not (tmp_path / "d").exists()  # refused before the data was prepared
+
+
 def test_cache_engine_is_checked_first(capsys):
     assert main(["cache", "--engine", "foo"]) == 2
     assert "cache --engine: 'foo' is not an engine" in _one_line(capsys)
