@@ -559,7 +559,10 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
             inputs["inputs_embeds"] = inputs_embeds
             length = inputs_embeds.shape[1]
         else:
-            ids = input_ids[:, past:]
+            # the tokens the cache has not consumed yet: after a prompt given as embeddings, input_ids holds only the
+            # generated tokens while the cache counts the prompt's positions too
+            total = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
+            ids = input_ids[:, input_ids.shape[1] - (total - past):]
             inputs["input_ids"] = ids.contiguous()
             length = ids.shape[1]
         if attention_mask is not None and not bool(attention_mask.all()):

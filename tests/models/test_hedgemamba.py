@@ -72,6 +72,21 @@ def test_left_padded_batch_generates_like_single_prompts():
     assert torch.equal(out[1, 5:], model.generate(p2, **kw)[0])
 
 
+def test_generate_from_prompt_embeddings_matches_token_ids():
+    """A prompt given as embeddings (inputs_embeds) generates what its token ids generate: after the prompt, input_ids
+    holds only the new tokens while the cache counts the prompt's positions too."""
+    model = make_model()
+    prompt = torch.randint(1, VOCAB, (2, 11))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
+              return_dict_in_generate=True)
+    from_ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kw)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(prompt)
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(prompt), **kw)
+    assert torch.equal(from_embeds.sequences, from_ids.sequences[:, 11:])
+    torch.testing.assert_close(torch.stack(from_embeds.logits), torch.stack(from_ids.logits), rtol=1e-5, atol=1e-5)
+
+
 def test_save_and_auto_from_pretrained_round_trip(tmp_path):
     model = make_model()
     model.save_pretrained(tmp_path)
