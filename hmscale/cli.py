@@ -196,9 +196,17 @@ def generate(
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
     seed: int = 0,
+    device: str = typer.Option("auto", help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda, cuda:N"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on a GPU, fp32 on the CPU), fp32, bf16 or fp16"),
 ):
     """Generate text with the recurrent cache (O(1) memory per new token)."""
-    from hmscale.eval.generation import generate_text
+    from hmscale.eval.generation import generate_text, resolve_device, resolve_dtype
+
+    try:
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+    except ValueError as err:
+        fail(str(err))
 
     path = Path(model)
     if not path.exists():
@@ -218,10 +226,12 @@ def generate(
         except (OSError, UnicodeDecodeError) as err:
             fail(f"--prompt-file: cannot read {prompt_file!r} ({err}); pass a UTF-8 text file")
     prompt = "def " if prompt is None else prompt
-    text, stats = generate_text(str(path), prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    text, stats = generate_text(str(path), prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                device=dev, dtype=torch_dtype)
     typer.echo(text)
-    typer.echo(f"[{stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new tokens, "
-               f"{stats['tokens_per_s']:.1f} tokens/s]", err=True)
+    rate = f", {stats['tokens_per_s']:.1f} tokens/s after the first" if stats["new_tokens"] > 1 else ""
+    typer.echo(f"[{stats['prompt_tokens']} prompt tokens in {stats['prefill_s']:.2f} s, {stats['new_tokens']} new "
+               f"tokens{rate}; {dev}, {str(torch_dtype).removeprefix('torch.')}]", err=True)
 
 
 @app.command()

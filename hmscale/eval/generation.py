@@ -6,30 +6,84 @@ import time
 
 import torch
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def load_model_and_tokenizer(model_dir: str, device: str = "cpu"):
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto``: the first GPU when this torch sees one, else the CPU; otherwise a torch device name, checked here
+    (one-line ``ValueError``) rather than deep inside the first copy."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device!r}, but this torch ({torch.__version__}) sees no GPU; use cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device: {device!r}, but this machine has {torch.cuda.device_count()} GPU(s)")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a GPU, fp32 on the CPU; else one of ``DTYPES``."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model_and_tokenizer(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hmscale.models  # noqa: F401  (registers HedgeMamba with the Auto classes)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device=device, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+class _FirstToken:
+    """A ``generate`` streamer that notes when the first new token arrives (the prompt comes in the first ``put``):
+    the prefill's time apart from the per-token decode rate."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            if torch.cuda.is_available() and value.is_cuda:
+                torch.cuda.synchronize(value.device)
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
 
 
 @torch.no_grad()
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-                  device: str = "cpu") -> tuple[str, dict]:
-    model, tok = load_model_and_tokenizer(model_dir, device)
+                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[str, dict]:
+    """The prompt and its continuation, and timings: ``prefill_s`` (the prompt through the chunked scan, to the first
+    new token) and ``tokens_per_s`` (each further token, O(1) with the recurrent state)."""
+    device = torch.device(device)
+    model, tok = load_model_and_tokenizer(model_dir, device, dtype)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.eos_token_id]], device=device)
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
     kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=tok.eos_token_id)
     if temperature > 0:
         kwargs["temperature"] = temperature
-    out = model.generate(input_ids=ids, **kwargs)
-    dt = time.perf_counter() - t0
+    timer = _FirstToken()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=timer, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
     new = out.shape[1] - ids.shape[1]
+    first = timer.first if timer.first is not None else t1
+    decode_s = t1 - first
     return prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), {
-        "prompt_tokens": int(ids.shape[1]), "new_tokens": new, "tokens_per_s": new / max(dt, 1e-9)}
+        "prompt_tokens": int(ids.shape[1]), "new_tokens": new, "prefill_s": first - t0,
+        "tokens_per_s": (new - 1) / decode_s if new > 1 and decode_s > 0 else float("nan")}
