@@ -251,6 +251,8 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     run_dir = Path(cfg.output_dir)
     if not (run_dir / "results.json").exists():
         raise RecipeError(f"output_dir: {run_dir} holds no run; run `hmscale run` first or point output_dir at a run")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise RecipeError(f"--include-path: {include_path!r} is not a folder; pass the folder of your task YAMLs")
     if tasks:
         from hmscale.eval.lm_eval_adapter import unknown_tasks
 

@@ -56,6 +56,8 @@ def test_eval_checks_its_arguments_before_the_perplexities(tmp_path, capsys):
     assert not (tmp_path / "d").exists()  # refused before the data was prepared
     assert main(["eval", "-s", f"output_dir={run}", "-s", "eval.tasks=[no_such_task_here]"]) == 2
     assert _one_line(capsys).startswith("hmscale: error: eval.tasks: lm-eval-harness knows no task")
+    assert main(["eval", "-s", f"output_dir={run}", "--tasks", "hellaswag", "--include-path", f"{tmp_path}/no"]) == 2
+    assert f"--include-path: '{tmp_path}/no' is not a folder" in _one_line(capsys)
 
 
 def test_eval_refuses_other_training_settings_and_takes_a_run_directory(tmp_path, capsys):
