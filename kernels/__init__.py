@@ -100,7 +100,7 @@ def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=Non
     if which == "triton":
         from .step import ssd_step_triton
         return ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)
-    from .step import ssd_step_torch
+    from .step_torch import ssd_step_torch  # (no Triton import: the CPU decode path)
     return ssd_step_torch(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)
 
 
@@ -108,7 +108,7 @@ def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=Non
 # attribute is looked up in the submodule on every access, so tests can patch it there)
 _LAZY = {
     "ssd_triton": "ssd_autograd",
-    "ssd_step_torch": "step",
+    "ssd_step_torch": "step_torch",
     "ssd_step_triton": "step",
     "hedgehog_feature_map": "feature_map",
     "causal_depthwise_conv_triton": "conv",

@@ -1,8 +1,8 @@
 """One-token SSD decode step: ``S <- exp(dt A) S + dt x B^T``, ``y = S C`` (+ D x), optional normaliser.
 
-``ssd_step_torch`` is plain PyTorch (CPU, autograd); ``ssd_step_triton`` is one fused Triton launch that
-reads the state once and writes the new state once (the memory floor of a decode step), with the
-normaliser row and the D skip folded in (where an input requires grad under autograd, its backward
+``ssd_step_torch`` (``kernels.step_torch``, re-exported here) is plain PyTorch (CPU, autograd); ``ssd_step_triton``
+is one fused Triton launch that reads the state once and writes the new state once (the memory floor of a decode
+step), with the normaliser row and the D skip folded in (where an input requires grad under autograd, its backward
 differentiates ``ssd_step_torch``). Both check their arguments first (``check_step_args``).
 """
 
@@ -14,72 +14,9 @@ import triton.language as tl
 
 from .host_math import cdiv, next_pow2
 from .launch import launch
-from .reference import expand_groups
+from .step_torch import check_step_args, ssd_step_torch
 
 __all__ = ["ssd_step_torch", "ssd_step_triton", "check_step_args"]
-
-
-def check_step_args(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, fn="ssd_step") -> None:
-    """The contract of :func:`kernels.ssd_step` on shapes, dtypes and devices, checked before any work: a one-line
-    ``ValueError`` naming the argument and what to pass. Reads no tensor data (no host synchronisation)."""
-
-    def bad(msg):
-        raise ValueError(f"{fn}: {msg}")
-
-    for name, t in (("state", state), ("x_t", x_t), ("dt_t", dt_t), ("A", A), ("B_t", B_t), ("C_t", C_t), ("D", D)):
-        if t is None and name == "D":
-            continue
-        if not isinstance(t, torch.Tensor):
-            bad(f"{name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            bad(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != x_t.device:
-            bad(f"{name} is on {t.device} but x_t is on {x_t.device}: put every tensor on one device")
-    if x_t.dim() != 3:
-        hint = "; one token: pass x[:, t] of the (b, l, h, p) sequence" if x_t.dim() == 4 else ""
-        bad(f"x_t must be (b, h, p), got {tuple(x_t.shape)}{hint}")
-    b, h, p = x_t.shape
-    if tuple(dt_t.shape) != (b, h):
-        hint = "; one step per head: dt_t[..., 0]" if dt_t.dim() == 3 and dt_t.shape[:2] == (b, h) else ""
-        bad(f"dt_t must be (b, h) = {(b, h)}, got {tuple(dt_t.shape)}{hint}")
-    if tuple(A.shape) != (h,):
-        hint = f"; one decay per head: A.reshape({h})" if A.numel() == h else (
-            "; one decay per head (a per-channel A is Mamba-1's: kernels.compat.selective_state_update takes it)"
-            if A.dim() == 3 else "")
-        bad(f"A must be (h,) = ({h},), got {tuple(A.shape)}{hint}")
-    for name, t in (("B_t", B_t), ("C_t", C_t)):
-        if t.dim() != 3 or t.shape[0] != b or h % t.shape[1] != 0:
-            bad(f"{name} must be (b, g, n) with b = {b} and h = {h} a multiple of g, got {tuple(t.shape)}")
-    if B_t.shape != C_t.shape:
-        bad(f"B_t and C_t must have one shape (b, g, n), got {tuple(B_t.shape)} and {tuple(C_t.shape)}")
-    n = B_t.shape[2]
-    ps = p + int(bool(normalize))
-    if tuple(state.shape) != (b, h, ps, n):
-        extra = " (p + 1 rows with normalize=True: the last one is the normaliser's)" if normalize else ""
-        bad(f"state must be (b, h, p, n) = {(b, h, ps, n)}{extra}, got {tuple(state.shape)}")
-    if D is not None and tuple(D.shape) not in ((h,), (h, p), (h, 1)):
-        bad(f"D must be (h,) = ({h},) or (h, p) = {(h, p)}, got {tuple(D.shape)}")
-
-
-def ssd_step_torch(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False):
-    check_step_args(state, x_t, dt_t, A, B_t, C_t, D, normalize)
-    b, h, p = x_t.shape
-    cd = torch.float64 if state.dtype == torch.float64 else torch.float32
-    xx = x_t.to(cd)
-    if normalize:
-        xx = torch.cat([xx, torch.ones_like(xx[..., :1])], dim=-1)
-    Bh = expand_groups(B_t.unsqueeze(1).to(cd), h)[:, 0]  # (b, h, n)
-    Ch = expand_groups(C_t.unsqueeze(1).to(cd), h)[:, 0]
-    dtc = dt_t.to(cd)
-    decay = torch.exp(dtc * A.to(cd).view(1, h))
-    new = decay[..., None, None] * state.to(cd) + (dtc[..., None] * xx)[..., :, None] * Bh[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
-    if normalize:
-        y = y[..., :p] / y[..., p:]
-    if D is not None:
-        Dv = D.to(cd)
-        y = y + (Dv[:, None] if Dv.dim() == 1 else Dv) * x_t.to(cd)
-    return y.to(x_t.dtype), new.to(state.dtype)
 
 
 @triton.jit
