@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -77,12 +78,34 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(device_for(True))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    with _no_shm_inference_op(backend):
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if backend == "gloo" and os.environ.get("MASTER_PORT"):
         # DeepSpeed's CPU all-reduce maps one /dev/shm file per rank and never removes them (tens of MB
-        # each, held in memory): remove this group's at exit
+        # each, held in memory): remove this group's at exit (none are mapped while _no_shm_inference_op applies; a
+        # DeepSpeed without build_shm_op, or another caller that built it, still maps them)
         atexit.register(remove_shm_buffers, os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"])
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def _no_shm_inference_op(backend: str):
+    """On gloo, DeepSpeed's communication backend compiles a C++ shared-memory all-reduce when it starts (about a
+    minute of g++ on a fresh 2-core machine, the first ``make demo`` / ``make test`` included) and maps a /dev/shm
+    buffer per rank; DeepSpeed uses it only for tensor-parallel *inference* (``inference_all_reduce``), never in
+    training, whose collectives go through torch.distributed. So it is not built here."""
+    import importlib
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(comm_torch, "build_shm_op", None)
+    if backend != "gloo" or build is None:
+        yield
+        return
+    comm_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        comm_torch.build_shm_op = build
 
 
 def remove_shm_buffers(addr: str, port: str | int) -> int:
