@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hmscale.teacher.cache.format import (
+    MANIFEST,
     CacheError,
     CaptureSpec,
     ShardInfo,
@@ -29,7 +30,7 @@ from hmscale.teacher.cache.format import (
 )
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.reuse import covering_caches, describe_view, view_manifest
-from hmscale.teacher.cache.writer import sha256_file
+from hmscale.teacher.cache.writer import remove_stale_temporary, sha256_file
 from hmscale.teacher.fingerprint import teacher_fingerprint
 
 
@@ -177,6 +178,27 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
     return good
 
 
+def check_root(root) -> None:
+    """Refuse a cache.root that can never hold a cache (it, or a folder above it, is a file), before any teacher work."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise CacheError(f"cache.root {root}: {probe} is a file, not a directory; set cache.root to a directory")
+
+
+def make_cache_dir(cache_dir: Path) -> None:
+    """Create the cache directory, or stop with one line naming it and why (a file in the way, no permission, ...)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CacheError(f"cannot create the cache directory {cache_dir} ({err.strerror or err}); "
+                         "set cache.root to a directory you can write") from None
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise CacheError(f"the cache directory {cache_dir} is not writable by this user; "
+                         "set cache.root to a directory you can write")
+
+
 def _reuse_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> bool:
     """Write a view onto the smallest verified cache under cache.root that covers the request (``reuse``); False when
     none does."""
@@ -184,7 +206,7 @@ def _reuse_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> boo
         view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids, config_hash=config_hash)
         if len(existing_shards(view, cp.shard_ids, log=lambda *_: None)) < len(cp.shard_ids):
             continue  # a source shard missing or altered: not this one
-        cp.cache_dir.mkdir(parents=True, exist_ok=True)
+        make_cache_dir(cp.cache_dir)
         view.save()
         log(f"cache: reusing {source.cache_dir.name} as a view ({describe_view(cp.spec, source)}): "
             f"{len(cp.shard_ids)} shards verified; no teacher forward needed")
@@ -193,8 +215,9 @@ def _reuse_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> boo
 
 
 def _clean_temporaries(cache_dir: Path) -> None:
+    """Remove the temporaries of dead writers; those of another build still writing into this cache are kept."""
     for p in cache_dir.glob(".shard-*.tmp"):
-        p.unlink(missing_ok=True)
+        remove_stale_temporary(p)
 
 
 def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_fn=None, device=None,
@@ -206,6 +229,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
     Reuses a finished cache with the same (teacher fingerprint, plan hash, capture spec) without any
     teacher forward; a partial one is completed (finished shards are verified and skipped).
     """
+    check_root(cfg.cache.root)
     if data is None:
         from hmscale.data import prepare_data
 
@@ -225,8 +249,10 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
     config_hash = cfg.hash("teacher", "tokenizer", "data", "cache")
     try:
         manifest = Manifest.load(cache_dir)
-    except CacheError:
+    except CacheError as err:
         manifest = None
+        if (cache_dir / MANIFEST).exists():
+            log(f"cache: {err}: starting a new manifest (its shards are redone, to the same bytes)")
     if manifest is not None and manifest.data.get("key") != cp.key:
         raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
     if manifest is not None and manifest.view_of:
@@ -266,7 +292,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
 
     missing = int(cp.total_bytes * len(pending) / max(len(cp.shard_ids), 1))
     check_disk(cp, missing, cfg.cache.allow_exceed_disk, log=log)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(cache_dir)
     manifest.set_requested(cp.shard_ids)
     manifest.update_complete()
     manifest.save()
@@ -295,13 +321,19 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             from ray_jobs.cache_teacher import run_ray
 
             run_ray(cfg, plan, teacher, cp, pending, on_done, log=log, capture_fn=capture_fn)
+    except KeyboardInterrupt:
+        log(f"cache: interrupted: {progress.done}/{progress.total} shards done and kept in {cache_dir}; "
+            "rerun `hmscale cache` (same config) to finish the others")
+        raise
     finally:
         manifest.update_complete()
         manifest.save()
     _clean_temporaries(cache_dir)
-    if not manifest.complete:
-        raise CacheError(f"cache {cache_dir} is incomplete after the run; rerun `hmscale cache` to finish it")
-    log(f"cache: done: {progress.line()} -> {cache_dir}")
+    left = [s for s in cp.shard_ids if s not in manifest.shards]  # this run's shards (others may ask for more)
+    if left:
+        raise CacheError(f"cache {cache_dir} lacks {len(left)} of this run's shards after the run (e.g. "
+                         f"{shard_name(left[0])}); rerun `hmscale cache` to finish it")
+    log(f"cache: done: {progress.line().removeprefix('cache: ')} -> {cache_dir}")
     return cache_dir
 
 
@@ -339,4 +371,13 @@ def run_local(cfg, plan, teacher, cp: CachePlan, pending, on_done, *, device=Non
     except Exception as err:
         sid = getattr(err, "shard_id", None)
         where = shard_name(sid) if sid is not None else "a shard"
-        raise CacheError(f"teacher forward failed on {where}: {type(err).__name__}: {err}") from err
+        raise CacheError(failure_message(err, where, cp.cache_dir)) from err
+
+
+def failure_message(err: BaseException, where: str, cache_dir) -> str:
+    """One line for a shard that failed: a file-system error (disk full, permissions) is named as writing the shard,
+    not as the teacher's forward; either way the shards already written are kept for the rerun."""
+    if isinstance(err, OSError):
+        return (f"writing {where} into {cache_dir} failed: {err.strerror or err}; the shards written so far are kept: "
+                "free space or fix the permissions (or set cache.root elsewhere), then rerun `hmscale cache`")
+    return f"teacher forward failed on {where}: {type(err).__name__}: {err}"

@@ -116,14 +116,17 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
             continue
         total += e.bytes
         teacher = f"{e.teacher[-13:]}@{e.fingerprint[:8]}"
-        state = f"view of {e.view_of}" if e.view_of else "complete" if e.complete else "partial"
+        state = "complete" if e.complete else "partial"
+        if e.view_of:
+            gone = not (e.path.parent / e.view_of / MANIFEST).is_file()
+            state = f"view of {e.view_of}" + (" (source missing: the next build replaces it)" if gone else "")
         lines.append(f"{e.key:<26} {teacher:<22} {e.layers:<9} {e.tensors:<22} {e.dtype:<9} {e.token_fraction:>4g} "
                      f"{e.topk:>5} {e.shards_done:>5}/{e.shards_requested:<5} {e.tokens:>13,} {human_bytes(e.bytes):>10}  "
-                     f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {human_bytes(tmp)})" if tmp else ""))
+                     f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {human_bytes(tmp)})" if e.temporaries else ""))
     n = sum(1 for e in entries if not e.error)
     lines.append(f"{n} cache(s), {human_bytes(total)} in shards" + (f"; {human_bytes(stale)} in temporary files of interrupted "
                                                             "shards (the next build of their cache removes them)"
-                                                            if stale else ""))
+                                                            if any(e.temporaries for e in entries) else ""))
     return "\n".join(lines)
 
 
@@ -135,7 +138,9 @@ def remove_cache(path, force: bool = False) -> list[Path]:
     if Path(path).is_symlink():
         raise CacheError(f"{path} is a link; pass the cache directory itself")
     path = Path(path).resolve()  # `.` or `x/..` name the directory, its key and its root properly
-    Manifest.load(path)  # raises CacheError for a directory that is not a cache
+    if not (path / MANIFEST).is_file():
+        Manifest.load(path)  # raises CacheError for a directory that is not a cache
+    # a manifest that no longer loads (damaged, edited, another format version) still marks a cache: removable
     views = [e.path for e in list_caches(path.parent) if e.view_of == path.name and not e.path.is_symlink()]
     if views and not force:
         raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "

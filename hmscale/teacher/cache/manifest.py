@@ -3,21 +3,100 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
-from hmscale.teacher.cache.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CacheError, ShardInfo
+from hmscale.teacher.cache.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    TENSORS,
+    CacheError,
+    CaptureSpec,
+    ShardInfo,
+    layer_field,
+    shard_name,
+)
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_DIR_NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")  # a sibling directory's plain name (no path)
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _is_count(x) -> bool:
+    """A non-negative JSON integer (``true`` is not one)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _shard_problem(k, entry) -> str | None:
+    """What is wrong with one ``shards`` entry, or None."""
+    if not (isinstance(k, str) and k.isdigit()):
+        return f"shards: key {k!r} is not a shard number"
+    if not isinstance(entry, dict):
+        return f"shards[{k}] is not an object"
+    if entry.get("file") != shard_name(int(k)):
+        return f"shards[{k}].file is {entry.get('file')!r}, not {shard_name(int(k))!r}"
+    if not (isinstance(entry.get("sha256"), str) and _HEX64.match(entry["sha256"])):
+        return f"shards[{k}].sha256 is not 64 lowercase hex digits"
+    bad = [f for f in ("bytes", "samples", "tokens") if not _is_count(entry.get(f))]
+    return f"shards[{k}].{bad[0]} is {entry.get(bad[0])!r}, not a non-negative integer" if bad else None
+
+
+def _layout_problem(layout) -> str | None:
+    """What is wrong with ``layout`` (the shapes every reader checks members against), or None."""
+    if not isinstance(layout, dict) or not isinstance(layout.get("fields"), dict) or not _is_count(layout.get("seq_len")):
+        return "layout needs 'fields' (an object) and 'seq_len' (an integer)"
+    for name, f in layout["fields"].items():
+        if not (isinstance(f, dict) and isinstance(f.get("npy_dtype"), str) and isinstance(f.get("storage"), str)
+                and isinstance(f.get("shape"), list) and all(_is_count(n) for n in f["shape"])):
+            return f"layout.fields.{name} needs npy_dtype, storage and shape (a list of integers)"
+    return None
+
+
+def structure_problem(data: dict) -> str | None:
+    """The first thing in a manifest's structure that no reader can use (a hand edit, a damaged file), or None."""
+    for name in ("teacher", "plan", "capture", "layout", "shards"):
+        if not isinstance(data.get(name), dict):
+            return f"'{name}' is missing or not an object"
+    if not isinstance(data.get("key"), str):
+        return "'key' is missing or not a string"
+    plan = data["plan"]
+    if not (isinstance(plan.get("hash"), str) and all(_is_count(plan.get(f)) for f in ("num_shards", "seq_len", "sequences_per_shard"))):
+        return "plan needs hash, num_shards, seq_len and sequences_per_shard"
+    try:
+        spec = CaptureSpec.from_json(data["capture"])
+    except (KeyError, TypeError, ValueError) as err:
+        return f"capture is not a capture spec ({type(err).__name__}: {err})"
+    if not (all(_is_count(i) for i in spec.layers) and set(spec.tensors) <= set(TENSORS) and _is_count(spec.topk)):
+        return "capture needs layers (integers), tensors (of attn_input, attn_output) and topk (an integer)"
+    req = data.get("requested_shards", [])
+    if not (isinstance(req, list) and all(_is_count(s) for s in req)):
+        return "requested_shards is not a list of shard numbers"
+    view = data.get("view_of")
+    if view is not None and not (isinstance(view, str) and _DIR_NAME.match(view) and view not in (".", "..")):
+        return f"view_of {view!r} is not the name of a sibling cache directory"
+    return _layout_problem(data["layout"]) or _fields_problem(spec, data["layout"]["fields"]) or next(
+        (p for p in (_shard_problem(k, e) for k, e in data["shards"].items()) if p), None)
+
+
+def _fields_problem(spec: CaptureSpec, fields: dict) -> str | None:
+    """A field the capture spec reads that the layout does not describe, or None."""
+    need = ["tokens", "seq_idx", *(layer_field(i, t) for i in spec.layers for t in spec.tensors)]
+    need += ["topk_logprobs", "topk_indices"] if spec.topk else []
+    missing = [f for f in need if f not in fields]
+    return f"layout.fields lacks {missing[0]!r}, which the capture spec holds" if missing else None
+
+
 class Manifest:
     def __init__(self, data: dict, path: Path):
         self.data = data
         self.path = Path(path)
+        self._dropped: set[int] = set()  # shards this process found bad: never taken back from the file on save
 
     # -------------------------------------------------------------------- construction
 
@@ -55,6 +134,10 @@ class Manifest:
             raise CacheError(
                 f"{path} has format version {data.get('format_version')}, this hmscale reads version {FORMAT_VERSION}; rebuild the cache"
             )
+        problem = structure_problem(data)
+        if problem:
+            raise CacheError(f"{path} is damaged or was edited by hand: {problem}; rebuild the cache "
+                             "(`hmscale cache`, same config) or restore the file")
         return cls(data, path)
 
     # -------------------------------------------------------------------- access
@@ -86,6 +169,22 @@ class Manifest:
 
     def drop_shard(self, shard: int) -> None:
         self.data["shards"].pop(str(shard), None)
+        self._dropped.add(int(shard))
+
+    def _merge_from_disk(self) -> None:
+        """Take in the shards (and requests) another build of the same cache recorded in the file since this one read
+        it: two builds sharing a cache directory each save their own progress without erasing the other's."""
+        try:
+            disk = Manifest.load(self.cache_dir)
+        except CacheError:
+            return
+        if disk.data["key"] != self.data.get("key") or disk.view_of != self.view_of:
+            return
+        for sid, entry in disk.shards.items():
+            if sid not in self.shards and sid not in self._dropped:
+                self.data["shards"][str(sid)] = entry
+        self.set_requested(disk.data.get("requested_shards", []))
+        self.update_complete()
 
     def set_requested(self, shard_ids) -> None:
         self.data["requested_shards"] = sorted(set(self.data.get("requested_shards", [])) | set(int(s) for s in shard_ids))
@@ -96,6 +195,7 @@ class Manifest:
         return self.data["complete"]
 
     def save(self) -> None:
+        self._merge_from_disk()
         self.data["updated"] = _now()
         self.data["shards"] = {str(k): self.data["shards"][str(k)] for k in sorted(self.shards)}
         atomic_write_json(self.path, self.data)

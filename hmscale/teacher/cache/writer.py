@@ -23,6 +23,11 @@ import numpy as np
 
 from hmscale.teacher.cache.format import ShardInfo
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, temporaries are told apart by nothing
+    fcntl = None
+
 _SMALL = 1 << 16  # writes below this are coalesced (tar/npy headers, padding)
 _WRITEBACK_MIN = 64 << 20  # start the disk writing of what is written once this much is pending
 
@@ -132,7 +137,7 @@ class ShardWriter:
         self.path = Path(path)
         self.shard_id = shard_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        fd, tmp = _locked_temporary(self.path)
         self.tmp = Path(tmp)
         self._fd = fd
         self._sink = _HashingSink(fd)
@@ -223,6 +228,38 @@ class ShardWriter:
             except OSError:
                 pass
         self.tmp.unlink(missing_ok=True)
+
+
+def _locked_temporary(path: Path) -> tuple[int, str]:
+    """A new `.{name}.<random>.tmp` beside ``path``, open and flock-ed for as long as this process writes it, so
+    that another build's cleanup (``remove_stale_temporary``) leaves it alone; the lock dies with the process."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a cleanup that took the fresh file for a leftover...
+        if os.fstat(fd).st_nlink:
+            return fd, tmp
+        os.close(fd)  # ...and removed it before the lock: take another name
+
+
+def remove_stale_temporary(path) -> bool:
+    """Remove a shard temporary left by a dead writer; True when removed. One that a live writer (of any process on
+    any host sharing the filesystem) holds locked is kept, and so is one whose lock cannot be tested."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held by a live writer (or locks unsupported): not ours to remove
+                return False
+        Path(path).unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path, chunk: int = 8 << 20) -> str:
