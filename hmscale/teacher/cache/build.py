@@ -23,6 +23,7 @@ from hmscale.teacher.cache.format import (
     TeacherShape,
     bytes_per_sample,
     cache_key,
+    failure_message,
     human_bytes,
     layout,
     layout_json,
@@ -372,12 +373,3 @@ def run_local(cfg, plan, teacher, cp: CachePlan, pending, on_done, *, device=Non
         sid = getattr(err, "shard_id", None)
         where = shard_name(sid) if sid is not None else "a shard"
         raise CacheError(failure_message(err, where, cp.cache_dir)) from err
-
-
-def failure_message(err: BaseException, where: str, cache_dir) -> str:
-    """One line for a shard that failed: a file-system error (disk full, permissions) is named as writing the shard,
-    not as the teacher's forward; either way the shards already written are kept for the rerun."""
-    if isinstance(err, OSError):
-        return (f"writing {where} into {cache_dir} failed: {err.strerror or err}; the shards written so far are kept: "
-                "free space or fix the permissions (or set cache.root elsewhere), then rerun `hmscale cache`")
-    return f"teacher forward failed on {where}: {type(err).__name__}: {err}"

@@ -33,6 +33,15 @@ class CacheError(RuntimeError):
     """A cache problem; the message is one line naming the cache / shard and what to do."""
 
 
+def failure_message(err: BaseException, where: str, cache_dir) -> str:
+    """One line for a shard that failed: a file-system error (disk full, permissions) is named as writing the shard,
+    not as the teacher's forward; either way the shards already written are kept for the rerun."""
+    if isinstance(err, OSError):
+        return (f"writing {where} into {cache_dir} failed: {err.strerror or err}; the shards written so far are kept: "
+                "free space or fix the permissions (or set cache.root elsewhere), then rerun `hmscale cache`")
+    return f"teacher forward failed on {where}: {type(err).__name__}: {err}"
+
+
 class CacheCorruptError(CacheError):
     """A shard whose bytes, checksum or contents do not match the manifest."""
 

@@ -20,12 +20,13 @@ import traceback
 
 import torch
 
-from hmscale.teacher.cache.format import CacheError, shard_name
+from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
 
 
 def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads):
     """Runs in the spawned process: ("ready", index, None) once its teacher is on the device, ("done", index,
-    ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback)) on a failure."""
+    ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback, os_error)) on a
+    failure, ``os_error`` (errno, strerror) when it was a file-system error (a full disk), else None."""
     try:
         if threads:
             torch.set_num_threads(int(threads))
@@ -40,7 +41,8 @@ def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shar
         results.put(("exit", index, len(shard_ids)))
     except BaseException as err:  # noqa: BLE001 - everything goes back to the driver
         sid = getattr(err, "shard_id", None)
-        results.put(("error", index, (sid, f"{type(err).__name__}: {err}", traceback.format_exc(limit=6))))
+        os_error = (err.errno, err.strerror) if isinstance(err, OSError) else None
+        results.put(("error", index, (sid, f"{type(err).__name__}: {err}", traceback.format_exc(limit=6), os_error)))
 
 
 def split_round_robin(shard_ids, n: int) -> list[list[int]]:
@@ -103,9 +105,12 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
             elif kind == "exit":
                 running.discard(i)
             else:
-                sid, message, tb = payload
+                sid, message, tb, os_error = payload
                 where = shard_name(sid) if sid is not None else "its start"
                 log(f"cache: worker {i} on {devices[i]} failed on {where}:\n{tb}")
+                if os_error is not None:  # named as writing the shard (a full disk), as the one-process engine does
+                    raise CacheError(failure_message(OSError(*os_error), f"{where} (worker {i}, {devices[i]})",
+                                                     cp.cache_dir))
                 raise CacheError(f"teacher forward failed on {where} (worker {i}, {devices[i]}): {message}")
     finally:
         for p in procs:

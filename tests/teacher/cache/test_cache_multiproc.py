@@ -49,3 +49,20 @@ def test_a_capture_function_that_cannot_be_pickled_is_a_clear_error(tmp_path, te
     with pytest.raises(CacheError, match="cannot be sent to the worker processes"):
         build_cache(cfg, data, teacher, engine="local", devices=["cpu", "cpu"],
                     capture_fn=lambda t, ids, layers=None: capture_layers(t, ids, layers=layers))
+
+
+def test_a_full_disk_in_a_worker_process_is_named_as_writing(tmp_path, teacher, data, tools, monkeypatch):
+    """A file-system error in a spawned worker (a full disk) reaches the driver named as writing the shard, with the
+    worker and its device, as on one process; not as a failed teacher forward."""
+    (tmp_path / "enospc_capture.py").write_text(
+        "import errno\n\n\ndef capture(teacher, ids, layers=None):\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers take the driver's sys.path
+    import enospc_capture
+
+    with pytest.raises(CacheError) as err:
+        build_cache(tools.make_cfg(tmp_path / "c"), data, teacher, engine="local", devices=["cpu", "cpu"],
+                    capture_fn=enospc_capture.capture, log=lambda *_: None)
+    msg = str(err.value)
+    assert msg.startswith("writing ") and "(worker " in msg and ", cpu) into " in msg, msg
+    assert "No space left on device" in msg and "then rerun `hmscale cache`" in msg and "teacher forward" not in msg
