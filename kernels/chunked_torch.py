@@ -20,6 +20,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from .arg_checks import check_decay, check_tensors, fail
 from .reference import doc_ids_from_seq_idx, expand_groups
 
 __all__ = ["ssd_chunked_torch", "check_ssd_args"]
@@ -31,29 +32,17 @@ def check_ssd_args(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, se
     ``ValueError`` naming the argument and what to pass. Reads no tensor data (no host synchronisation)."""
 
     def bad(msg):
-        raise ValueError(f"{fn}: {msg}")
+        fail(fn, msg)
 
-    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), (init_name, initial_state),
-                    ("seq_idx", seq_idx)):
-        if t is None and name in ("D", init_name, "seq_idx"):
-            continue
-        if not isinstance(t, torch.Tensor):
-            bad(f"{name} must be a tensor, got {type(t).__name__}")
-        if name != "seq_idx" and not t.is_floating_point():
-            bad(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != x.device:
-            bad(f"{name} is on {t.device} but x is on {x.device}: put every tensor on one device")
+    check_tensors(fn, (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), (init_name, initial_state),
+                       ("seq_idx", seq_idx)), "x", x, optional=("D", init_name, "seq_idx"), integer=("seq_idx",))
     if x.dim() != 4:
         bad(f"x must be (b, l, h, p), got shape {tuple(x.shape)}")
     b, l, h, p = x.shape
     if tuple(dt.shape) != (b, l, h):
         hint = "; drop the last dim (dt[..., 0])" if tuple(dt.shape) == (b, l, h, 1) else ""
         bad(f"dt must be (b, l, h) = {(b, l, h)}, one step per token and head, got {tuple(dt.shape)}{hint}")
-    if tuple(A.shape) != (h,):
-        hint = f"; one decay per head: A.reshape({h})" if A.numel() == h else (
-            "; one decay per head (a per-channel A is Mamba-1's: kernels.compat.selective_state_update takes it)"
-            if A.dim() == 3 else "")
-        bad(f"A must be (h,) = ({h},), got {tuple(A.shape)}{hint}")
+    check_decay(fn, A, h)
     for name, t in (("B", B), ("C", C)):
         if t.dim() != 4 or tuple(t.shape[:2]) != (b, l) or h % t.shape[2] != 0:
             hint = "; add the group dim: B[:, :, None], C[:, :, None]" if t.dim() == 3 else ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .arg_checks import check_decay, check_tensors, fail
 from .reference import expand_groups
 
 __all__ = ["ssd_step_torch", "check_step_args"]
@@ -17,17 +18,10 @@ def check_step_args(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, fn="
     ``ValueError`` naming the argument and what to pass. Reads no tensor data (no host synchronisation)."""
 
     def bad(msg):
-        raise ValueError(f"{fn}: {msg}")
+        fail(fn, msg)
 
-    for name, t in (("state", state), ("x_t", x_t), ("dt_t", dt_t), ("A", A), ("B_t", B_t), ("C_t", C_t), ("D", D)):
-        if t is None and name == "D":
-            continue
-        if not isinstance(t, torch.Tensor):
-            bad(f"{name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            bad(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != x_t.device:
-            bad(f"{name} is on {t.device} but x_t is on {x_t.device}: put every tensor on one device")
+    check_tensors(fn, (("state", state), ("x_t", x_t), ("dt_t", dt_t), ("A", A), ("B_t", B_t), ("C_t", C_t), ("D", D)),
+                  "x_t", x_t, optional=("D",))
     if x_t.dim() != 3:
         hint = "; one token: pass x[:, t] of the (b, l, h, p) sequence" if x_t.dim() == 4 else ""
         bad(f"x_t must be (b, h, p), got {tuple(x_t.shape)}{hint}")
@@ -35,11 +29,7 @@ def check_step_args(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, fn="
     if tuple(dt_t.shape) != (b, h):
         hint = "; one step per head: dt_t[..., 0]" if dt_t.dim() == 3 and dt_t.shape[:2] == (b, h) else ""
         bad(f"dt_t must be (b, h) = {(b, h)}, got {tuple(dt_t.shape)}{hint}")
-    if tuple(A.shape) != (h,):
-        hint = f"; one decay per head: A.reshape({h})" if A.numel() == h else (
-            "; one decay per head (a per-channel A is Mamba-1's: kernels.compat.selective_state_update takes it)"
-            if A.dim() == 3 else "")
-        bad(f"A must be (h,) = ({h},), got {tuple(A.shape)}{hint}")
+    check_decay(fn, A, h)
     for name, t in (("B_t", B_t), ("C_t", C_t)):
         if t.dim() != 3 or t.shape[0] != b or h % t.shape[1] != 0:
             bad(f"{name} must be (b, g, n) with b = {b} and h = {h} a multiple of g, got {tuple(t.shape)}")
