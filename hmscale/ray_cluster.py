@@ -13,7 +13,30 @@ import os
 import sys
 from pathlib import Path
 
+from hmscale.config import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class RayConnectError(ConfigError):
+    """`parallel.ray_address` (or $RAY_ADDRESS) names no cluster this process can join; one line, what to change."""
+
+
+def _connect_failure(address: str, err: BaseException) -> str:
+    chain, e = [], err
+    while e is not None and len(chain) < 5:
+        chain.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    text = "\n".join(chain)
+    head = f"parallel.ray_address={address}: cannot join the Ray cluster there"
+    if "InvalidAuthToken" in text or "AuthenticationError" in text or "Unauthenticated" in text:
+        mode = os.environ.get("RAY_AUTH_MODE") or "unset"
+        return (f"{head}: it refused this process's auth token (RAY_AUTH_MODE is {mode}); for a cluster started with "
+                "token authentication, export RAY_AUTH_MODE=token here too, with the cluster's token in "
+                "~/.ray/auth_token or $RAY_AUTH_TOKEN")
+    return (f"{head} ({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__}); give the "
+            "head's GCS address (HEAD:6379, not the dashboard's http://HEAD:8265), or leave it unset for an embedded "
+            "cluster, and check that the cluster is up (`ray status` on its head)")
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None, log=print) -> bool:
@@ -28,7 +51,10 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as err:  # nothing there, the dashboard's URL, a bad token
+            raise RayConnectError(_connect_failure(address, err)) from None
         log(f"[ray] connected to {address}: {ray.cluster_resources()}")
         return False
     # workers import hmscale, kernels and ray_jobs from this checkout even when it is not installed

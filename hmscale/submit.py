@@ -5,6 +5,13 @@ the resolved config passed in the job's environment. Authentication: Ray token a
 The token comes from --token-file, $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, and is
 sent as a bearer token. A remote address without a token is refused: an open job API executes any
 code it is sent, so a cluster must never expose one.
+
+Directories: the job runs in Ray's temporary copy of the working directory (the cluster's
+/tmp/ray/session_*/runtime_resources/working_dir_files/_ray_pkg_<hash>/: a new one with every code change or cluster
+restart, garbage-collected by Ray once unused), so a relative `output_dir`, `data.cache_dir` or `cache.root` would put
+the run and its caches there, where a second submit does not find them and Ray may delete them. For a cluster
+on this machine (a local address) they are made absolute against this directory (the run lands where `hmscale run`
+would put it, and a second submit resumes it); for a remote cluster a relative one is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +53,63 @@ def _is_local(address: str) -> bool:
     return host in {"localhost", "127.0.0.1", "::1"}
 
 
+# the directories a run writes, which must outlive the job (the config's relative paths resolve in the job's copy)
+RUN_DIRS = ("output_dir", "data.cache_dir", "cache.root")
+
+
+def _get(cfg: RunConfig, dotted: str) -> str:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def place_directories(cfg: RunConfig, address: str, cwd: str | os.PathLike | None = None) -> RunConfig:
+    """The config the job gets: on a local cluster, the run's directories (and `data.paths`) made absolute against
+    `cwd` (the directory uploaded as the job's working directory: this one by default), where `hmscale run` would
+    put them; for a remote cluster, a relative one is refused (`SubmitError`): it would resolve inside the job's
+    temporary working directory."""
+    relative = [k for k in RUN_DIRS if not _is_stable(_get(cfg, k))]
+    rel_data = [p for p in cfg.data.paths if not _is_stable(p)]
+    if not relative and not rel_data:
+        return cfg
+    if not _is_local(address):
+        if relative:
+            raise SubmitError(
+                ", ".join(f"{k}={_get(cfg, k)!r}" for k in relative) + " relative: on the cluster "
+                f"{'it' if len(relative) == 1 else 'they'} would resolve inside the job's temporary copy of the "
+                "working directory (new with every code change, deleted by Ray once unused); set "
+                + " ".join(f"-s {k}=/shared/..." for k in relative) + " (a path every node sees)")
+        return cfg  # relative data.paths inside the checkout travel with it
+    base = Path(os.path.abspath(cwd or "."))
+    absolute = lambda p: os.path.abspath(base / os.path.expanduser(p))  # noqa: E731  (abspath: globs stay globs)
+    cfg = cfg.model_copy(deep=True)
+    cfg.output_dir = absolute(cfg.output_dir)
+    cfg.data.cache_dir = absolute(cfg.data.cache_dir)
+    cfg.cache.root = absolute(cfg.cache.root)
+    cfg.data.paths = [absolute(p) for p in cfg.data.paths]
+    return cfg
+
+
+def job_copy_refusal(cfg: RunConfig, cwd: str | os.PathLike | None = None) -> str | None:
+    """For a job's entry point (`ray job submit --working-dir . -- python -m ray_jobs.run_recipe --config X`): the
+    one-line refusal when it runs in Ray's temporary copy of a working directory and the config's run directories
+    are relative to it (they would land there, where the next job does not find them and Ray deletes them)."""
+    if "working_dir_files" not in Path(os.path.abspath(cwd or ".")).parts:
+        return None
+    relative = [k for k in RUN_DIRS if not _is_stable(_get(cfg, k))]
+    if not relative:
+        return None
+    return (", ".join(f"{k}={_get(cfg, k)!r}" for k in relative) + " relative: this job runs in Ray's temporary copy "
+            f"of the working directory ({os.path.abspath(cwd or '.')}), deleted once unused; give absolute paths "
+            "(" + " ".join(f"-s {k}=/shared/..." for k in relative) + "), or submit with `hmscale submit`")
+
+
+def _is_stable(path: str) -> bool:
+    """Absolute, or under the home directory (`~/...` names the cluster user's home on the cluster)."""
+    return Path(path).is_absolute() or path.startswith("~")
+
+
 def encode_config(cfg: RunConfig) -> str:
     return base64.b64encode(yaml.safe_dump(cfg.model_dump(mode="json")).encode()).decode()
 
@@ -79,6 +143,33 @@ def job_runtime_env(cfg: RunConfig, working_dir: str = ".", install: bool = Fals
     return env
 
 
+def _describe_token(token_file: str | None) -> str:
+    if token_file:
+        return f"--token-file {token_file}"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "$RAY_AUTH_TOKEN"
+    for p in (os.environ.get("RAY_AUTH_TOKEN_PATH"), "~/.ray/auth_token"):
+        if p and Path(p).expanduser().exists():
+            return p if p == "~/.ray/auth_token" else f"$RAY_AUTH_TOKEN_PATH ({p})"
+    return "no token"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def _auth_refused(err: BaseException) -> bool:
+    from ray.exceptions import AuthenticationError
+
+    return isinstance(err, AuthenticationError) or "Authentication failed" in str(err)
+
+
+def _job_commands(job_id: str, address: str) -> str:
+    where = f"--address {address}"
+    return (f"follow it with `RAY_AUTH_MODE=token ray job logs -f {job_id} {where}`, stop it with "
+            f"`RAY_AUTH_MODE=token ray job stop {job_id} {where}`")
+
+
 def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, working_dir: str = ".",
            follow: bool = True, timeout_s: float | None = None, install: bool = False, log=print) -> str:
     """Submit; with follow, stream the job's logs until it ends. Returns the final status (or 'PENDING')."""
@@ -88,14 +179,23 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
     if token is None and not _is_local(address):
         raise SubmitError(f"no Ray auth token for {address}; start the cluster with RAY_AUTH_MODE=token and pass "
                           "--token-file (or set RAY_AUTH_TOKEN): an open job API runs any code it is sent")
+    cfg = place_directories(cfg, address, working_dir)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     if "://" not in address:
         address = f"http://{address}"
+
+    def refused(err: Exception) -> SubmitError:
+        what = (f"refused {_describe_token(token_file)} as its auth token" if token else
+                "needs an auth token and none was found (--token-file, $RAY_AUTH_TOKEN, ~/.ray/auth_token)")
+        return SubmitError(f"the cluster at {address} {what}; `ray get-auth-token` on its head prints the right one: "
+                           "pass it with --token-file or $RAY_AUTH_TOKEN")
     try:
         client = JobSubmissionClient(address, headers=headers)
-    except (ConnectionError, RuntimeError, ValueError) as err:  # nothing listening, a refused or malformed address
+    except Exception as err:  # nothing listening, a refused or malformed address, a wrong token
+        if _auth_refused(err):
+            raise refused(err) from None
         raise SubmitError(f"--address {address}: cannot reach a Ray cluster's job API there "
-                          f"({str(err).splitlines()[0][:160]}); check the dashboard address (http://HEAD:8265) and "
+                          f"({_first_line(err)[:160]}); check the dashboard address (http://HEAD:8265) and "
                           "that the cluster is up (`ray status` on its head)") from None
     entrypoint = "python -m ray_jobs.run_recipe"
     runtime_env = job_runtime_env(cfg, working_dir, install)
@@ -105,25 +205,35 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
             job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
                                        metadata={"hmscale_run": cfg.output_dir})
             break
-        except RuntimeError as err:  # a head node that just started has no job agent yet
+        except Exception as err:  # a head node that just started has no job agent yet
+            if _auth_refused(err):
+                raise refused(err) from None
             if "No available agent" not in str(err) or time.time() > deadline:
-                raise SubmitError(f"the cluster at {address} refused the job: {str(err).splitlines()[0]}") from None
+                raise SubmitError(f"the cluster at {address} refused the job: {_first_line(err)}") from None
             time.sleep(3)
     log(f"[submit] job {job_id} submitted to {address}: {entrypoint} (output_dir={cfg.output_dir})")
     if not follow:
+        log(f"[submit] {_job_commands(job_id, address)}")
         return "PENDING"
     start, shown = time.time(), 0
-    while True:
-        status = str(client.get_job_status(job_id).value)
-        logs = client.get_job_logs(job_id)
-        if len(logs) > shown:
-            log(logs[shown:].rstrip("\n"))
-            shown = len(logs)
-        if status in TERMINAL:
-            log(f"[submit] job {job_id}: {status}")
-            return status
-        if timeout_s is not None and time.time() - start > timeout_s:
-            log(f"[submit] job {job_id}: still {status} after {timeout_s:.0f} s; stopping it")
-            client.stop_job(job_id)
-            return "STOPPED"
-        time.sleep(2)
+    try:
+        while True:
+            status = str(client.get_job_status(job_id).value)
+            logs = client.get_job_logs(job_id)
+            if len(logs) > shown:
+                log(logs[shown:].rstrip("\n"))
+                shown = len(logs)
+            if status in TERMINAL:
+                log(f"[submit] job {job_id}: {status}")
+                return status
+            if timeout_s is not None and time.time() - start > timeout_s:
+                log(f"[submit] job {job_id}: still {status} after {timeout_s:.0f} s; stopping it")
+                client.stop_job(job_id)
+                return "STOPPED"
+            time.sleep(2)
+    except KeyboardInterrupt:
+        log(f"[submit] stopped following; job {job_id} keeps running on the cluster: {_job_commands(job_id, address)}")
+        raise
+    except Exception as err:  # the head went away or the connection dropped while following
+        raise SubmitError(f"lost the job's logs ({_first_line(err)}); job {job_id} may still be running: "
+                          f"{_job_commands(job_id, address)}") from None

@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        from hmscale.submit import job_copy_refusal
+
+        if (refusal := job_copy_refusal(cfg)) is not None:
+            raise ConfigError(refusal)
         path = build_cache(cfg, engine=args.engine)
     except ConfigError as err:
         print(f"cache_teacher: error: {err}", file=sys.stderr)

@@ -245,6 +245,12 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
     if len(finished) == len(stages):  # nothing to train: no data, teacher, cache or workers
         return {**{s: _recorded(run_dir, s) for s in finished}, "seconds": 0.0, "run_dir": str(run_dir)}
     todo = tuple(s for s in stages if s not in finished)
+    if cfg.parallel.engine == "ray" and prepared is None:
+        from hmscale.ray_cluster import connect
+
+        # one cluster for the cache's teacher-forward actors and the trainer: joined (or started) now, the cache joins
+        # it too, where it would otherwise start an embedded cluster of its own and tear it down before training
+        connect(cfg.parallel.ray_address, log=log)
     prep = prepared if prepared is not None else prepare(cfg, log=log, stages=todo)
     config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
               "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
@@ -364,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        from hmscale.submit import job_copy_refusal
+
+        if args.run_dir is None and (refusal := job_copy_refusal(cfg)) is not None:
+            raise ConfigError(refusal)
         res = run_distill(cfg, args.run_dir, stages=tuple(args.stages.split(",")))
     except (ConfigError, TrainingError, ValueError) as err:
         print(f"distill: error: {err}", file=sys.stderr)

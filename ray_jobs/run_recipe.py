@@ -64,9 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"hmscale: error: {err}", file=sys.stderr)
         return 2
-    from hmscale.recipe import run_recipe
+    from hmscale.submit import job_copy_refusal
 
-    results = run_recipe(cfg)
+    refusal = job_copy_refusal(cfg)
+    if refusal:
+        print(f"hmscale: error: {refusal}", file=sys.stderr)
+        return 2
+    from hmscale.recipe import RecipeError, run_recipe
+    from hmscale.train.engine import TrainingError
+
+    try:
+        results = run_recipe(cfg)
+    except RecipeError as err:  # as `hmscale run`: one line, 2 = bad input (another run's directory, a bad setting)
+        print(f"hmscale: error: {err}", file=sys.stderr)
+        return 2
+    except TrainingError as err:
+        print(f"hmscale: error: {err}", file=sys.stderr)
+        return 1
     print({k: results[k] for k in ("teacher_ppl", "hedgehog_ppl", "hedgemamba_ppl") if k in results})
     return 0
 

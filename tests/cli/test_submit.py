@@ -80,6 +80,133 @@ def test_a_node_without_the_dependencies_fails_in_one_line(monkeypatch, capsys, 
     assert f"lacks {', '.join(absent)}" in err and advice in err and len(err.splitlines()) == 1
 
 
+class _FakeClient:
+    """ray.job_submission.JobSubmissionClient's surface that `submit` uses, recording the job it is sent."""
+
+    jobs: list = []
+    fail_init = fail_submit = fail_status = None
+
+    def __init__(self, address, headers=None):
+        if _FakeClient.fail_init is not None:
+            raise _FakeClient.fail_init
+        self.address, self.headers = address, headers
+
+    def submit_job(self, **kw):
+        if _FakeClient.fail_submit is not None:
+            raise _FakeClient.fail_submit
+        _FakeClient.jobs.append(kw)
+        return "raysubmit_TEST"
+
+    def get_job_status(self, job_id):
+        if _FakeClient.fail_status is not None:
+            raise _FakeClient.fail_status
+        from ray.job_submission import JobStatus
+
+        return JobStatus.SUCCEEDED
+
+    def get_job_logs(self, job_id):
+        return "done\n"
+
+
+@pytest.fixture
+def fake_client(monkeypatch, tmp_path):
+    import ray.job_submission
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "jobs", [])
+    for name in ("fail_init", "fail_submit", "fail_status"):
+        monkeypatch.setattr(_FakeClient, name, None)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    return _FakeClient
+
+
+def _sent_config(job) -> dict:
+    return decode_config(job["runtime_env"]["env_vars"]["HMSCALE_CONFIG_B64"])
+
+
+def test_relative_directories_land_in_the_submitting_checkout_on_a_local_cluster(fake_client, tmp_path, monkeypatch):
+    # the job runs in Ray's temporary copy of the working directory: a relative output_dir would put the run (and a
+    # relative cache root its caches) there, where Ray garbage-collects it and a second submit never finds it
+    monkeypatch.chdir(tmp_path)  # `hmscale submit` run in the checkout it uploads
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("text")
+    lines = []
+    cfg = build_config({}, ["data.source=files", "data.paths=[corpus/*.txt]"])
+    submit(cfg, "http://127.0.0.1:8265", follow=False, log=lines.append)
+    sent = _sent_config(fake_client.jobs[0])
+    assert sent["output_dir"] == str(tmp_path / "runs" / "demo")
+    assert sent["data"]["cache_dir"] == str(tmp_path / ".cache" / "hmscale")
+    assert sent["cache"]["root"] == str(tmp_path / ".cache" / "hmscale" / "teacher")
+    assert sent["data"]["paths"] == [str(tmp_path / "corpus" / "*.txt")]
+    assert fake_client.jobs[0]["metadata"]["hmscale_run"] == str(tmp_path / "runs" / "demo")
+    assert f"output_dir={tmp_path / 'runs' / 'demo'}" in lines[0]
+    # the run's identity is unchanged: a later `hmscale run` of the same config in that checkout resumes it
+    assert build_config(sent).hash("stage2", "stage1", "teacher") == cfg.hash("stage2", "stage1", "teacher")
+
+
+def test_relative_directories_are_refused_for_a_remote_cluster(fake_client):
+    with pytest.raises(SubmitError, match=r"output_dir='runs/demo', data.cache_dir='.cache/hmscale', "
+                                          r"cache.root='.cache/hmscale/teacher' relative: .*temporary copy") as err:
+        submit(build_config(), "http://10.1.2.3:8265", follow=False, log=lambda m: None)
+    assert "\n" not in str(err.value) and "-s output_dir=/shared/" in str(err.value)
+    assert fake_client.jobs == []
+    shared = ["output_dir=/mnt/shared/runs/x", "data.cache_dir=~/hmscale-data", "cache.root=/mnt/shared/teacher"]
+    submit(build_config({}, shared), "http://10.1.2.3:8265", follow=False, log=lambda m: None)
+    sent = _sent_config(fake_client.jobs[0])  # absolute (and ~, the cluster user's home) paths travel as given
+    assert (sent["output_dir"], sent["data"]["cache_dir"]) == ("/mnt/shared/runs/x", "~/hmscale-data")
+
+
+@pytest.mark.parametrize("where", ["fail_init", "fail_submit"])
+def test_a_wrong_token_is_one_line(fake_client, tmp_path, where):
+    from ray.exceptions import AuthenticationError
+
+    setattr(fake_client, where, AuthenticationError(
+        "Authentication failed: Forbidden: Invalid authentication token\n\nToken authentication is enabled but ..."))
+    token = tmp_path / "tok"
+    token.write_text("wrong\n")
+    with pytest.raises(SubmitError, match=rf"refused --token-file {token} as its auth token; `ray get-auth-token` "
+                                          "on its head prints the right one") as err:
+        submit(build_config({}, ["output_dir=/tmp/x", "data.cache_dir=/tmp/c", "cache.root=/tmp/t"]),
+               "http://10.1.2.3:8265", token_file=str(token), follow=False, log=lambda m: None)
+    assert "\n" not in str(err.value)
+
+
+def test_no_follow_and_an_interrupted_follow_say_how_to_reach_the_job(fake_client):
+    lines = []
+    cfg = build_config({}, ["output_dir=/tmp/x", "data.cache_dir=/tmp/c", "cache.root=/tmp/t"])
+    assert submit(cfg, "10.1.2.3:8265", follow=False, log=lines.append) == "PENDING"
+    assert "ray job logs -f raysubmit_TEST --address http://10.1.2.3:8265" in lines[-1]
+    assert "ray job stop raysubmit_TEST --address http://10.1.2.3:8265" in lines[-1]
+    fake_client.fail_status = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        submit(cfg, "10.1.2.3:8265", log=lines.append)
+    assert "job raysubmit_TEST keeps running on the cluster" in lines[-1] and "ray job stop raysubmit_TEST" in lines[-1]
+    fake_client.fail_status = ConnectionError("Failed to connect to Ray at address: http://10.1.2.3:8265.\nmore")
+    with pytest.raises(SubmitError, match=r"lost the job's logs \(Failed to connect.*\); job raysubmit_TEST may still "
+                                          r"be running: follow it with") as err:
+        submit(cfg, "10.1.2.3:8265", log=lines.append)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("error,code", [("RecipeError", 2), ("TrainingError", 1)])
+def test_a_failing_recipe_job_ends_in_one_line(monkeypatch, capsys, error, code):
+    # e.g. a second submit with other training settings into the same output_dir: as `hmscale run`, no traceback
+    import hmscale.recipe
+    from hmscale.train import engine
+    from ray_jobs import run_recipe
+
+    cls = getattr(hmscale.recipe, error, None) or getattr(engine, error)
+
+    def refuse(cfg, **kw):
+        raise cls("output_dir: runs/demo holds a run of a different config (stage2.lr: 0.001 -> 0.0003)")
+    monkeypatch.setattr(hmscale.recipe, "run_recipe", refuse)
+    assert run_recipe.main(["-s", "stage2.lr=3e-4"]) == code
+    err = capsys.readouterr().err
+    assert err == "hmscale: error: output_dir: runs/demo holds a run of a different config (stage2.lr: 0.001 -> 0.0003)\n"
+
+
 @pytest.mark.ray
 def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
     ray_bin = Path(sys.executable).with_name("ray")
@@ -140,3 +267,30 @@ def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
         current = Path(get_ray_address_file(None))
         if current.exists() and current.read_text().strip().endswith(f":{gcs}"):
             current.unlink()
+
+
+@pytest.mark.parametrize("module", ["run_recipe", "distill", "cache_teacher"])
+def test_a_job_in_rays_working_dir_copy_refuses_relative_directories(monkeypatch, tmp_path, capsys, module):
+    # `ray job submit --working-dir . -- python -m ray_jobs.run_recipe --config X`: X's relative output_dir would be
+    # the job's temporary copy's, lost after the job; the entry points say so in one line before any work
+    import importlib
+
+    job_copy = tmp_path / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    job_copy.mkdir(parents=True)
+    monkeypatch.chdir(job_copy)
+    mod = importlib.import_module(f"ray_jobs.{module}")
+
+    def work(*a, **kw):
+        raise AssertionError("the job started its work in the temporary copy")
+    import hmscale.recipe
+    import hmscale.teacher.cache
+
+    monkeypatch.setattr(hmscale.recipe, "run_recipe", work)
+    monkeypatch.setattr(hmscale.teacher.cache, "build_cache", work)
+    if module == "distill":
+        monkeypatch.setattr(mod, "run_distill", work)
+    main = mod.main
+    assert main(["-s", "data.cache_dir=/tmp/x", "-s", "cache.root=/tmp/y"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "output_dir='runs/demo' relative: this job runs in Ray's temporary copy" in err
+    assert "-s output_dir=/shared/..." in err

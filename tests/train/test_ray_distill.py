@@ -6,13 +6,39 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
 
 def _mean(xs):
     return sum(xs) / len(xs)
 
 
+def test_one_cluster_serves_the_cache_and_the_trainer(monkeypatch, tmp_path):
+    # `python -m ray_jobs.distill` with engine=ray: the cache's actors used to start an embedded cluster of their own
+    # (their connect found none) and shut it down, then the trainer started a second one: two start-ups, two
+    # "[ray] embedded local cluster" lines. The cluster is now joined (or started) before the data, teacher and cache.
+    import hmscale.ray_cluster
+    from hmscale.config import build_config
+    from ray_jobs import distill
+
+    calls = []
+    monkeypatch.setattr(hmscale.ray_cluster, "connect", lambda address=None, **kw: calls.append(("connect", address)))
+
+    def prepare(cfg, log=print, stages=distill.STAGES, check_data=None):
+        calls.append(("prepare", None))
+        return {"data": None, "teacher": None, "cache_dir": None}
+    monkeypatch.setattr(distill, "prepare", prepare)
+    monkeypatch.setattr(distill, "_run_ray", lambda cfg, config, run_dir, **kw: calls.append(("train", None)) or {})
+    cfg = build_config({}, ["parallel.engine=ray", "parallel.ray_address=10.0.0.1:6379"])
+    distill.run_distill(cfg, tmp_path / "run", log=lambda *a, **k: None)
+    assert calls == [("connect", "10.0.0.1:6379"), ("prepare", None), ("train", None)]
+    calls.clear()  # the local engine never touches Ray
+    monkeypatch.setattr(distill, "_run_local_workers", lambda cfg, config, run_dir, **kw: calls.append(("train", None)) or {})
+    distill.run_distill(build_config({}, ["parallel.engine=local", "parallel.num_workers=2"]), tmp_path / "run2",
+                        log=lambda *a, **k: None)
+    assert calls == [("prepare", None), ("train", None)]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_workers_zero2_cache_kill_and_resume(ray_cluster, tmp_path, monkeypatch):
     from hmscale.config import build_config
     from ray_jobs.distill import FAULT_ENV, run_distill

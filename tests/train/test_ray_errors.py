@@ -1,11 +1,71 @@
 """A deterministic training error on Ray workers (here: stage 2 without a stage-1 student) is not retried
-by Ray Train: every rank reports it and the driver raises it as the same one-line TrainingError."""
+by Ray Train: every rank reports it and the driver raises it as the same one-line TrainingError. A cluster address
+that cannot be joined (nothing there, a refused token) is one line too."""
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+def _ray_init_failing(monkeypatch, cause: BaseException):
+    import ray
+
+    def init(*a, **kw):  # what ray.init raises: ConnectionError, from the GCS client's error
+        try:
+            raise RuntimeError(f"Failed to connect to GCS. Last connection error: {cause}") from cause
+        except RuntimeError as inner:
+            raise ConnectionError("Failed to connect to Ray cluster at 192.0.2.2:6379") from inner
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
 
 
+def test_a_cluster_refusing_the_token_is_one_line(monkeypatch):
+    # a cluster started with RAY_AUTH_MODE=token, joined from a shell without it: Ray retries for ~20 s, then raised
+    # a two-exception traceback; the cause (the token) only in its middle
+    from ray.exceptions import AuthenticationError
+
+    from hmscale.config import ConfigError
+    from hmscale.ray_cluster import connect
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    _ray_init_failing(monkeypatch, AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing"))
+    with pytest.raises(ConfigError, match=r"parallel.ray_address=127.0.0.1:6379: cannot join the Ray cluster there: "
+                                          r"it refused this process's auth token \(RAY_AUTH_MODE is unset\); .*"
+                                          r"export RAY_AUTH_MODE=token here too") as err:
+        connect("127.0.0.1:6379", log=lambda *a: None)
+    assert "\n" not in str(err.value)
+
+
+def test_an_address_with_no_cluster_is_one_line(monkeypatch):
+    from hmscale.config import ConfigError
+    from hmscale.ray_cluster import connect
+
+    _ray_init_failing(monkeypatch, OSError("failed to connect to all addresses"))
+    with pytest.raises(ConfigError, match=r"parallel.ray_address=10.0.0.1:8265: cannot join the Ray cluster there "
+                                          r"\(Failed to connect to Ray cluster at .*\); give the head's GCS address "
+                                          r"\(HEAD:6379, not the dashboard's http://HEAD:8265\)") as err:
+        connect("10.0.0.1:8265", log=lambda *a: None)
+    assert "\n" not in str(err.value)
+
+
+def test_the_dashboard_url_as_ray_address_is_one_line(monkeypatch):
+    # Ray's own error talks of RAY_ADDRESS over three lines, though the user set parallel.ray_address
+    import ray
+
+    from hmscale.config import ConfigError
+    from hmscale.ray_cluster import connect
+
+    def init(*a, **kw):
+        raise ValueError("Invalid Ray address: 'http://127.0.0.1:8265'. It looks like you set RAY_ADDRESS to an HTTP "
+                         "address (e.g. the API server address). To fix this, either:\n  1. Unset RAY_ADDRESS ...")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ConfigError, match=r"parallel.ray_address=http://127.0.0.1:8265: cannot join the Ray cluster "
+                                          r"there \(Invalid Ray address.*\); give the head's GCS address") as err:
+        connect("http://127.0.0.1:8265", log=lambda *a: None)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_training_error_on_workers_reaches_the_driver(ray_cluster, tmp_path, monkeypatch):
     from hmscale.config import build_config
     from hmscale.train.engine import TrainingError
