@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -97,6 +98,14 @@ def cache(
         fail(f"cache: unexpected argument {target!r}; use `hmscale cache CONFIG`, `hmscale cache verify DIR`, "
              "`hmscale cache list [ROOT]` or `hmscale cache rm DIR`")
     cfg = _config(config, overrides)
+    if (engine or cfg.cache.engine or cfg.parallel.engine) == "ray" and (cfg.parallel.ray_address
+                                                                      or os.environ.get("RAY_ADDRESS")):
+        from hmscale.ray_cluster import connect
+
+        try:  # a running cluster is joined first: an address that cannot be, before the data and teacher work
+            connect(cfg.parallel.ray_address)
+        except ConfigError as err:
+            fail(str(err))
     try:
         path = build_cache(cfg, engine=engine)
     except (CacheError, ConfigError) as err:
@@ -138,7 +147,7 @@ def _run_stages(config, overrides, stages: tuple) -> None:
     try:
         check_local_gpu(cfg)
         res = run_distill(cfg, stages=stages)
-    except RecipeError as err:
+    except (RecipeError, ConfigError) as err:  # (ConfigError: e.g. a parallel.ray_address with no cluster)
         fail(str(err))
     except TrainingError as err:
         fail(str(err), code=1)
@@ -243,7 +252,7 @@ def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Over
 
     try:
         res = run_recipe(cfg)
-    except RecipeError as err:
+    except (RecipeError, ConfigError) as err:  # (ConfigError: e.g. a parallel.ray_address with no cluster)
         fail(str(err))
     except TrainingError as err:
         fail(str(err), code=1)

@@ -46,6 +46,18 @@ def test_an_address_with_no_cluster_is_one_line(monkeypatch):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("command", ["run", "stage1", "cache"])
+def test_commands_name_an_unjoinable_ray_address_in_one_line(monkeypatch, capsys, tmp_path, command):
+    from hmscale.cli import main
+
+    _ray_init_failing(monkeypatch, OSError("failed to connect to all addresses"))
+    rc = main([command, "-s", "parallel.engine=ray", "-s", "parallel.ray_address=192.0.2.2:6379",
+               "-s", f"output_dir={tmp_path}/run", "-s", f"data.cache_dir={tmp_path}/d", "-s", f"cache.root={tmp_path}/c"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("hmscale: error: parallel.ray_address=192.0.2.2:6379: cannot join the Ray cluster there")
+
+
 def test_the_dashboard_url_as_ray_address_is_one_line(monkeypatch):
     # Ray's own error talks of RAY_ADDRESS over three lines, though the user set parallel.ray_address
     import ray
