@@ -20,13 +20,14 @@ bucket with POSIX rename): actors write the shards there directly, the driver wr
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections import deque
 
 import ray
 
-from hmscale.teacher.cache.format import CacheError, shard_name
+from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
 from hmscale.teacher.cache.worker import FAULT_ENV, WRITERS_ENV
 
 
@@ -63,6 +64,16 @@ def actor_writers(gpus: int, cpus: float) -> int:
     if not gpus:
         return 1
     return max(2, min(8, int(cpus // max(gpus, 1)) // 4))
+
+
+# file-system errors a retry elsewhere does not cure (every worker writes into the same cache directory)
+_UNRETRYABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def unretryable(err: BaseException) -> OSError | None:
+    """The OSError behind a failed shard task that retrying would only repeat (a full disk), else None."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, OSError) and cause.errno in _UNRETRYABLE else None
 
 
 def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=None) -> None:
@@ -138,6 +149,8 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                 free[a] = writers - sum(1 for (b, _, _) in inflight.values() if b == a)
                 continue
             except ray.exceptions.RayTaskError as err:
+                if (fatal := unretryable(err)) is not None:  # a full disk, a read-only or forbidden directory
+                    raise CacheError(failure_message(fatal, f"{shard_name(sid)} (worker {a})", cp.cache_dir)) from None
                 failures[sid] = failures.get(sid, 0) + 1
                 cause = str(err).strip().splitlines()[-1]
                 log(f"cache: {shard_name(sid)} failed on worker {a} ({cause}); retry {failures[sid]}/{cfg.cache.max_retries}")

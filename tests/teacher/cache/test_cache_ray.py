@@ -69,3 +69,23 @@ def test_worker_killed_mid_shard_is_redone_elsewhere(ray_cluster, tmp_path, teac
     monkeypatch.delenv(FAULT_ENV)
     local = build_cache(tools.make_cfg(tmp_path / "local"), data, teacher, engine="local")
     assert (local / "shard-000002.tar").read_bytes() == (path / "shard-000002.tar").read_bytes()
+
+
+def test_a_full_disk_on_an_actor_is_not_retried():
+    """A shard task that failed on a full (or read-only, forbidden) directory stops the build at once, named as writing
+    the shard: every actor writes into the same directory, so a retry elsewhere would fail the same way."""
+    import errno
+
+    from ray_jobs.cache_teacher import unretryable
+
+    class TaskError(Exception):  # what ray.get raises for a failed task: the worker's exception as .cause
+        def __init__(self, cause):
+            super().__init__(f"RayTaskError({type(cause).__name__})")
+            self.cause = cause
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert unretryable(TaskError(full)) is full
+    assert unretryable(TaskError(OSError(errno.EROFS, "Read-only file system"))).errno == errno.EROFS
+    assert unretryable(TaskError(OSError(errno.ECONNRESET, "reset"))) is None  # a transient error: retried
+    assert unretryable(TaskError(RuntimeError("CUDA error"))) is None
+    assert unretryable(RuntimeError("no cause")) is None
