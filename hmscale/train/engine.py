@@ -177,6 +177,23 @@ def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
     return DS_CONFIG_DIR / f"zero{stage}.json"
 
 
+def zero_stage_of(zero_stage: int, ds_config: str | None = None) -> int:
+    """The ZeRO stage DeepSpeed runs: a given ds_config's own ``zero_optimization.stage`` when the file names one
+    (``ds_config_for`` keeps it: ``parallel.ds_config=ds_configs/zero3_offload.json`` is ZeRO-3 whatever
+    ``parallel.zero_stage`` says), else ``zero_stage``. What decides the ZeRO-3 parameter gathering of the exports and
+    the tensor-parallel check."""
+    if ds_config:
+        path = ds_config_path(zero_stage, ds_config)
+        try:
+            conf = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise TrainingError(f"parallel.ds_config: {str(path)!r} is not valid JSON ({err})") from None
+        stage = (conf.get("zero_optimization") or {}).get("stage")
+        if isinstance(stage, int) and not isinstance(stage, bool):  # ("auto" or none: parallel.zero_stage decides)
+            return stage
+    return int(zero_stage)
+
+
 def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     """Read the DeepSpeed JSON and fill in the recipe values (no "auto" anywhere)."""
     path = ds_config_path(spec.zero_stage, spec.ds_config)
@@ -344,6 +361,21 @@ class Checkpointer:
             return []
         return sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / "meta.json").exists())
 
+    def partial(self, before: int) -> list[Path]:
+        """Checkpoint directories of steps before `before` without meta.json: saves a kill interrupted."""
+        root = Path(self.root)
+        if not root.exists():
+            return []
+        out = []
+        for p in root.iterdir():
+            try:
+                n = int(p.name[len("step_"):]) if p.name.startswith("step_") else None
+            except ValueError:
+                continue
+            if n is not None and n < before and p.is_dir() and not (p / "meta.json").exists():
+                out.append(p)
+        return sorted(out)
+
     def latest(self) -> Path | None:
         done = self.complete()
         return done[-1] if done else None
@@ -359,6 +391,8 @@ class Checkpointer:
             atomic_write_json(path / "meta.json", {"step": step, "tag": TAG, **(meta or {}), **_jsonable(client_state)})
             for old in self.complete()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
+            for stale in self.partial(before=step):  # what a killed save left (never resumed from, never counted)
+                shutil.rmtree(stale, ignore_errors=True)
         barrier()
         return path
 
@@ -427,7 +461,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict, kind: str = "train"):
         if self.rank != 0:
             return
-        rec = {"kind": kind, "step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        # counts stay ints and flags bools (an event's layer_parallel read 1.0, its total_steps 60.0); other numbers
+        # (numpy / torch scalars included) are written as floats
+        rec = {"kind": kind, "step": step,
+               **{k: _json_number(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
@@ -447,6 +484,20 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+
+
+def _json_number(v):
+    """ints and bools as they are, other real numbers (float, numpy and 0-d torch scalars) as floats, the rest as is."""
+    if isinstance(v, (bool, int, str)) or v is None:
+        return v
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return float(v)
+    try:
+        import numbers
+
+        return float(v) if isinstance(v, numbers.Real) else v
+    except (TypeError, ValueError):
+        return v
 
 
 def read_metrics(path: str | os.PathLike, kind: str = "train") -> list[dict]:
@@ -527,65 +578,78 @@ def train_loop(
     res.last_checkpoint = str(last_ckpt) if last_ckpt else None
     end = total_steps if stop_at_step is None else min(total_steps, stop_at_step)
     t_start = time.perf_counter()
-    step = start_step
-    for step in range(start_step, end):
-        if fault_hook is not None:
-            fault_hook(step)
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros(())
-        extra_sum: dict[str, torch.Tensor] = {}
-        for micro in range(grad_accum):
-            loss, extras = micro_step(step, micro)
-            # all ranks agree on finiteness before touching the weights
-            flag = all_reduce_sum(torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device))
-            if flag.item() > 0:
-                where = f"last good checkpoint: {res.last_checkpoint}" if res.last_checkpoint else "no checkpoint was written yet"
-                raise NonFiniteLoss(
-                    f"{name}: loss is {loss.item()} at step {step} (micro batch {micro}); stopped, {where}"
-                )
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float().cpu()
-            for k, v in extras.items():
-                v = torch.as_tensor(v, dtype=torch.float32).detach().cpu()
-                extra_sum[k] = extra_sum.get(k, 0) + v
-        vals = [loss_sum.reshape(1) / grad_accum] + [extra_sum[k].reshape(-1) / grad_accum for k in sorted(extra_sum)]
-        flat = torch.cat(vals)
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
-        flat = all_reduce_mean(flat.to(dev), group=reduce_group).cpu()
-        loss_val = float(flat[0])
-        metrics: dict[str, Any] = {"loss": loss_val}
-        off = 1
-        for k in sorted(extra_sum):  # an extra named "loss" replaces the logged loss (e.g. layer-parallel stage 1)
-            n = extra_sum[k].numel()
-            chunk = flat[off : off + n]
-            off += n
-            if n == 1:
-                metrics[k] = float(chunk[0])
-            else:
-                for i, x in enumerate(chunk.tolist()):
-                    metrics[f"{k}/{i}"] = x
-        loss_val = metrics["loss"]
-        dt = time.perf_counter() - t0
-        lr = engine.get_lr()[0] if engine.get_lr() else 0.0
-        gn = engine.get_global_grad_norm()
-        metrics.update(lr=lr, step_seconds=dt)
-        if gn is not None:
-            metrics["grad_norm"] = float(gn)
-        if tokens_per_step:
-            metrics["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
-            res.tokens += tokens_per_step
-        logger.log(step, metrics)
-        res.losses.append(loss_val)
-        res.end_step = step + 1
-        if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == total_steps):
-            logger.log(step, eval_fn(step), kind="eval")
-        if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps or step + 1 == end:
-            totals = {"stage_tokens": res.stage_tokens,
-                      "stage_seconds": res.stage_seconds + (time.perf_counter() - t_start)}
-            path = checkpointer.save(engine, step + 1, {**client_state(step + 1), **totals}, {"stage": name, "loss": loss_val})
-            res.last_checkpoint = str(path)
-            if on_checkpoint is not None:
-                on_checkpoint(step + 1, path, {"stage": name, "step": step + 1, "loss": loss_val})
+    try:
+        for step in range(start_step, end):
+            if fault_hook is not None:
+                fault_hook(step)
+            t0 = time.perf_counter()
+            # the lr this step trains at (after engine.step() the scheduler has moved on to the next step's)
+            lrs = engine.get_lr()
+            lr = float(lrs[0]) if lrs else 0.0
+            loss_sum = torch.zeros(())
+            extra_sum: dict[str, torch.Tensor] = {}
+            for micro in range(grad_accum):
+                loss, extras = micro_step(step, micro)
+                # all ranks agree on finiteness before touching the weights
+                flag = all_reduce_sum(torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device))
+                if flag.item() > 0:
+                    where = (f"last checkpoint {res.last_checkpoint} (the weights before this step; a loss that "
+                             "grew to this may diverge again from there)" if res.last_checkpoint
+                             else "no checkpoint was written yet")
+                    raise NonFiniteLoss(
+                        f"{name}: loss is {loss.item()} at step {step} (micro batch {micro}); stopped, {where}; "
+                        "lower the learning rate (a new output_dir: it is a training setting)"
+                    )
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().float().cpu()
+                for k, v in extras.items():
+                    v = torch.as_tensor(v, dtype=torch.float32).detach().cpu()
+                    extra_sum[k] = extra_sum.get(k, 0) + v
+            vals = [loss_sum.reshape(1) / grad_accum] + [extra_sum[k].reshape(-1) / grad_accum for k in sorted(extra_sum)]
+            flat = torch.cat(vals)
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
+            flat = all_reduce_mean(flat.to(dev), group=reduce_group).cpu()
+            loss_val = float(flat[0])
+            metrics: dict[str, Any] = {"loss": loss_val}
+            off = 1
+            for k in sorted(extra_sum):  # an extra named "loss" replaces the logged loss (e.g. layer-parallel stage 1)
+                n = extra_sum[k].numel()
+                chunk = flat[off : off + n]
+                off += n
+                if n == 1:
+                    metrics[k] = float(chunk[0])
+                else:
+                    for i, x in enumerate(chunk.tolist()):
+                        metrics[f"{k}/{i}"] = x
+            loss_val = metrics["loss"]
+            dt = time.perf_counter() - t0
+            gn = engine.get_global_grad_norm()
+            metrics.update(lr=lr, step_seconds=dt)
+            if gn is not None:
+                metrics["grad_norm"] = float(gn)
+            if tokens_per_step:
+                metrics["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
+                res.tokens += tokens_per_step
+            logger.log(step, metrics)
+            res.losses.append(loss_val)
+            res.end_step = step + 1
+            if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == total_steps):
+                logger.log(step, eval_fn(step), kind="eval")
+            if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps or step + 1 == end:
+                totals = {"stage_tokens": res.stage_tokens,
+                          "stage_seconds": res.stage_seconds + (time.perf_counter() - t_start)}
+                path = checkpointer.save(engine, step + 1, {**client_state(step + 1), **totals}, {"stage": name, "loss": loss_val})
+                res.last_checkpoint = str(path)
+                if on_checkpoint is not None:
+                    on_checkpoint(step + 1, path, {"stage": name, "step": step + 1, "loss": loss_val})
+    except KeyboardInterrupt:
+        # Ctrl-C (or a scheduler's SIGINT): say where the stage stands and how to go on; the interrupt goes on up
+        if checkpointer.rank == 0:
+            where = (f"a rerun into the same output_dir resumes from {res.last_checkpoint}" if res.last_checkpoint
+                     else "no checkpoint was written yet: a rerun starts the stage over")
+            print(f"\n{name}: interrupted after {res.end_step} of {total_steps} steps; {where}", file=sys.stderr,
+                  flush=True)
+        raise
     res.seconds = time.perf_counter() - t_start
     return res

@@ -4,7 +4,8 @@
 form one torch.distributed group the way torchrun does it: RANK / LOCAL_RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT in the environment, so `engine.init_distributed` joins it (NCCL on GPUs,
 gloo on CPU). Each process calls ``fn(rank, *args)``. A worker that raises or dies stops the others;
-the error comes back as a `WorkerFailed` with the worker's last line.
+the error comes back as a `WorkerFailed` with the worker's last line. A SIGINT to this process (`kill -INT`;
+a terminal's Ctrl-C reaches the workers themselves) interrupts the workers too, then goes on up.
 """
 
 from __future__ import annotations
@@ -37,8 +38,16 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
                                f"which has {gpus}; lower num_workers or use parallel.engine=ray on a cluster")
     port = free_port()
     try:
-        torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, port, args), nprocs=nprocs,
-                                              join=True, start_method="spawn")
+        ctx = torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, port, args), nprocs=nprocs,
+                                                    join=False, start_method="spawn")
+        try:
+            while not ctx.join():
+                pass
+        except KeyboardInterrupt:
+            # SIGINT to this process alone (`kill -INT`, a scheduler; a terminal's Ctrl-C reaches the workers too):
+            # the workers would train on, and Python's exit would wait for them to finish the stage
+            stop_workers(ctx.processes)
+            raise
     except torch.multiprocessing.ProcessRaisedException as err:
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
         raise WorkerFailed(f"local worker {err.error_index} failed: {lines[-1] if lines else err}") from None
@@ -47,3 +56,24 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
                            "rerun into the same output_dir to resume from the last checkpoint") from None
     finally:  # what killed workers left behind (the others remove theirs at exit)
         remove_shm_buffers("127.0.0.1", port)
+
+
+def stop_workers(processes, grace: float = 20.0) -> None:
+    """Interrupt the live workers (SIGINT: each stops as after Ctrl-C, rank 0 saying where the stage stands), wait up
+    to `grace` seconds for them, then kill what is left (a worker blocked in a collective its peer left)."""
+    import signal
+    import time
+
+    live = [p for p in processes if p.is_alive()]
+    for p in live:
+        try:
+            os.kill(p.pid, signal.SIGINT)
+        except (ProcessLookupError, TypeError):
+            pass
+    deadline = time.monotonic() + grace
+    for p in live:
+        p.join(max(deadline - time.monotonic(), 0.0))
+    for p in live:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)

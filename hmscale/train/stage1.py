@@ -44,7 +44,7 @@ from hmscale.atomic import atomic_write_json
 from hmscale.train.common import seed_everything, setup_layout, stage_dir
 from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
-                                   resumed_totals, train_loop)
+                                   resumed_totals, train_loop, zero_stage_of)
 
 
 class LayerParallelMPU:
@@ -282,7 +282,8 @@ def run_stage1(
     """
     s1, par = cfg.stage1, cfg.parallel
     out = stage_dir(run_dir, "stage1")
-    layout = setup_layout(cfg, tp=1, zero_stage=par.zero_stage)
+    zero = zero_stage_of(par.zero_stage, par.ds_config)  # the stage DeepSpeed runs (a ds_config file's own)
+    layout = setup_layout(cfg, tp=1, zero_stage=zero)
     seed_everything(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     mode = s1.source if source is None else ("cache" if isinstance(source, CacheSource) else "online")
@@ -420,9 +421,9 @@ def run_stage1(
     if done and export:
         meta = {"steps": total_steps, "final_loss": summary["final_loss"]}
         if mixer_model is None:
-            _gather_feature_maps(engine, student, mine, layout, par.zero_stage)
+            _gather_feature_maps(engine, student, mine, layout, zero)
         else:
-            mixer_model = _gather_mixers(engine, mixer_model, mine, layout, par.zero_stage, teacher, cfg)
+            mixer_model = _gather_mixers(engine, mixer_model, mine, layout, zero, teacher, cfg)
         if layout.rank == 0:
             export_student(student, out / "student", cfg, teacher, meta, mixer_model=mixer_model)
         barrier()

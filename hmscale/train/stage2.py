@@ -45,6 +45,7 @@ from hmscale.train.engine import (
     build_engine,
     resumed_totals,
     train_loop,
+    zero_stage_of,
 )
 
 
@@ -389,6 +390,7 @@ def run_stage2(
     s2, par = cfg.stage2, cfg.parallel
     out = stage_dir(run_dir, "stage2")
     layout = setup_layout(cfg)
+    zero = zero_stage_of(par.zero_stage, par.ds_config)  # the stage DeepSpeed runs (a ds_config file's own)
     seed_everything(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -413,7 +415,7 @@ def run_stage2(
         from hmscale.parallel import apply_compile
 
         apply_compile(model, mode=None if par.compile_mode == "default" else par.compile_mode)
-        if par.compile_mode == "reduce-overhead" and par.zero_stage < 2:
+        if par.compile_mode == "reduce-overhead" and zero < 2:
             from hmscale.parallel import keep_gradients_out_of_graph_pool
 
             keep_gradients_out_of_graph_pool(model)  # param.grad accumulates over micro-batches there
@@ -464,7 +466,7 @@ def run_stage2(
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.log(0, {"event": "start", "trainable_params": n_train, "frozen_params": frozen,
                        "total_steps": total_steps, "tokens_per_step": tokens_per_step,
-                       "zero_stage": par.zero_stage, "tp": layout.tp_size, "dp": layout.dp_size,
+                       "zero_stage": zero, "tp": layout.tp_size, "dp": layout.dp_size,
                        "lora_layers": len(lora_layers)}, kind="event")
 
     def micro_step(step: int, micro: int):
@@ -512,12 +514,12 @@ def run_stage2(
         "stage": "stage2", "done": done, "start_step": start_step, "end_step": res.end_step,
         "total_steps": total_steps, "tokens": res.stage_tokens, "seconds": res.stage_seconds,
         "final_loss": res.final_loss, "losses": res.losses,
-        "checkpoint": res.last_checkpoint, "dp": layout.dp_size, "tp": layout.tp_size, "zero_stage": par.zero_stage,
+        "checkpoint": res.last_checkpoint, "dp": layout.dp_size, "tp": layout.tp_size, "zero_stage": zero,
     }
     if done and val_tokens is not None:
         summary.update(eval_fn(res.end_step))
     if done and export:
-        hf = export_hf(engine, out / "hf", layout, par.zero_stage)
+        hf = export_hf(engine, out / "hf", layout, zero)
         summary["hf"] = str(hf)
     if layout.rank == 0:
         atomic_write_json(out / "summary.json", {k: v for k, v in summary.items() if k != "losses"})

@@ -199,6 +199,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         run_stage2(cfg, tmp_path, model=PoisonedLM(bad_call=6), source=ArraySource(toks()), export=False)
     msg = str(err.value)
     assert "\n" not in msg and "step 5" in msg and "step_00000004" in msg, msg
+    assert "lower the learning rate (a new output_dir" in msg
     ck = sorted(p.name for p in (tmp_path / "stage2" / "checkpoints").iterdir())
     assert ck == ["step_00000002", "step_00000004"]
     assert [r["step"] for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
@@ -225,3 +226,128 @@ def test_rowwise_checkpointed_losses_equal_the_plain_ones():
     torch.testing.assert_close(ex["ce"], ce.detach())
     torch.testing.assert_close(ex["kd"], kd.detach())
     torch.testing.assert_close(g, g_ref)
+
+
+# ---------------------------------------------------------------- a ds_config file's own ZeRO stage
+
+
+def test_zero_stage_of_reads_the_files_stage(tmp_path):
+    from hmscale.train.engine import zero_stage_of
+
+    assert zero_stage_of(2, None) == 2 and zero_stage_of(0, None) == 0
+    assert zero_stage_of(2, str(DS_CONFIG_DIR / "zero3_offload.json")) == 3
+    assert zero_stage_of(3, str(DS_CONFIG_DIR / "zero1.json")) == 1
+    conf = json.loads((DS_CONFIG_DIR / "zero2.json").read_text())
+    del conf["zero_optimization"]["stage"]
+    (tmp_path / "nostage.json").write_text(json.dumps(conf))
+    assert zero_stage_of(1, str(tmp_path / "nostage.json")) == 1  # the file names none: parallel.zero_stage
+
+
+def test_tp_with_a_zero3_ds_config_is_one_line_before_joining(tmp_path):
+    """parallel.zero_stage=2 passes the config's tp check, but the file makes DeepSpeed run ZeRO-3."""
+    from hmscale.train.common import setup_layout
+    from hmscale.train.engine import TrainingError
+
+    cfg = build_config({}, ["parallel.tp=2", "parallel.num_workers=2",
+                            f"parallel.ds_config={DS_CONFIG_DIR / 'zero3_offload.json'}"])
+    with pytest.raises(TrainingError) as err:
+        setup_layout(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "ZeRO 3" in msg and "zero3_offload.json" in msg, msg
+
+
+def test_stage2_export_gathers_a_zero3_ds_config_run(tmp_path):
+    """parallel.ds_config=zero3.json with parallel.zero_stage left at 2 runs ZeRO-3: the export gathers the
+    partitioned weights (it saved the frozen embeddings as empty tensors: the model did not load)."""
+    from transformers import AutoModelForCausalLM
+
+    import hmscale.models  # noqa: F401
+    from hmscale.train.stage2 import run_stage2
+
+    teacher, student = tiny_student(seed=3)
+    emb = teacher.get_input_embeddings().weight.detach().clone()
+    cfg = _cfg(["stage2.steps=2", f"parallel.ds_config={DS_CONFIG_DIR / 'zero3.json'}"])
+    res = run_stage2(cfg, tmp_path, student=student, source=ArraySource(toks()))
+    m = AutoModelForCausalLM.from_pretrained(res["hf"])
+    torch.testing.assert_close(m.get_input_embeddings().weight, emb)  # frozen in stage 2: the teacher's
+    assert all(p.numel() > 0 for p in m.parameters())
+    assert torch.isfinite(m(input_ids=torch.as_tensor(toks(2, 8))).logits).all()
+    assert res["done"] and res["zero_stage"] == 3  # the summary names the stage that ran
+
+
+def test_logged_lr_is_the_lr_each_step_trained_at(tmp_path):
+    """metrics.jsonl's lr of step s is the schedule's lr at s (it logged s + 1's: the scheduler had stepped),
+    in a resumed run too; the schedule itself (what the optimizer used) is unchanged."""
+    from hmscale.train.engine import lr_multiplier
+    from hmscale.train.stage2 import run_stage2
+
+    warmup, steps, lr, floor = 3, 7, 2e-3, 0.25
+    cfg = _cfg([f"stage2.steps={steps}", f"stage2.warmup_steps={warmup}", f"stage2.lr={lr}",
+                f"stage2.min_lr_ratio={floor}", "parallel.checkpoint_every=2"])
+    want = [lr * lr_multiplier(s, warmup, steps, floor) for s in range(steps)]
+    run_stage2(cfg, tmp_path, student=tiny_student()[1], source=ArraySource(toks()), stop_at_step=3, export=False)
+    run_stage2(cfg, tmp_path, student=tiny_student(seed=4)[1], source=ArraySource(toks()), export=False)
+    recs = read_metrics(tmp_path / "stage2" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(steps))
+    assert [r["lr"] for r in recs] == pytest.approx(want, rel=1e-6)
+    assert recs[warmup - 1]["lr"] == pytest.approx(lr)  # the warmup's last step is at the full lr
+
+
+def test_ctrl_c_says_where_the_stage_stands_and_resumes(tmp_path, capsys):
+    """Ctrl-C mid-stage: the KeyboardInterrupt goes on up (exit 130) after one line naming the checkpoint a rerun
+    resumes from (the run used to end silently); the rerun finishes with the uninterrupted run's losses."""
+    from hmscale.train.stage2 import run_stage2
+
+    cfg = _cfg(["stage2.steps=7", "parallel.checkpoint_every=2"])
+    full = run_stage2(cfg, tmp_path / "full", student=tiny_student()[1], source=ArraySource(toks()), export=False)
+
+    def ctrl_c(step):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        run_stage2(cfg, tmp_path / "cut", student=tiny_student()[1], source=ArraySource(toks()), export=False,
+                   fault_hook=ctrl_c)
+    lines = [l for l in capsys.readouterr().err.splitlines() if "interrupted" in l]
+    assert len(lines) == 1, lines
+    assert "after 5 of 7 steps" in lines[0] and lines[0].endswith("step_00000004"), lines[0]
+    rest = run_stage2(cfg, tmp_path / "cut", student=tiny_student(seed=5)[1], source=ArraySource(toks()), export=False)
+    assert rest["start_step"] == 4 and rest["done"]
+    recs = read_metrics(tmp_path / "cut" / "stage2" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(7))  # step 4, logged before the interrupt, once
+    assert rel_err([r["loss"] for r in recs], full["losses"]) <= 1e-6
+
+
+def test_metrics_lines_keep_counts_and_flags(tmp_path):
+    """The JSONL keeps an event's ints and bools (they were written 60.0 and 1.0) and floats as floats."""
+    from hmscale.train.engine import MetricsLogger
+
+    rng = np.random.default_rng(7)
+    n, flag, x = int(rng.integers(10, 10**9)), bool(rng.integers(0, 2)), float(rng.normal())
+    log = MetricsLogger(tmp_path, "t", 3, progress=False, tensorboard=False)
+    log.log(0, {"event": "start", "total_steps": n, "layer_parallel": flag, "mode": "cache"}, kind="event")
+    log.log(0, {"loss": x, "np": np.float32(x), "t": torch.tensor(x)})
+    log.close()
+    ev, tr = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert ev["total_steps"] == n and type(ev["total_steps"]) is int
+    assert ev["layer_parallel"] is flag and ev["mode"] == "cache"
+    assert tr["loss"] == x and type(tr["np"]) is float and tr["t"] == pytest.approx(x)
+
+
+def test_a_killed_saves_leftovers_go_with_the_next_checkpoint(tmp_path):
+    """A kill during a save leaves a step directory without meta.json; a rerun with another checkpoint_every never
+    rewrites that step, so it stayed beside the keep_checkpoints complete ones for good."""
+    from hmscale.train.stage2 import run_stage2
+
+    ckpts = tmp_path / "stage2" / "checkpoints"
+    rng = np.random.default_rng(11)
+    odd = [int(s) for s in rng.choice(np.arange(1, 12, 2), size=2, replace=False)]
+    for s in odd:  # half-written: DeepSpeed's files, no meta.json
+        (ckpts / f"step_{s:08d}" / "state").mkdir(parents=True)
+        (ckpts / f"step_{s:08d}" / "state" / "mp_rank_00_model_states.pt").write_bytes(rng.bytes(64))
+    (ckpts / "step_00000099").mkdir()  # a later step's directory is not this save's to judge
+    cfg = _cfg(["stage2.steps=12", "parallel.checkpoint_every=4", "parallel.keep_checkpoints=2"])
+    res = run_stage2(cfg, tmp_path, student=tiny_student()[1], source=ArraySource(toks()), export=False)
+    assert res["done"] and res["start_step"] == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000008", "step_00000012", "step_00000099"]
