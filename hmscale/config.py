@@ -280,13 +280,22 @@ class ParallelConfig(_Section):
     def dp(self) -> int:
         return self.num_workers // self.tp
 
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage DeepSpeed runs: a `ds_config` file's own stage where it sets one, else `zero_stage`."""
+        stage = ds_config_zero_stage(self.ds_config) if self.ds_config else None
+        return self.zero_stage if stage is None else stage
+
     @model_validator(mode="after")
     def _check(self):
         if self.num_workers % self.tp:
             raise ValueError(f"parallel.tp: {self.tp} must divide parallel.num_workers={self.num_workers}")
-        if self.tp > 1 and self.zero_stage == 3:
-            raise ValueError("parallel.zero_stage: tensor parallelism supports ZeRO 0, 1 or 2; set zero_stage<=2 or tp=1")
-        if self.cuda_graphs and (not self.use_gpu or self.compile or self.tp > 1 or self.zero_stage != 0):
+        zero = self.zero  # (a missing or malformed ds_config stops here, in one line)
+        via = f" (parallel.ds_config {Path(self.ds_config).name} sets ZeRO {zero})" if zero != self.zero_stage else ""
+        if self.tp > 1 and zero == 3:
+            raise ValueError(f"parallel.zero_stage: tensor parallelism supports ZeRO 0, 1 or 2{via}; set zero_stage<=2 "
+                             "(and a ds_config of stage <= 2) or tp=1")
+        if self.cuda_graphs and (not self.use_gpu or self.compile or self.tp > 1 or zero != 0):
             # ZeRO 1/2: measured 2026-11-29 on an H200, the backward capture is invalidated once DeepSpeed's
             # ZeRO optimizer is built (ZeRO-0 and no DeepSpeed capture fine); ZeRO-3 gathers parameters in hooks
             raise ValueError("parallel.cuda_graphs: needs parallel.use_gpu=true and parallel.zero_stage=0, and neither "
@@ -294,14 +303,40 @@ class ParallelConfig(_Section):
                              "set cuda_graphs=false otherwise")
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"parallel.compile_mode={self.compile_mode}: needs parallel.compile=true")
-        if self.compile_mode == "reduce-overhead" and (not self.use_gpu or self.tp > 1 or self.zero_stage == 3):
+        if self.compile_mode == "reduce-overhead" and (not self.use_gpu or self.tp > 1 or zero == 3):
             # CUDA graphs need a GPU; collectives inside the graphs (tp) and ZeRO-3's parameter gathering in
             # forward hooks are not verified with them
             raise ValueError("parallel.compile_mode=reduce-overhead: needs parallel.use_gpu=true, parallel.tp=1 and "
-                             "parallel.zero_stage<=2; set compile_mode=default otherwise")
-        if self.ds_config and not Path(self.ds_config).exists():
-            raise ValueError(f"parallel.ds_config: {self.ds_config!r} does not exist; point it at a ds_configs/*.json")
+                             f"parallel.zero_stage<=2{via}; set compile_mode=default otherwise")
         return self
+
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def resolve_ds_config(path: str) -> Path | None:
+    """A `parallel.ds_config` as given (relative to this directory), else relative to the repository (so
+    `ds_configs/zero3.json` works from anywhere); None when neither exists."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return p
+    if not p.is_absolute() and (DS_CONFIG_DIR.parent / p).exists():
+        return DS_CONFIG_DIR.parent / p
+    return None
+
+
+def ds_config_zero_stage(path: str) -> int | None:
+    """The ZeRO stage a DeepSpeed JSON sets (`zero_optimization.stage`), or None where it leaves it to
+    `parallel.zero_stage` (no stage, or "auto"). A file that is not JSON is a one-line ValueError."""
+    found = resolve_ds_config(path)
+    if found is None:
+        raise ValueError(f"parallel.ds_config: {path!r} does not exist; point it at a ds_configs/*.json")
+    try:
+        conf = json.loads(found.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"parallel.ds_config: {str(found)!r} is not valid JSON ({err})") from None
+    stage = (conf.get("zero_optimization") or {}).get("stage") if isinstance(conf, dict) else None
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
 
 
 class EvalConfig(_Section):
@@ -367,8 +402,8 @@ class RunConfig(_Section):
         cfg.output_dir = absolute(cfg.output_dir)
         cfg.data.cache_dir = absolute(cfg.data.cache_dir)
         cfg.cache.root = absolute(cfg.cache.root)
-        if cfg.parallel.ds_config:
-            cfg.parallel.ds_config = absolute(cfg.parallel.ds_config)
+        if cfg.parallel.ds_config:  # (where it is found: here, else in the repository's ds_configs/)
+            cfg.parallel.ds_config = absolute(resolve_ds_config(cfg.parallel.ds_config) or cfg.parallel.ds_config)
         return cfg
 
     def hash(self, *sections: str) -> str:

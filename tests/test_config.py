@@ -128,3 +128,27 @@ def test_config_paths_that_are_not_yaml_files(tmp_path):
     # `-s stage2.lr 3e-4` makes 3e-4 the config path: the message says how an override is written
     with pytest.raises(ConfigError, match=r"an override needs '=': -s stage2.lr=3e-4"):
         load_config("3e-4", ["stage2.lr"])
+
+
+def test_a_ds_config_files_zero_stage_is_the_one_checked(tmp_path, monkeypatch):
+    """`parallel.ds_config` decides the ZeRO stage DeepSpeed runs: a ZeRO-3 file under the default zero_stage=2 is
+    ZeRO 3 for the config's own checks (tp, reduce-overhead); a file path relative to the repository works from any
+    directory, and the absolute config points at that file; a file that is not JSON is one line."""
+    import json
+
+    monkeypatch.chdir(tmp_path)  # not the repository: ds_configs/ is found in the repository
+    cfg = build_config({}, ["parallel.ds_config=ds_configs/zero3_offload.json"])
+    assert cfg.parallel.zero_stage == 2 and cfg.parallel.zero == 3
+    assert cfg.with_absolute_paths().parallel.ds_config.endswith("/ds_configs/zero3_offload.json")
+    with open(cfg.with_absolute_paths().parallel.ds_config) as f:
+        assert json.load(f)["zero_optimization"]["stage"] == 3
+    with pytest.raises(ConfigError, match=r"tensor parallelism supports ZeRO 0, 1 or 2 \(parallel.ds_config "
+                                          r"zero3_offload.json sets ZeRO 3\)"):
+        build_config({}, ["parallel.ds_config=ds_configs/zero3_offload.json", "parallel.tp=2", "parallel.num_workers=2"])
+    (tmp_path / "mine.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "train_batch_size": "auto"}))
+    assert build_config({}, ["parallel.ds_config=mine.json", "parallel.zero_stage=3"]).parallel.zero == 1
+    (tmp_path / "auto.json").write_text(json.dumps({"zero_optimization": {"stage": "auto"}}))
+    assert build_config({}, ["parallel.ds_config=auto.json", "parallel.zero_stage=1"]).parallel.zero == 1
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"parallel.ds_config: .*bad.json' is not valid JSON"):
+        build_config({}, ["parallel.ds_config=bad.json"])

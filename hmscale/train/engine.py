@@ -32,9 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hmscale.atomic import atomic_write_json, atomic_write_text
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+from hmscale.config import DS_CONFIG_DIR, ds_config_zero_stage, resolve_ds_config
 
 
 class TrainingError(RuntimeError):
@@ -167,12 +165,10 @@ class OptimSpec:
 
 def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
     if path:
-        p = Path(path)
-        if not p.is_absolute() and not p.exists():
-            p = REPO_ROOT / p
-        if not p.exists():
+        found = resolve_ds_config(path)
+        if found is None:
             raise TrainingError(f"parallel.ds_config: {path!r} does not exist; point it at a ds_configs/*.json")
-        return p
+        return found
     stage = max(int(zero_stage), 1)  # ZeRO 0 uses the zero1 file with stage set to 0
     return DS_CONFIG_DIR / f"zero{stage}.json"
 
@@ -180,18 +176,13 @@ def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
 def zero_stage_of(zero_stage: int, ds_config: str | None = None) -> int:
     """The ZeRO stage DeepSpeed runs: a given ds_config's own ``zero_optimization.stage`` when the file names one
     (``ds_config_for`` keeps it: ``parallel.ds_config=ds_configs/zero3_offload.json`` is ZeRO-3 whatever
-    ``parallel.zero_stage`` says), else ``zero_stage``. What decides the ZeRO-3 parameter gathering of the exports and
-    the tensor-parallel check."""
-    if ds_config:
-        path = ds_config_path(zero_stage, ds_config)
-        try:
-            conf = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise TrainingError(f"parallel.ds_config: {str(path)!r} is not valid JSON ({err})") from None
-        stage = (conf.get("zero_optimization") or {}).get("stage")
-        if isinstance(stage, int) and not isinstance(stage, bool):  # ("auto" or none: parallel.zero_stage decides)
-            return stage
-    return int(zero_stage)
+    ``parallel.zero_stage`` says), else ``zero_stage`` (``ParallelConfig.zero``). What decides the ZeRO-3 parameter
+    gathering of the exports and the tensor-parallel check."""
+    try:
+        stage = ds_config_zero_stage(ds_config) if ds_config else None
+    except ValueError as err:
+        raise TrainingError(str(err)) from None
+    return int(zero_stage) if stage is None else stage
 
 
 def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
@@ -215,8 +206,8 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     conf["bf16"] = {**(conf.get("bf16") or {}), "enabled": bool(spec.bf16)}  # the file's other bf16 keys kept
     conf.pop("fp16", None)
     zero = conf.setdefault("zero_optimization", {})
-    if spec.ds_config is None or "stage" not in zero:
-        zero["stage"] = int(spec.zero_stage)
+    if spec.ds_config is None or zero_stage_of(spec.zero_stage, spec.ds_config) != zero.get("stage"):
+        zero["stage"] = int(spec.zero_stage)  # (a file's own stage is kept; none, or "auto": parallel.zero_stage)
     if not torch.cuda.is_available():
         for k in ("offload_optimizer", "offload_param"):
             if k in zero:

@@ -244,14 +244,14 @@ def test_zero_stage_of_reads_the_files_stage(tmp_path):
 
 
 def test_tp_with_a_zero3_ds_config_is_one_line_before_joining(tmp_path):
-    """parallel.zero_stage=2 passes the config's tp check, but the file makes DeepSpeed run ZeRO-3."""
+    """The file makes DeepSpeed run ZeRO-3 whatever parallel.zero_stage says: the config refuses tp with it
+    (tests/test_config.py), and so does the layout for a tp given to it directly, before joining the group."""
     from hmscale.train.common import setup_layout
     from hmscale.train.engine import TrainingError
 
-    cfg = build_config({}, ["parallel.tp=2", "parallel.num_workers=2",
-                            f"parallel.ds_config={DS_CONFIG_DIR / 'zero3_offload.json'}"])
+    cfg = build_config({}, ["parallel.num_workers=2", f"parallel.ds_config={DS_CONFIG_DIR / 'zero3_offload.json'}"])
     with pytest.raises(TrainingError) as err:
-        setup_layout(cfg)
+        setup_layout(cfg, tp=2)
     msg = str(err.value)
     assert "\n" not in msg and "ZeRO 3" in msg and "zero3_offload.json" in msg, msg
 
