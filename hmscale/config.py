@@ -208,7 +208,7 @@ class Stage2Config(_Section):
     weight_decay: float = Field(0.0, ge=0)
     micro_batch_size: int = Field(8, gt=0)
     grad_accum: int = Field(1, gt=0)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(1.0, ge=0)  # max global gradient norm; 0 = no clipping (as DeepSpeed's gradient_clipping)
     kd_weight: float = Field(0.0, ge=0)  # weight of the KD term (teacher log-probs, see kd_source)
     kd_temperature: float = Field(1.0, gt=0)
     # where the KD targets come from: "cache" = the cached top-k log-probs (cache.capture.topk > 0);

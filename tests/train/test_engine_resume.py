@@ -351,3 +351,17 @@ def test_a_killed_saves_leftovers_go_with_the_next_checkpoint(tmp_path):
     res = run_stage2(cfg, tmp_path, student=tiny_student()[1], source=ArraySource(toks()), export=False)
     assert res["done"] and res["start_step"] == 0
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000008", "step_00000012", "step_00000099"]
+
+
+def test_grad_clip_zero_turns_clipping_off(tmp_path):
+    """stage2.grad_clip=0 trains without clipping (DeepSpeed's 0): the losses of a norm bound no gradient reaches;
+    a tight bound changes them."""
+    from hmscale.train.stage2 import run_stage2
+
+    runs = {}
+    for clip in ("0", "1e9", "1e-3"):
+        cfg = _cfg([f"stage2.grad_clip={clip}", "stage2.steps=4"])
+        runs[clip] = run_stage2(cfg, tmp_path / clip, student=tiny_student()[1], source=ArraySource(toks()),
+                                resume=False, export=False)["losses"]
+    assert rel_err(runs["0"], runs["1e9"]) <= 1e-6, runs
+    assert rel_err(runs["1e-3"][1:], runs["0"][1:]) > 1e-4, runs
