@@ -267,6 +267,16 @@ def fused_adam(params, conf: dict, lr: float):
                weight_decay=float(p.get("weight_decay", 0.0)), fused=True)
 
 
+def warmup_note(spec: OptimSpec) -> str | None:
+    """A warning when the warmup is longer than the stage (a small budget with the default warmup): the lr never
+    reaches its peak, silently; else None."""
+    if spec.total_steps and spec.warmup_steps > spec.total_steps:
+        peak = lr_multiplier(spec.total_steps - 1, spec.warmup_steps, spec.total_steps, spec.min_lr_ratio)
+        return (f"[train] warning: warmup_steps={spec.warmup_steps} is longer than the stage's {spec.total_steps} "
+                f"steps: the lr peaks at {peak:.0%} of lr={spec.lr:g}; lower warmup_steps (or raise the budget)")
+    return None
+
+
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
     if warmup > 0 and step < warmup:
@@ -305,6 +315,8 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
     from .zero_foreach import install as install_foreach
 
     conf = ds_config_for(spec, dp_world)
+    if (note := warmup_note(spec)) and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(note, file=sys.stderr, flush=True)
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
     if not params:

@@ -365,3 +365,14 @@ def test_grad_clip_zero_turns_clipping_off(tmp_path):
                                 resume=False, export=False)["losses"]
     assert rel_err(runs["0"], runs["1e9"]) <= 1e-6, runs
     assert rel_err(runs["1e-3"][1:], runs["0"][1:]) > 1e-4, runs
+
+
+def test_a_warmup_longer_than_the_stage_is_warned():
+    from hmscale.train.engine import warmup_note
+
+    note = warmup_note(OptimSpec(lr=2e-3, micro_batch_size=2, warmup_steps=10, total_steps=1))
+    assert note.startswith("[train] warning: warmup_steps=10 is longer than the stage's 1 steps")
+    assert "the lr peaks at 10% of lr=0.002" in note
+    assert "peaks at 75%" in warmup_note(OptimSpec(lr=1e-3, micro_batch_size=2, warmup_steps=4, total_steps=3))
+    assert warmup_note(OptimSpec(lr=1e-3, micro_batch_size=2, warmup_steps=4, total_steps=4)) is None
+    assert warmup_note(OptimSpec(lr=1e-3, micro_batch_size=2, warmup_steps=0, total_steps=1)) is None
