@@ -132,9 +132,9 @@ def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = 
                f"({data.plan.num_shards} shards), {len(data.val_tokens)} validation rows; {cover}")
 
 
-def _run_stages(config, overrides, stages: tuple) -> None:
+def _run_stages(config, overrides, stages: tuple, stage1_from: Optional[str] = None) -> None:
     """Run the given distillation stages (parallel.engine: local, one process, or ray, Ray Train workers)."""
-    from hmscale.recipe import RecipeError, check_local_gpu
+    from hmscale.recipe import RecipeError, adopt_stage1, check_local_gpu
     from hmscale.run_identity import saved_config_mismatch
     from hmscale.train.engine import TrainingError
     from ray_jobs.distill import run_distill, summary_line
@@ -145,6 +145,8 @@ def _run_stages(config, overrides, stages: tuple) -> None:
     if refusal:
         fail(refusal)
     try:
+        if stage1_from is not None:
+            typer.echo(adopt_stage1(Path(stage1_from), absolute), err=True)
         check_local_gpu(cfg)
         res = run_distill(cfg, stages=stages)
     except (RecipeError, ConfigError) as err:  # (ConfigError: e.g. a parallel.ray_address with no cluster)
@@ -161,9 +163,15 @@ def stage1(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = O
 
 
 @app.command()
-def stage2(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
+def stage2(
+    config: Optional[str] = ConfigArg,
+    overrides: Optional[List[str]] = OverridesOpt,
+    stage1_from: Optional[str] = typer.Option(
+        None, "--stage1-from", help="a run directory whose finished stage 1 this run starts from (every setting but "
+                                    "stage2.* must match): one stage 1 for several stage-2 ablations"),
+):
     """Stage 2: convert to HedgeMamba and fine-tune."""
-    _run_stages(config, overrides, ("stage2",))
+    _run_stages(config, overrides, ("stage2",), stage1_from=stage1_from)
 
 
 @app.command("eval")

@@ -57,6 +57,42 @@ def _check_identity(run_dir: Path, stored_hash: str | None, cfg: RunConfig, **fi
         raise RecipeError(different_run(run_dir, diff, **fix))
 
 
+def adopt_stage1(source: Path, cfg: RunConfig) -> str:
+    """Start ``cfg``'s run (``cfg.output_dir``, absolute paths) from the finished stage 1 of the run in ``source``:
+    one stage 1 for several stage-2 ablations. Every training setting but ``stage2.*`` must match (else one line
+    naming them); the stage's student, summary and metrics are copied in, not its checkpoints; an
+    identical stage 1 already there is kept. Returns what was done, for the log."""
+    from hmscale.run_identity import changed_settings, saved_tree
+    from ray_jobs.distill import _stage_done
+
+    source, run_dir = Path(source).resolve(), Path(cfg.output_dir).resolve()
+    if not _stage_done(source, "stage1"):
+        raise RecipeError(f"--stage1-from: {source} holds no finished stage 1 (stage1/summary.json with done); "
+                          "run `hmscale stage1` there first")
+    tree = saved_tree(source)
+    if tree is None:
+        raise RecipeError(f"--stage1-from: {source} has no readable config.yaml, so its stage 1 cannot be matched")
+    diff = [d for d in changed_settings(tree, cfg) if not d.startswith("stage2.")]
+    if diff:
+        raise RecipeError(f"--stage1-from: {source}'s stage 1 was trained with other settings "
+                          f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); only stage2.* may differ")
+    if source == run_dir:
+        return f"[stage2] stage 1 of {run_dir} is this run's own"
+    dst = run_dir / "stage1"
+    wanted = (source / "stage1" / "summary.json").read_bytes()
+    if dst.exists():
+        if (dst / "summary.json").exists() and (dst / "summary.json").read_bytes() == wanted:
+            return f"[stage2] stage 1 from {source} already in {run_dir}"
+        raise RecipeError(f"--stage1-from: {run_dir} already holds a stage 1 of its own; choose another output_dir")
+    tmp = run_dir / ".stage1.adopting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # copies, not links: the two runs' files must not alias (a later edit of one would change the other)
+    shutil.copytree(source / "stage1", tmp, ignore=lambda d, names: ["checkpoints"] if Path(d) == source / "stage1" else [])
+    tmp.rename(dst)  # whole or absent: a kill before this leaves only the hidden temporary
+    return f"[stage2] stage 1 from {source} (its student, summary and metrics; settings but stage2.* the same)"
+
+
 def check_local_gpu(cfg: RunConfig) -> None:
     """parallel.use_gpu on the local engine needs this Python's torch to see a GPU (the ray engine's workers may run
     elsewhere: there Ray places them)."""

@@ -155,3 +155,38 @@ def test_run_refuses_a_directory_the_stage_commands_trained_with_other_settings(
     with pytest.raises(RecipeError, match=r"holds a run of a different config \(seed: 1 -> 2\)"):
         _load_results(tmp_path, build_config({}, ["seed=2"]))
     assert _load_results(tmp_path, build_config({}, ["seed=1"]))["stages"] == {}
+
+
+def test_one_stage1_serves_several_stage2_ablations(tmp_path):
+    """`hmscale stage2 --stage1-from RUN`: a new run starts from RUN's finished stage 1 when every training setting but
+    stage2.* matches; its student, summary and metrics come along, its checkpoints do not."""
+    import pytest
+
+    from hmscale.config import save_resolved
+    from hmscale.recipe import RecipeError, adopt_stage1
+
+    base = build_config({}, [f"output_dir={tmp_path}/base", "stage1.lr=0.02"]).with_absolute_paths()
+    save_resolved(base, tmp_path / "base")
+    s1 = tmp_path / "base" / "stage1"
+    (s1 / "student").mkdir(parents=True)
+    (s1 / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (s1 / "student" / "feature_maps.safetensors").write_bytes(b"\x01\x02 weights")
+    (s1 / "checkpoints" / "step_00000004" / "meta.json").write_text("{}")
+    (s1 / "summary.json").write_text(json.dumps({"stage": "stage1", "done": False}))
+    abl = build_config({}, [f"output_dir={tmp_path}/abl", "stage1.lr=0.02", "stage2.lr=5e-4"]).with_absolute_paths()
+    with pytest.raises(RecipeError, match="holds no finished stage 1"):
+        adopt_stage1(tmp_path / "base", abl)
+    (s1 / "summary.json").write_text(json.dumps({"stage": "stage1", "done": True, "final_loss": 0.5}))
+    assert "stage 1 from" in adopt_stage1(tmp_path / "base", abl)
+    got = tmp_path / "abl" / "stage1"
+    assert (got / "student" / "feature_maps.safetensors").read_bytes() == b"\x01\x02 weights"
+    assert json.loads((got / "summary.json").read_text())["final_loss"] == 0.5 and not (got / "checkpoints").exists()
+    assert not (tmp_path / "abl" / ".stage1.adopting").exists()
+    assert "already in" in adopt_stage1(tmp_path / "base", abl)  # a rerun keeps it
+    other = build_config({}, [f"output_dir={tmp_path}/other", "stage1.lr=0.05"]).with_absolute_paths()
+    with pytest.raises(RecipeError, match=r"trained with other settings \(stage1.lr: 0.02 -> 0.05\); only stage2"):
+        adopt_stage1(tmp_path / "base", other)
+    mine = build_config({}, [f"output_dir={tmp_path}/abl", "stage1.lr=0.02", "stage2.lr=1e-4"]).with_absolute_paths()
+    (got / "summary.json").write_text(json.dumps({"stage": "stage1", "done": True, "final_loss": 0.7}))
+    with pytest.raises(RecipeError, match="already holds a stage 1 of its own"):
+        adopt_stage1(tmp_path / "base", mine)

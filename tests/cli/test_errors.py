@@ -83,3 +83,9 @@ def test_eval_refuses_other_training_settings_and_takes_a_run_directory(tmp_path
 def test_cache_engine_is_checked_first(capsys):
     assert main(["cache", "--engine", "foo"]) == 2
     assert "cache --engine: 'foo' is not an engine" in _one_line(capsys)
+
+
+def test_stage2_from_a_directory_without_stage1_is_one_line(tmp_path, capsys):
+    assert main(["stage2", "-s", f"output_dir={tmp_path}/abl", "--stage1-from", str(tmp_path / "nothing")]) == 2
+    assert "--stage1-from: " in _one_line(capsys)
+    assert not (tmp_path / "abl" / "stage2").exists()
