@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _runinfo import header, need_cuda  # noqa: E402
 from hmscale.config import build_config  # noqa: E402
 from hmscale.data.plan import ShardPlan  # noqa: E402
 from hmscale.teacher.cache import plan_cache, verify_cache  # noqa: E402
@@ -119,6 +121,9 @@ def main(argv=None) -> int:
         args.tokens, args.seq_len = args.tokens or 2048, args.seq_len or 64
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    if cuda:
+        need_cuda("benchmarks/cache_throughput.py --device cuda", "--device cpu (or --smoke) runs it on the CPU")
+    print(header(str(device)), flush=True)
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     tokens = args.tokens or (131072 if cuda else 8192)
@@ -216,9 +221,15 @@ def main(argv=None) -> int:
     from hmscale.teacher.cache.format import layout_json
     from hmscale.teacher.cache.manifest import Manifest
 
-    m = Manifest.new(cp.cache_dir, key=cp.key, teacher={"fingerprint": cp.fingerprint}, plan={"hash": plan.hash},
+    m = Manifest.new(cp.cache_dir, key=cp.key,
+                     teacher={"fingerprint": cp.fingerprint, "n_layers": cp.shape.n_layers, "d_model": cp.shape.d_model,
+                              "n_heads": cp.shape.n_heads, "head_dim": cp.shape.head_dim,
+                              "vocab_size": cp.shape.vocab_size, "flavor": args.flavor},
+                     plan={"hash": plan.hash, "num_shards": plan.num_shards, "seq_len": plan.seq_len,
+                           "sequences_per_shard": plan.sequences_per_shard},
                      capture=spec.to_json(), layout={"fields": layout_json(cp.fields), "seq_len": seq_len,
-                                                     "kept_positions": kept}, config_hash="bench")
+                                                     "kept_positions": kept, "bytes_per_token": cp.bytes_per_token},
+                     config_hash="bench")
     for i in infos:
         m.add_shard(i)
     m.set_requested(range(plan.num_shards))

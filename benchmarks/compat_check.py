@@ -21,10 +21,12 @@ further than that from float64 (on the H200 its fp32 case is 1.4e-3 away, the si
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import glob
 import math
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -40,6 +42,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _runinfo import header, mamba_ssm_version  # noqa: E402
 
 from kernels import ssd_reference  # noqa: E402
 from kernels.compat import mamba_chunk_scan_combined, selective_state_update  # noqa: E402
@@ -62,6 +67,7 @@ def unpack_mamba() -> str:
         sys.exit("mamba_ssm not found: run `make gpu-wheels` (it puts its source in .anchors/) or unpack it to "
                  "/tmp/anchors")
     out = Path(tempfile.mkdtemp(prefix="mamba_ssm_"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # one unpacked copy per run, gone when it ends
     with tarfile.open(tars[-1]) as tf:
         members = [m for m in tf.getmembers() if "/mamba_ssm/" in m.name and m.isfile()]
         for m in members:
@@ -190,6 +196,8 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     theirs, their_step = load_mamba()
+    print(header(DEV, f"baseline mamba_ssm {mamba_ssm_version()}" + (", TRITON_INTERPRET=1" if DEV == "cpu" else "")),
+          flush=True)
     print(f"device: {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu (TRITON_INTERPRET=1)'}, torch "
           f"{torch.__version__}")
     print("case            dtype  D      | worst ours vs mamba_ssm (field) | ours vs fp64 | mamba_ssm vs fp64 | s")

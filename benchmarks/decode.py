@@ -6,6 +6,9 @@ For each context length: prefill the context, then time `--new` single-token dec
 Teacher: HF GPT-NeoX with its KV cache (SDPA), eager. HedgeMamba: eager (`forward` with the
 recurrent cache, `ssd_step`) and with the whole step in one CUDA graph (hmscale.eval.graph_decode).
 Weights are random (throughput does not depend on them); bf16 on CUDA. Prints a markdown table.
+Needs a CUDA GPU unless ``--device cpu`` (fp32, eager only, no CUDA graph: a check that the script works):
+
+    python benchmarks/decode.py --device cpu --flavor pythia-nano --contexts 32 64 --batch 2 --new 4
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _runinfo import header, need_cuda  # noqa: E402
 from hmscale.models.convert import to_hedgehog, to_hedgemamba  # noqa: E402
 from hmscale.teacher.flavors import neox_config  # noqa: E402
 
@@ -110,15 +115,19 @@ def check_graph_matches_eager(student, ctx_ids, n: int = 16) -> bool:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--flavor", default="pythia-160m")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", default="pythia-160m", help="the teacher's shape (hmscale.teacher.flavors)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768], help="context lengths to prefill")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--new", type=int, default=64, help="decode steps timed per context")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a check that the script works)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the flavor's)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
+    if dev.type == "cuda":
+        need_cuda("benchmarks/decode.py", "--device cpu with small sizes checks the script on the CPU, e.g. "
+                                          "--device cpu --flavor pythia-nano --contexts 32 64 --batch 2 --new 4")
+    print(header(args.device), flush=True)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
     max_ctx = max(args.contexts) + args.new + 16

@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _runinfo import header, need_cuda  # noqa: E402
 
 PAPER = {  # perplexities reported by the HedgeMamba paper (Pythia-1B teacher, OpenWebText)
     "teacher": 13.86, "hedgemamba": 14.11, "hedgehog": 14.89, "split_0_100": 17.08, "split_100_0": 25.71,
@@ -275,6 +278,11 @@ def main(argv=None):
     t_start = time.time()
     base = base_overrides(args) + list(args.overrides) + [f"output_dir={out}/prep"]
     cfg = build_config(overrides=base)
+    if cfg.parallel.use_gpu:  # before the data and the teacher's pretraining, which take minutes
+        need_cuda("benchmarks/fidelity.py", "--cpu-proxy (the CPU stand-in, tens of minutes) or --smoke (seconds) "
+                                            "run on the CPU")
+    if not args.child:
+        print(header("cuda" if cfg.parallel.use_gpu else "cpu"), flush=True)
     data = prepare_data(cfg)
     teacher = get_teacher(cfg, data)
     stats = getattr(teacher, "hmscale_info", {}) or {}

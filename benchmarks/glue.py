@@ -21,6 +21,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runinfo import header, need_cuda  # noqa: E402
 from kernels import causal_depthwise_conv_reference, hedgehog_feature_map_reference  # noqa: E402
 from kernels.conv import causal_depthwise_conv_triton  # noqa: E402
 from kernels.feature_map import hedgehog_feature_map  # noqa: E402
@@ -134,8 +136,9 @@ def main():
                     help="HMSCALE_FM_CFG variants of the feature map to time (repeatable)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/glue.py times CUDA kernels: run it on a GPU machine")
+    need_cuda("benchmarks/glue.py", "it times CUDA kernels (on the CPU, ssd_registers.py --op conv|fm reads "
+                                    "their registers)")
+    print(header("cuda", f"triton {triton.__version__}, baseline inductor's fusion of the references"), flush=True)
     bw = copy_bandwidth()
     print(f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")

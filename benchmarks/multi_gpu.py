@@ -3,6 +3,7 @@
     source .whl/preamble.sh && python benchmarks/multi_gpu.py --part train   # every GPU of the machine
     source .whl/preamble.sh && python benchmarks/multi_gpu.py --part cache
     python benchmarks/multi_gpu.py --smoke                                   # CPU: 2 gloo processes, tiny shapes
+                                                                             # (no JSON unless --out)
 
 Training: every configuration runs the product's stage-2 path (`hmscale.train.stage2.run_stage2`:
 process layout, tensor-parallel sharding, DeepSpeed ZeRO-2, the deterministic batch plan, the
@@ -52,6 +53,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _runinfo import header  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- training
@@ -372,7 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-batch", type=int, default=8)
     ap.add_argument("--cache-specs", default=None, help="comma list of capture specs (default: full,light)")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "multi_gpu.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/multi_gpu.json; none with --smoke)")
     args = ap.parse_args(argv)
     if args.ds_config and args.cuda_graphs:
         ap.error("--ds-config and --cuda-graphs: the graphs need ZeRO-0, the file sets its own stage; use one")
@@ -382,6 +387,11 @@ def main(argv=None) -> int:
         args.flavor, args.vocab, args.seq, args.micro_batch, args.steps, args.skip = "pythia-nano", 256, 64, 2, 4, 1
         args.cache_flavor, args.cache_seq, args.cache_shards, args.sequences_per_shard, args.cache_batch = (
             "pythia-nano", 32, 4, 2, 2)
+    if not gpu and not args.smoke:
+        print(f"multi_gpu: needs 2 or more CUDA GPUs and torch sees none here (torch {torch.__version__}); "
+              "--smoke runs its paths on the CPU (2 gloo processes, tiny shapes)", file=sys.stderr)
+        return 2
+    out = args.out or (None if args.smoke else str(REPO / "benchmarks" / "results" / "multi_gpu.json"))
     n = args.gpus or (torch.cuda.device_count() if gpu else 2)
     if gpu and n < 2:
         print(f"multi_gpu: this machine has {n} GPU; the benchmark needs 2 or more (or --smoke on CPU)", file=sys.stderr)
@@ -389,6 +399,7 @@ def main(argv=None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hmscale-multi-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if gpu else "CPU"
+    print(header("cuda" if gpu else "cpu"), flush=True)
     print(f"multi_gpu: {n} x {device}, torch {torch.__version__}, "
           f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device, "n": n,
@@ -403,9 +414,10 @@ def main(argv=None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {args.out}")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {out}")
     return 0
 
 

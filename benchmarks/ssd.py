@@ -5,7 +5,9 @@ Also the decode step against its memory floor (state read + write at the measure
     python benchmarks/ssd.py [--quick] [--chunks 64,128]
     python benchmarks/ssd.py --sweep variants.txt [--old DIR]   # tuning: fwd+bwd and per-kernel times per variant
 
-mamba_ssm is imported from /tmp/anchors (see ../shared/gpu/preamble.sh); when missing, its columns say n/a.
+mamba_ssm is imported from /tmp/anchors (``source .whl/preamble.sh`` unpacks it there, after ``make gpu-wheels``);
+without it the benchmark stops at once, unless ``--ours-only`` (no baselines). Needs a CUDA GPU: without one it
+stops at once (the CPU has ``ssd_gpu_check.py --cpu`` for numerics and ``ssd_registers.py`` for registers, no timing).
 FLOP counts are those of the chunked algorithm at chunk 64 (fwd: 2Q(N+P) + 4PN per token and head;
 bwd counted as 2x fwd); SDPA: causal, 2 * 2 * l^2/2 * P per head fwd, 2.5x that for fwd+bwd.
 Peak memory: max allocated during the call minus what was allocated before it (inputs excluded).
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runinfo import header, mamba_ssm_version, need_cuda  # noqa: E402
 from kernels import ssd  # noqa: E402
 from kernels.step import ssd_step_triton  # noqa: E402
 
@@ -38,14 +42,15 @@ SHAPES = [  # name, H, G, P, N, L
 TOKENS = 16384
 
 
-def load_mamba():
+def load_mamba(script="benchmarks/ssd.py", instead="--ours-only to time ours alone"):
+    """mamba_ssm's ``mamba_chunk_scan_combined``, or exit with one line saying how to get it."""
     sys.path.insert(0, "/tmp/anchors")
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         return mamba_chunk_scan_combined
     except Exception as e:  # pragma: no cover - depends on the machine
-        print(f"mamba_ssm unavailable: {e!r}")
-        return None
+        sys.exit(f"{script}: the mamba_ssm baseline is missing ({type(e).__name__}: {e}): `make gpu-wheels` once, then "
+                 f"`source .whl/preamble.sh` (it unpacks mamba_ssm into /tmp/anchors); or {instead}")
 
 
 def bench(fn, warmup=10, rep=50):
@@ -299,9 +304,9 @@ def run_sweep(path, warm_only=False, part="0/1", old_dir=None, fwd_only=False):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--chunks", default="64")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two shapes (410m L=2048, 1.4b L=16384) instead of seven")
+    ap.add_argument("--chunks", default="64", help="chunk sizes of ours to time, comma-separated")
     ap.add_argument("--ours-only", action="store_true", help="skip the mamba_ssm and SDPA baselines")
     ap.add_argument("--dbc-sweep", default="",
                     help="only time these ';'-separated dB/dC kernel configs 'BP,BN,stages,warps', then exit")
@@ -312,6 +317,8 @@ def main():
     ap.add_argument("--old", default=None, help="with --sweep: a folder holding a package kernels_old (IMPL=old)")
     ap.add_argument("--fwd-only", action="store_true", help="with --sweep: time the forward alone, under no_grad")
     args = ap.parse_args()
+    need_cuda("benchmarks/ssd.py", "on the CPU, benchmarks/ssd_gpu_check.py --cpu checks the kernels' numerics and "
+                                   "benchmarks/ssd_registers.py their registers (no timing)")
     if args.sweep:
         run_sweep(args.sweep, args.warm_only, args.part, args.old, args.fwd_only)
         return
@@ -322,6 +329,9 @@ def main():
         return
     t0 = time.time()
     mamba = None if args.ours_only else load_mamba()
+    print(header("cuda", f"triton {triton.__version__}, baseline "
+                 + ("none (--ours-only)" if args.ours_only else f"mamba_ssm {mamba_ssm_version()} and SDPA (flash)")),
+          flush=True)
     dev_name = torch.cuda.get_device_name()
     rows = []
     shapes = SHAPES[:1] + SHAPES[5:6] if args.quick else SHAPES

@@ -29,6 +29,8 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
     os.environ["TRITON_INTERPRET"] = "1"
 DEV = "cpu" if "--cpu" in sys.argv else "cuda"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runinfo import header, need_cuda  # noqa: E402
 from kernels import ssd_reference  # noqa: E402
 from kernels.interpreter import patch_interpreter_bf16_dot  # noqa: E402
 from kernels.ssd_autograd import ssd_triton  # noqa: E402
@@ -164,8 +166,8 @@ def chosen_cases(specs, seeds, dtypes, l, h, chunk):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="four cases instead of the grid")
     ap.add_argument("--l", type=int, default=200, help="sequence length (not a multiple of the chunk)")
     ap.add_argument("--chunk", type=int, default=64, help="chunk size of the kernels under test")
     ap.add_argument("--shard", default="0/1",
@@ -177,6 +179,9 @@ def main():
                          "(repeatable), with --dtypes, once per seed of --seeds")
     ap.add_argument("--seeds", default="0", help="with --case: comma-separated seeds, each case's generator seeded anew")
     args = ap.parse_args()
+    if DEV == "cuda":
+        need_cuda("benchmarks/ssd_gpu_check.py", "--cpu runs the same cases under the Triton interpreter (slowly)")
+    print(header(DEV, "TRITON_INTERPRET=1" if DEV == "cpu" else ""), flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     gen = torch.Generator(device=DEV).manual_seed(0)

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import ssd  # noqa: E402
 
+from _runinfo import header, mamba_ssm_version, need_cuda  # noqa: E402
 from ssd import load_mamba  # noqa: E402  (benchmarks/ssd.py, beside this script)
 
 TOKENS = 16384
@@ -159,15 +160,18 @@ def launch_cost(iters):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="410m,410m-train,1.4b")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--cprofile", action="store_true")
-    ap.add_argument("--no-mamba", action="store_true")
+    ap.add_argument("--no-mamba", action="store_true", help="skip the mamba_ssm baseline (needed otherwise)")
     ap.add_argument("--launch-cost", action="store_true",
                     help="also time the host cost of launching one trivial Triton kernel with 4 and 32 arguments")
     args = ap.parse_args()
-    mamba = None if args.no_mamba else load_mamba()
+    need_cuda("benchmarks/ssd_host.py", "it times the host side of GPU calls; there is no CPU mode")
+    mamba = None if args.no_mamba else load_mamba("benchmarks/ssd_host.py", "--no-mamba to time ours alone")
+    print(header("cuda", "baseline " + ("none (--no-mamba)" if args.no_mamba else f"mamba_ssm {mamba_ssm_version()}")),
+          flush=True)
     if args.launch_cost:
         launch_cost(args.iters)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; us per fwd+bwd call, "

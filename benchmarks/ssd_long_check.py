@@ -6,7 +6,8 @@ closest to its threshold, at the benchmark's 16K tokens. Prints the relative err
 of the reference) of y and of every gradient; tolerances as in the grid (bf16 1e-2, fp32 1e-4 with tf32 off).
 
     python3 benchmarks/ssd_long_check.py [--l 16384]
-    TRITON_INTERPRET=1 python3 benchmarks/ssd_long_check.py --device cpu --dtype fp32 --heads 2 --l 70   (a smoke run)
+    python3 benchmarks/ssd_long_check.py --device cpu --dtype fp32 --heads 2 --l 70   (a smoke run; --device cpu
+                                                                                      sets TRITON_INTERPRET=1)
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+_CPU = any(a == "--device=cpu" or (a == "--device" and sys.argv[i + 1:i + 2] == ["cpu"])
+           for i, a in enumerate(sys.argv))
+if _CPU:  # the interpreter must be chosen before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runinfo import header, need_cuda  # noqa: E402
 from kernels.chunked_torch import ssd_chunked_torch  # noqa: E402
 from kernels.ssd_autograd import ssd_triton  # noqa: E402
 
@@ -54,14 +62,19 @@ def run(fn, ins, kw, gy, dtype=None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--l", type=int, default=16384)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--l", type=int, default=16384, help="sequence length (one sequence)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (small --l)")
     ap.add_argument("--heads", type=int, default=0, help="fewer heads than the shapes' (a quicker smoke run)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
                     help="x, B, C dtype (fp32 on the CPU: the interpreter's bf16 dots are not exact); "
                          "tolerance 1e-2 / 1e-4")
     args = ap.parse_args()
+    if args.device.startswith("cuda"):
+        need_cuda("benchmarks/ssd_long_check.py", "--device cpu --dtype fp32 --heads 2 --l 70 is its CPU smoke run")
+    elif not _CPU:
+        ap.error("--device: cuda or cpu")
+    print(header(args.device, f"{args.dtype}, b = 1, L = {args.l}"), flush=True)
     worst = 0.0
     print("| shape | L | passes | " + " | ".join(["y", "dx", "ddt", "dA", "dB", "dC", "dD"]) + " |")
     print("|---|---|---|" + "---|" * 7)

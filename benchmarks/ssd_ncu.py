@@ -18,14 +18,18 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runinfo import header, need_cuda  # noqa: E402
 from kernels import ssd  # noqa: E402
 from ssd import SWEEP_SHAPES, sweep_inputs  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1.4b_2k,160m_norm", help=f"comma-separated, of {sorted(SWEEP_SHAPES)}")
     args = ap.parse_args()
+    need_cuda("benchmarks/ssd_ncu.py", "it runs the kernels for Nsight Compute's counters; on the CPU, "
+                                       "benchmarks/ssd_registers.py reads their registers and spills")
+    print(header("cuda"), flush=True)
     calls = []
     for name in args.shapes.split(","):
         if name not in SWEEP_SHAPES:

@@ -6,7 +6,7 @@ constexprs, warps and stages the real call would use, and reads the register cou
 of the cubin (cuobjdump, bundled with Triton). A tiling that spills here spills on the GPU (2026-12-01: the chunk-128 slowdown
 was predicted this way); one that does not may still be slow, so timings stay on the GPU (``ssd.py --sweep``).
 
-    python benchmarks/ssd_registers.py --shape 1.4b_2k --chunk 128
+    python benchmarks/ssd_registers.py --shape 1.4b --chunk 128
     HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # the mixer's glue: conv | fm
     HMSCALE_SSD_CFG="scan=64,64,8" HMSCALE_SSD_DBC_CFG="16,32,3,8" python benchmarks/ssd_registers.py --chunk 128
 

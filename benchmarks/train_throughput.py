@@ -29,6 +29,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _runinfo import commit  # noqa: E402
 
 PEAK_FLOPS = 800e12
 
@@ -335,14 +338,14 @@ def main(argv=None) -> int:
                 continue
             rows.append(r)
             print(json.dumps(r), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "seconds": time.perf_counter() - t_all, "smoke": args.smoke,
             "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = args.out or (None if args.smoke else str(REPO / "benchmarks" / "results" / "train_throughput.json"))
     if out:  # a smoke run leaves the recorded results alone
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"\n{meta['date']}, {meta['device']}, torch {meta['torch']}, {meta['seconds']:.0f} s: `{meta['command']}`\n")
+    print(f"\n{meta['date']}, commit {meta['commit']}, {meta['device']}, torch {meta['torch']}, {meta['seconds']:.0f} s: `{meta['command']}`\n")
     print("| model | params | seq x micro batch | step | tokens/s | MFU | activations / token |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -2,17 +2,95 @@
 (benchmarks/multi_gpu.py and benchmarks/fidelity.py have their own tests under tests/parallel, tests/eval)."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+# the run line every benchmark prints before its numbers (benchmarks/_runinfo.py): what BENCHMARKS.md records
+HEADER = re.compile(r"^run: \d{4}-\d\d-\d\d \d\d:\d\d UTC, commit \S+.*; `python benchmarks/", re.M)
 
 
-def _run(args, cwd):
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+def _run(args, cwd, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_help_says_what_the_benchmark_measures(script, tmp_path):
+    """--help of every benchmark works and opens with its module docstring's first line (what it measures)."""
+    out = _run([str(REPO / "benchmarks" / script), "--help"], tmp_path)
+    src = (REPO / "benchmarks" / script).read_text()
+    first = " ".join(src.split('"""')[1].strip().splitlines()[0].split())
+    assert first[:60] in " ".join(out.split()), out[:800]
+
+
+GPU_MODES = [  # a GPU mode of each benchmark, as BENCHMARKS.md runs it
+    ["ssd.py"], ["ssd.py", "--quick", "--ours-only"], ["ssd.py", "--sweep", str(REPO / "benchmarks" / "sweeps" / "caps_ab.txt")],
+    ["ssd_host.py"], ["ssd_ncu.py"], ["ssd_gpu_check.py", "--quick"], ["ssd_long_check.py"],
+    ["cache_throughput.py", "--device", "cuda"], ["decode.py"], ["multi_gpu.py", "--part", "comm"],
+    ["fidelity.py", "--out", "fid"], ["compat_check.py"], ["glue.py"], ["train_throughput.py"],
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA answers")
+@pytest.mark.parametrize("cmd", GPU_MODES, ids=lambda c: " ".join(a.rsplit("/", 1)[-1] for a in c))
+def test_gpu_modes_stop_at_once_without_cuda(cmd, tmp_path):
+    """Without a GPU each GPU mode stops within seconds with one line saying what it needs: no traceback, and no
+    CPU run whose numbers would read like the GPU's (decode.py and multi_gpu.py used to run 160m / 410m on the CPU,
+    fidelity.py to prepare its data and pretrain its teacher first, the SSD scripts to end in a torch traceback)."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / cmd[0]), *cmd[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = [s for s in proc.stderr.splitlines() if s.strip() and "Warning" not in s and not s.startswith(" ")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and re.search(r"GPU|CUDA", lines[0]), proc.stderr[-3000:]
+    assert "|" not in proc.stdout and "tokens/s" not in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script,argv,needs", [
+    ("ssd.py", [], "--ours-only"), ("ssd_host.py", [], "--no-mamba")])
+def test_ssd_benchmarks_stop_without_their_baseline(script, argv, needs, monkeypatch, capsys):
+    """On a GPU without mamba_ssm the SSD timings stop before timing anything, saying how to get the baseline
+    (the ratios against it are the point) or how to time ours alone; they used to print n/a columns."""
+    import importlib.util
+
+    monkeypatch.setattr(sys, "path", [str(REPO / "benchmarks"), *sys.path])
+    monkeypatch.setitem(sys.modules, "mamba_ssm", None)  # not importable, whatever /tmp/anchors holds
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", REPO / "benchmarks" / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    msg = str(e.value.code)
+    assert "mamba_ssm" in msg and "make gpu-wheels" in msg and needs in msg and "\n" not in msg, msg
+    assert "|" not in capsys.readouterr().out
+
+
+def test_decode_cpu_smoke(tmp_path):
+    """decode.py --device cpu at tiny sizes: the teacher and the eager student timed, the run line printed."""
+    out = _run([str(REPO / "benchmarks" / "decode.py"), "--device", "cpu", "--flavor", "pythia-nano", "--contexts",
+                "16", "32", "--batch", "1", "--new", "2"], tmp_path)
+    assert HEADER.search(out) and "decode.py --device cpu --flavor pythia-nano" in out, out
+    rows = [r for r in out.splitlines() if r.startswith("| 16 |") or r.startswith("| 32 |")]
+    assert len(rows) == 2 and "CPU" in out, out
+
+
+def test_multi_gpu_smoke_leaves_the_results_alone(tmp_path):
+    """--smoke without --out writes no JSON (it used to write CPU numbers to benchmarks/results/multi_gpu.json)."""
+    target = REPO / "benchmarks" / "results" / "multi_gpu.json"
+    before = target.read_bytes() if target.exists() else None
+    out = _run([str(REPO / "benchmarks" / "multi_gpu.py"), "--smoke", "--part", "comm"], tmp_path)
+    assert HEADER.search(out) and "all-reduce" in out and "wrote" not in out, out
+    assert (target.read_bytes() if target.exists() else None) == before
 
 
 def test_cache_throughput_smoke(tmp_path):
@@ -26,6 +104,7 @@ def test_cache_throughput_smoke(tmp_path):
     assert abs(res["written_gb"] - res["planned_gb"]) <= 0.02 * res["planned_gb"]
     assert all(res[k] > 0 for k in ("forward_tok_s", "capture_tok_s", "cache_tok_s"))
     assert "verify" in out
+    assert HEADER.search(out) and "`python benchmarks/cache_throughput.py --smoke --tokens 65536" in out, out[:600]
 
 
 def test_train_throughput_smoke(tmp_path):
@@ -39,6 +118,7 @@ def test_train_throughput_smoke(tmp_path):
         for r in (ours, two_pass):
             assert abs(r["final_loss"] - loops["final_loss"]) <= 1e-5 * loops["final_loss"], (r, loops)
     assert "| pythia-nano hedgemamba |" in out
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d UTC, commit \S+", out, re.M), out[-3000:]  # date, commit
     # --gaps traced each model's step twice (torch ops, Python frames); a CPU trace has no device events
     assert out.count("GPU idle in one step of pythia-nano") == 12 and "no device events in the trace" in out
 
@@ -103,9 +183,12 @@ def test_ssd_registers_reports_the_glue_kernels(tmp_path):
 
 def test_ssd_long_check_smoke(tmp_path):
     """The GPU's long-sequence check on the CPU interpreter (fp32, two heads, two chunks): both pass modes forced,
-    every output and gradient within tolerance of the float64 reference, and said so."""
+    every output and gradient within tolerance of the float64 reference, and said so. --device cpu chooses the
+    interpreter itself (it used to need TRITON_INTERPRET=1 from the caller, which the suite's conftest hid)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = _run([str(REPO / "benchmarks" / "ssd_long_check.py"), "--device", "cpu", "--dtype", "fp32", "--heads", "2",
-                "--l", "70"], tmp_path)
+                "--l", "70"], tmp_path, env=env)
+    assert HEADER.search(out), out
     rows = [line for line in out.splitlines() if line.startswith("| 1.4b") or line.startswith("| 410m")]
     assert [r.split("|")[3].strip() for r in rows] == ["fused", "split", "fused", "split"], out
     assert "PASS: worst relative error" in out
@@ -116,6 +199,7 @@ def test_ssd_gpu_check_on_the_cpu(tmp_path):
     when within the dtype's limit; an unknown option set is a one-line error."""
     out = _run([str(REPO / "benchmarks" / "ssd_gpu_check.py"), "--cpu", "--dtypes", "fp32,bf16", "--l", "70",
                 "--case", "32,16,2,norm+init+seq+D", "--seeds", "0,1"], tmp_path)
+    assert HEADER.search(out) and "TRITON_INTERPRET=1" in out, out
     lines = [s for s in out.splitlines() if s.startswith("seed ")]
     assert len(lines) == 4 and not any("FAIL" in s for s in lines), out
     for s in lines:  # every gradient of this option set, with an error well inside the fp32 / bf16 limits
@@ -140,3 +224,15 @@ def test_compat_check_verdict_allows_for_the_baseline_own_error():
     assert not mod.agree(1.48e-3, 1.4e-3, 2e-6, 1e-4)  # ours is the one off
     assert not mod.agree(5e-3, 2.8e-6, 1.48e-3, 1e-4)  # more than the baseline's error explains
     assert not mod.agree(float("nan"), 1e-6, 1e-6, 1e-4)
+
+
+@pytest.mark.skipif(not list((REPO / ".anchors").glob("mamba_ssm-*.tar.gz")) or Path("/tmp/anchors/mamba_ssm").exists(),
+                    reason="needs .anchors/mamba_ssm-*.tar.gz (`make gpu-wheels`) and no /tmp/anchors")
+def test_compat_check_removes_its_unpacked_baseline(tmp_path):
+    """compat_check.py --cpu unpacks mamba_ssm from .anchors/ into a temporary folder; it is gone after the run
+    (every run used to leave one behind in /tmp)."""
+    code = ("import importlib.util, sys; sys.argv = ['compat_check.py', '--cpu']; "
+            f"spec = importlib.util.spec_from_file_location('cc', {str(REPO / 'benchmarks' / 'compat_check.py')!r}); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); print(m.unpack_mamba())")
+    out = _run(["-c", code], tmp_path).strip().splitlines()[-1]
+    assert Path(out).name.startswith("mamba_ssm_") and not Path(out).exists(), out
