@@ -76,7 +76,7 @@ class DataConfig(_Section):
     dataset_config: str | None = None
     split: str = "train"
     text_field: str = "text"
-    paths: list[str] = Field(default_factory=list)  # files: txt / jsonl / parquet files or globs
+    paths: list[str] = Field(default_factory=list)  # files: txt / jsonl / parquet files, globs or folders (searched recursively); empty documents are skipped
     seq_len: int = Field(256, gt=1)
     val_fraction: float = Field(0.05, gt=0, lt=1)
     sequences_per_shard: int = Field(64, gt=0)

@@ -210,6 +210,9 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
             meta[split] = {"documents": docs, "chars": chars, "tokens": int(w.tokens), "digest": digest}
             record(split, {"done": True, "meta": meta[split]})
             log(f"[data] tokens: {split}: {docs} documents -> {w.tokens:,} tokens in {time.perf_counter() - t0:.1f} s")
+        skipped = max(getattr(source, "skipped", {}).values(), default=0)  # each split's read counts them all
+        if skipped:
+            log(f"[data] tokens: skipped {skipped:,} empty or null documents of the source (nothing to tokenise)")
         atomic_write_json(tmp / "meta.json", meta)
         progress_path.unlink()  # after meta.json, the mark of a finished build
 

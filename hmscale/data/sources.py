@@ -33,7 +33,7 @@ class TextSource:
     def training_texts(self, max_chars: int | None) -> list[str]:
         """The first train documents (sorted, deterministic) up to about max_chars characters."""
         out, n = [], 0
-        for doc in self.documents("train"):
+        for doc in self.iter_documents("train"):  # streamed: a large split is read only as far as max_chars
             if max_chars is not None and n >= max_chars:
                 break
             out.append(doc)
@@ -66,6 +66,7 @@ class _TableSource(TextSource):
     def __init__(self, val_fraction: float, max_documents: int | None):
         self.val_fraction = val_fraction
         self.max_documents = max_documents
+        self.skipped: dict[str, int] = {}  # split -> empty / null documents passed over by the last read of it
 
     def _tables(self):
         """(dataset, text column) pairs, in document order."""
@@ -75,10 +76,16 @@ class _TableSource(TextSource):
         for ds, column in self._tables():
             yield from self._column(ds, column)
 
-    def _column(self, ds, column: str):
-        """One table's texts, ``BATCH`` rows at a time."""
+    def _column(self, ds, column: str, name: str | None = None):
+        """One table's texts, ``BATCH`` rows at a time; a value neither text nor null stops with one line (it
+        would otherwise be dropped without a word)."""
         for batch in ds.select_columns([column]).iter(batch_size=self.BATCH):
-            yield from batch[column]
+            texts = batch[column]
+            for t in texts:
+                if t is not None and not isinstance(t, str):
+                    raise ValueError(f"data.text_field: {column!r} of {name or getattr(self, 'dataset', '?')!r} holds "
+                                     f"{type(t).__name__} values ({str(t)[:40]!r}), not text; choose a text column")
+            yield from texts
 
     def iter_documents(self, split: str):
         if split not in ("train", "validation"):
@@ -87,8 +94,10 @@ class _TableSource(TextSource):
         if cap is not None and cap <= 0:
             return
         n = 0
+        self.skipped[split] = 0
         for t in self._texts():
             if not isinstance(t, str) or not t:
+                self.skipped[split] += 1  # counted on both splits' reads (an empty text has no split of its own)
                 continue
             if split_of(hashlib.sha256(t.encode()).hexdigest(), self.val_fraction) != split:
                 continue
@@ -163,7 +172,18 @@ class FileSource(_TableSource):
             hits = sorted(glob.glob(os.path.expanduser(p)))
             if not hits:
                 raise FileNotFoundError(f"data.paths: {p!r} does not exist; fix the path or remove it")
-            files.extend(h for h in hits if Path(h).is_file())
+            found = []
+            for h in hits:
+                if Path(h).is_dir():  # a folder: the supported files under it (recursively, sorted)
+                    found.extend(sorted(str(f) for f in Path(h).rglob("*")
+                                        if f.is_file() and f.suffix.lower() in self.BUILDERS
+                                        and not any(part.startswith(".") for part in f.relative_to(h).parts)))
+                elif Path(h).is_file():
+                    found.append(h)
+            if not found:
+                raise FileNotFoundError(f"data.paths: {p!r} holds no .txt, .jsonl or .parquet file; fix the path or "
+                                        "remove it")
+            files.extend(found)
         self.files = sorted(dict.fromkeys(files))
         for f in self.files:
             if Path(f).suffix.lower() not in self.BUILDERS:
@@ -204,7 +224,7 @@ class FileSource(_TableSource):
                 yield ds, self.text_field
 
     def _texts(self):
-        for ds, column in self._tables():
+        for (ds, column), ds_name in zip(self._tables(), self._table_files()):
             if ds is None:
                 with open(column, encoding="utf-8") as fh:
                     try:
@@ -214,7 +234,12 @@ class FileSource(_TableSource):
                                          "convert it to UTF-8 or remove it") from None
                 yield text
             else:
-                yield from self._column(ds, column)
+                yield from self._column(ds, column, ds_name)
+
+    def _table_files(self) -> list[str]:
+        """The file behind each of ``_tables()``, in the same order."""
+        return [f for b in sorted({self.BUILDERS[Path(f).suffix.lower()] for f in self.files})
+                for f in self.files if self.BUILDERS[Path(f).suffix.lower()] == b]
 
     def _identity(self) -> str:
         return self.description

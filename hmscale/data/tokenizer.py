@@ -19,6 +19,11 @@ BPE_VERSION = 1  # bump when the training recipe below changes
 DEFAULT_TRAIN_CHARS = 8_000_000  # first ~8 MB of the (sorted) train split: a few seconds on 2 cores
 
 
+class TokenizerLoadError(OSError, ValueError):
+    """A tokenizer that cannot be loaded: an OSError (what `transformers` raises) and a ValueError (a bad setting,
+    reported in one line by the command line)."""
+
+
 def load_tokenizer(name_or_path: str):
     """`AutoTokenizer.from_pretrained(name_or_path)`, with an eos token guaranteed."""
     from transformers import AutoTokenizer
@@ -27,7 +32,7 @@ def load_tokenizer(name_or_path: str):
         tok = AutoTokenizer.from_pretrained(name_or_path)
     except OSError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OSError(f"tokenizer.name_or_path: cannot load tokenizer {name_or_path!r}: {first}") from err
+        raise TokenizerLoadError(f"tokenizer.name_or_path: cannot load tokenizer {name_or_path!r}: {first}") from err
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer.name_or_path: tokenizer {name_or_path!r} has no eos token; documents need one to be packed")
     return tok

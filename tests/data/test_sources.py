@@ -79,3 +79,61 @@ def test_hf_source_error_names_the_field(monkeypatch):
     with pytest.raises(RuntimeError, match="data.dataset") as err:
         src.documents("train")
     assert "\n" not in str(err.value)
+
+
+def test_a_folder_in_paths_reads_its_supported_files(tmp_path):
+    """A folder in data.paths is its .txt / .jsonl / .parquet files (recursively, hidden ones left out); it used to
+    give no file at all, so prepare tokenised an empty corpus and blamed data.seq_len."""
+    (tmp_path / "a.txt").write_text("first document")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.jsonl").write_text(json.dumps({"text": "second document"}) + "\n")
+    (tmp_path / "README.md").write_text("not a document")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "c.txt").write_text("hidden")
+    src = FileSource([str(tmp_path)], val_fraction=0.01)
+    assert [p.split("/")[-1] for p in src.files] == ["a.txt", "b.jsonl"]
+    assert sorted(src.documents("train") + src.documents("validation")) == ["first document", "second document"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .txt"):
+        FileSource([str(tmp_path / "empty")])
+
+
+def test_a_text_field_of_numbers_is_one_line_not_silently_dropped(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": 5}) + "\n" + json.dumps({"text": 7}) + "\n")
+    (tmp_path / "y.txt").write_text("a real document")
+    src = FileSource([str(tmp_path / "*")], val_fraction=0.01)
+    with pytest.raises(ValueError, match=r"'text' of '.*x.jsonl' holds int values"):
+        src.documents("train")
+
+
+def test_empty_and_null_documents_are_reported(tmp_path):
+    from hmscale.data.bundle import tokenized_streams
+    from hmscale.data.tokenizer import train_bpe
+
+    rows = [{"text": f"document {i} " * 20} for i in range(30)] + [{"text": ""}, {"text": None}]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "e.txt").write_text("")
+    src = FileSource([str(tmp_path / "*")], val_fraction=0.2)
+    tok = train_bpe(src.training_texts(None), 300)
+    logs = []
+    tokenized_streams(src, tok, tok.eos_token_id, tmp_path / "cache", log=logs.append)
+    assert any("skipped 3 empty or null documents" in m for m in logs), logs
+
+
+def test_training_texts_reads_only_what_it_needs():
+    """The BPE's training texts stop at max_chars without reading (and holding) the whole train split."""
+    from hmscale.data.sources import _TableSource
+
+    class Endless(_TableSource):
+        description = "endless"
+
+        def _texts(self):
+            i = 0
+            while True:
+                i += 1
+                if i > 5000:
+                    raise AssertionError("read the whole split")
+                yield f"document {i} " * 10
+
+    texts = Endless(0.05, None).training_texts(2000)
+    assert 0 < sum(map(len, texts)) < 2300

@@ -28,3 +28,14 @@ def test_bpe_is_cached_and_round_trips(tmp_path):
     assert len(list((tmp_path / "tokenizers").iterdir())) == 3
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tok)
     assert not any(p.name.startswith(".") for p in (tmp_path / "tokenizers").iterdir())  # no temp leftovers
+
+
+def test_a_tokenizer_that_cannot_load_is_a_one_line_value_error(tmp_path):
+    """`hmscale prepare` reports ValueErrors in one line; an OSError from a bad tokenizer.name_or_path was a traceback."""
+    import pytest
+
+    from hmscale.data.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match="tokenizer.name_or_path: cannot load") as info:
+        load_tokenizer(str(tmp_path / "no" / "such" / "tokenizer"))
+    assert isinstance(info.value, OSError)  # still what callers catching transformers' error expect
