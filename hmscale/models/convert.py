@@ -61,6 +61,7 @@ def hedgemamba_config_from_teacher(teacher_config, feature_dim: int | None = Non
         max_position_embeddings=teacher_config.max_position_embeddings,
         bos_token_id=teacher_config.bos_token_id,
         eos_token_id=teacher_config.eos_token_id,
+        pad_token_id=getattr(teacher_config, "pad_token_id", None),
         tie_word_embeddings=False,
     )
 

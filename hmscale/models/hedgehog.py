@@ -180,6 +180,9 @@ class HedgehogForCausalLM(nn.Module):
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             if hidden is not None:
                 hidden.append(x)
-        logits = self.teacher.get_output_embeddings()(neox.final_layer_norm(x))
+        x = neox.final_layer_norm(x)
+        if hidden is not None:  # as the teacher (GPT-NeoX): the last hidden state after the final LayerNorm
+            hidden[-1] = x
+        logits = self.teacher.get_output_embeddings()(x)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return CausalLMOutput(loss=loss, logits=logits, hidden_states=tuple(hidden) if hidden else None)

@@ -100,6 +100,7 @@ class HedgeMambaConfig(PretrainedConfig):
         use_cache: bool = True,
         bos_token_id: int | None = 0,
         eos_token_id: int | None = 0,
+        pad_token_id: int | None = None,
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
@@ -128,7 +129,8 @@ class HedgeMambaConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.use_cache = use_cache
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        # pad_token_id always set (None by default): transformers 5 raises AttributeError reading an unset one
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
@@ -461,6 +463,18 @@ class HedgeMambaPreTrainedModel(PreTrainedModel):
 
             write_remote_code(save_directory)
 
+    def _initialize_weights(self, module, *args, **kwargs):
+        """transformers' dispatch, except that a mixer always gets its exact init: for custom code transformers skips
+        a module whose own (non-recursive) parameters are all initialised, which a mixer with none of its own
+        (``ssm=False``: no ``A_log``/``A_scale``/``D``) vacuously is, and its ``z_proj`` kept ``nn.Linear``'s random
+        init (the gate was no longer 1 at init). ``reset_exact_init`` writes through ``transformers.initialization``,
+        which leaves loaded (flagged) tensors alone, so this is safe under ``from_pretrained``."""
+        if isinstance(module, HedgeMambaMixer) and not getattr(module, "_is_hf_initialized", False):
+            self._init_weights(module)
+            module._is_hf_initialized = True
+            return
+        super()._initialize_weights(module, *args, **kwargs)  # (its signature moved across transformers versions)
+
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, HedgeMambaMixer):
@@ -522,6 +536,8 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
             if hidden is not None:
                 hidden.append(x)
         x = self.final_layer_norm(x)
+        if hidden is not None:  # as GPT-NeoX (and transformers' convention): the last one after the final LayerNorm
+            hidden[-1] = x
         if cache is not None:
             cache.seqlen += l
         return HedgeMambaOutput(last_hidden_state=x, cache=cache, hidden_states=tuple(hidden) if hidden else None)

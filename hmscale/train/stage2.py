@@ -159,8 +159,8 @@ def _per_sequence_loss_sums(logits, input_ids, batch, cached, online, temperatur
 
 
 def hidden_alignment(student_hidden, teacher_hidden) -> torch.Tensor:
-    """Mean over the intermediate layers' residual streams (after layers 1..L-1; the embeddings are shared
-    and the last one differs by the final LayerNorm between implementations) of
+    """Mean over the intermediate layers' residual streams (after layers 1..L-1; the embeddings are shared,
+    and the last entry is the final LayerNorm's output, which the logits' own loss already steers) of
     ||h_s - h_t||^2 / mean ||h_t||^2, token means, fp32."""
     if student_hidden is None or teacher_hidden is None or len(student_hidden) != len(teacher_hidden):
         raise TrainingError("stage2.hidden_weight: the student and the teacher must return one hidden state per layer")
