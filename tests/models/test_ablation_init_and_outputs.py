@@ -1,4 +1,4 @@
-"""Regressions found in a review of the model layer: ablation inits, hidden-state convention, config fields."""
+"""Every component ablation starts stage 2 from the stage-1 student; hidden states and config fields as transformers has them."""
 
 import itertools
 
