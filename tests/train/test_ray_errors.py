@@ -17,32 +17,30 @@ def _ray_init_failing(monkeypatch, cause: BaseException):
     monkeypatch.setattr(ray, "init", init)
 
 
-def test_a_cluster_refusing_the_token_is_one_line(monkeypatch):
-    # a cluster started with RAY_AUTH_MODE=token, joined from a shell without it: Ray retries for ~20 s, then raised
-    # a two-exception traceback; the cause (the token) only in its middle
+def _auth_refused():
     from ray.exceptions import AuthenticationError
 
+    return AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing")
+
+
+@pytest.mark.parametrize("cause, address, says", [
+    # a cluster started with RAY_AUTH_MODE=token, joined from a shell without it: Ray retries for ~20 s, then raised
+    # a two-exception traceback; the cause (the token) only in its middle
+    (_auth_refused, "127.0.0.1:6379", r"parallel.ray_address=127.0.0.1:6379: cannot join the Ray cluster there: it "
+                                      r"refused this process's auth token \(RAY_AUTH_MODE is unset\); .*export "
+                                      r"RAY_AUTH_MODE=token here too"),
+    (lambda: OSError("failed to connect to all addresses"), "10.0.0.1:8265",
+     r"parallel.ray_address=10.0.0.1:8265: cannot join the Ray cluster there \(Failed to connect to Ray cluster at "
+     r".*\); give the head's GCS address \(HEAD:6379, not the dashboard's http://HEAD:8265\)"),
+], ids=["token refused", "nothing there"])
+def test_an_unjoinable_cluster_is_one_line(monkeypatch, cause, address, says):
     from hmscale.config import ConfigError
     from hmscale.ray_cluster import connect
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    _ray_init_failing(monkeypatch, AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing"))
-    with pytest.raises(ConfigError, match=r"parallel.ray_address=127.0.0.1:6379: cannot join the Ray cluster there: "
-                                          r"it refused this process's auth token \(RAY_AUTH_MODE is unset\); .*"
-                                          r"export RAY_AUTH_MODE=token here too") as err:
-        connect("127.0.0.1:6379", log=lambda *a: None)
-    assert "\n" not in str(err.value)
-
-
-def test_an_address_with_no_cluster_is_one_line(monkeypatch):
-    from hmscale.config import ConfigError
-    from hmscale.ray_cluster import connect
-
-    _ray_init_failing(monkeypatch, OSError("failed to connect to all addresses"))
-    with pytest.raises(ConfigError, match=r"parallel.ray_address=10.0.0.1:8265: cannot join the Ray cluster there "
-                                          r"\(Failed to connect to Ray cluster at .*\); give the head's GCS address "
-                                          r"\(HEAD:6379, not the dashboard's http://HEAD:8265\)") as err:
-        connect("10.0.0.1:8265", log=lambda *a: None)
+    _ray_init_failing(monkeypatch, cause())
+    with pytest.raises(ConfigError, match=says) as err:
+        connect(address, log=lambda *a: None)
     assert "\n" not in str(err.value)
 
 
