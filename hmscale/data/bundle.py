@@ -226,9 +226,22 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
     return target
 
 
+def check_cache_dir(cache_dir) -> None:
+    """``data.cache_dir`` exists (created here) and takes files, or a one-line ValueError naming it, before any work."""
+    path = Path(cache_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"data.cache_dir: cannot create {str(path)!r} ({err.strerror or err}); "
+                         "set it to a directory you can write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"data.cache_dir: {str(path)!r} is not writable by this user; set it to a directory you can write")
+
+
 def prepare_data(cfg, log=print) -> DataBundle:
     """Everything the stages need from the data: tokenizer, train shard plan, validation rows."""
     d = cfg.data
+    check_cache_dir(d.cache_dir)
     source = source_from_config(d)
     tokenizer = get_tokenizer(cfg, source, log=log)
     eos_id = tokenizer.eos_token_id

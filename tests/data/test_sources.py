@@ -137,3 +137,12 @@ def test_training_texts_reads_only_what_it_needs():
 
     texts = Endless(0.05, None).training_texts(2000)
     assert 0 < sum(map(len, texts)) < 2300
+
+
+def test_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    cfg = build_config({}, [f"data.cache_dir={tmp_path}/file/sub"])
+    with pytest.raises(ValueError) as err:
+        prepare_data(cfg, log=lambda *a: None)
+    assert str(err.value).startswith(f"data.cache_dir: cannot create '{tmp_path}/file/sub' (Not a directory)")
+    assert err.value.__cause__ is None
