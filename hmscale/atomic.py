@@ -31,3 +31,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def writable_dir_problem(path: str | os.PathLike) -> str | None:
+    """Create the directory ``path`` (and its parents): None when this user can then write into it, else why not, as
+    one phrase for the caller's one-line error ("cannot create it (Not a directory)", "not writable by this user")."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot create it ({err.strerror or err})"
+    return None if os.access(path, os.W_OK | os.X_OK) else "not writable by this user"

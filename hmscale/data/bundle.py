@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hmscale.atomic import atomic_write_json
+from hmscale.atomic import atomic_write_json, writable_dir_problem
 from hmscale.data.cachedir import resumable_dir, stable_hash
 from hmscale.data.packing import pack, tokenize_documents
 from hmscale.data.plan import ShardPlan
@@ -229,13 +229,9 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
 def check_cache_dir(cache_dir) -> None:
     """``data.cache_dir`` exists (created here) and takes files, or a one-line ValueError naming it, before any work."""
     path = Path(cache_dir).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"data.cache_dir: cannot create {str(path)!r} ({err.strerror or err}); "
-                         "set it to a directory you can write") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"data.cache_dir: {str(path)!r} is not writable by this user; set it to a directory you can write")
+    problem = writable_dir_problem(path)
+    if problem:
+        raise ValueError(f"data.cache_dir: {str(path)!r}: {problem}; set it to a directory you can write")
 
 
 def prepare_data(cfg, log=print) -> DataBundle:

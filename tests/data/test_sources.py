@@ -144,5 +144,5 @@ def test_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
     cfg = build_config({}, [f"data.cache_dir={tmp_path}/file/sub"])
     with pytest.raises(ValueError) as err:
         prepare_data(cfg, log=lambda *a: None)
-    assert str(err.value).startswith(f"data.cache_dir: cannot create '{tmp_path}/file/sub' (Not a directory)")
+    assert str(err.value).startswith(f"data.cache_dir: '{tmp_path}/file/sub': cannot create it (Not a directory)")
     assert err.value.__cause__ is None

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hmscale.atomic import writable_dir_problem
 from hmscale.teacher.cache.format import (
     MANIFEST,
     CacheError,
@@ -190,14 +191,9 @@ def check_root(root) -> None:
 
 def make_cache_dir(cache_dir: Path) -> None:
     """Create the cache directory, or stop with one line naming it and why (a file in the way, no permission, ...)."""
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CacheError(f"cannot create the cache directory {cache_dir} ({err.strerror or err}); "
-                         "set cache.root to a directory you can write") from None
-    if not os.access(cache_dir, os.W_OK | os.X_OK):
-        raise CacheError(f"the cache directory {cache_dir} is not writable by this user; "
-                         "set cache.root to a directory you can write")
+    problem = writable_dir_problem(cache_dir)
+    if problem:
+        raise CacheError(f"the cache directory {cache_dir}: {problem}; set cache.root to a directory you can write")
 
 
 def _reuse_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> bool:

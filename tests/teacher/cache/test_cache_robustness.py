@@ -147,7 +147,7 @@ def test_an_unwritable_cache_root_is_one_line(tmp_path, teacher, data, tools, mo
         raise PermissionError(errno.EACCES, "Permission denied", str(self))
 
     monkeypatch.setattr(build_mod.Path, "mkdir", denied)
-    with pytest.raises(CacheError, match="cannot create the cache directory .*Permission denied"):
+    with pytest.raises(CacheError, match=r"the cache directory .*: cannot create it \(Permission denied\)"):
         build_cache(tools.make_cfg(tmp_path / "ro2"), data, teacher, engine="local", log=lambda *_: None)
 
 
