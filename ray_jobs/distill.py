@@ -289,12 +289,12 @@ def _local_worker(rank: int, config: dict) -> None:
 def _run_local_workers(cfg, config: dict, run_dir: Path, *, log=print) -> dict:
     """engine=local, num_workers > 1: one spawned process per worker on this machine (one per GPU with
     use_gpu), torchrun-style; no Ray. A rerun into the same run directory resumes."""
-    from hmscale.train.engine import TrainingError, zero_stage_of
+    from hmscale.train.engine import TrainingError
     from hmscale.train.launch import WorkerFailed, spawn_workers
 
     par = cfg.parallel
     config = dict(config, threads=0 if par.use_gpu else max(1, (os.cpu_count() or 1) // par.num_workers))
-    zero = zero_stage_of(par.zero_stage, par.ds_config)  # (a ds_config file's own stage, when it names one)
+    zero = par.zero  # (a ds_config file's own stage, when it names one)
     log(f"[distill] engine=local: {par.num_workers} worker processes on this machine "
         f"({'one GPU each, NCCL' if par.use_gpu else 'CPU, gloo'}; tp={par.tp}, ZeRO-{zero})")
     (run_dir / ERROR_FILE).unlink(missing_ok=True)

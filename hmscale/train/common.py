@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hmscale.train.engine import TrainingError, barrier, device_for, init_distributed, zero_stage_of
+from hmscale.train.engine import TrainingError, barrier, device_for, init_distributed
 
 
 @dataclass
@@ -38,7 +38,7 @@ def setup_layout(cfg, *, tp: int | None = None, zero_stage: int | None = None) -
     """Join the process group and split it into dp x tp (tp groups are consecutive ranks)."""
     par = cfg.parallel
     tp = par.tp if tp is None else tp
-    zero_stage = zero_stage_of(par.zero_stage, par.ds_config) if zero_stage is None else zero_stage
+    zero_stage = par.zero if zero_stage is None else zero_stage  # (a ds_config file's own stage, when it names one)
     if tp > 1 and zero_stage >= 3:
         via = (f" (parallel.ds_config {Path(par.ds_config).name} sets it)" if zero_stage != par.zero_stage else "")
         raise TrainingError(f"parallel: tensor parallelism (tp={tp}) works with ZeRO 0, 1 or 2, not ZeRO {zero_stage}"

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hmscale.atomic import atomic_write_json, atomic_write_text
-from hmscale.config import DS_CONFIG_DIR, ds_config_zero_stage, resolve_ds_config
+from hmscale.config import DS_CONFIG_DIR, resolve_ds_config
 
 
 class TrainingError(RuntimeError):
@@ -173,18 +173,6 @@ def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
     return DS_CONFIG_DIR / f"zero{stage}.json"
 
 
-def zero_stage_of(zero_stage: int, ds_config: str | None = None) -> int:
-    """The ZeRO stage DeepSpeed runs: a given ds_config's own ``zero_optimization.stage`` when the file names one
-    (``ds_config_for`` keeps it: ``parallel.ds_config=ds_configs/zero3_offload.json`` is ZeRO-3 whatever
-    ``parallel.zero_stage`` says), else ``zero_stage`` (``ParallelConfig.zero``). What decides the ZeRO-3 parameter
-    gathering of the exports and the tensor-parallel check."""
-    try:
-        stage = ds_config_zero_stage(ds_config) if ds_config else None
-    except ValueError as err:
-        raise TrainingError(str(err)) from None
-    return int(zero_stage) if stage is None else stage
-
-
 def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     """Read the DeepSpeed JSON and fill in the recipe values (no "auto" anywhere)."""
     path = ds_config_path(spec.zero_stage, spec.ds_config)
@@ -206,7 +194,7 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     conf["bf16"] = {**(conf.get("bf16") or {}), "enabled": bool(spec.bf16)}  # the file's other bf16 keys kept
     conf.pop("fp16", None)
     zero = conf.setdefault("zero_optimization", {})
-    if spec.ds_config is None or zero_stage_of(spec.zero_stage, spec.ds_config) != zero.get("stage"):
+    if spec.ds_config is None or type(zero.get("stage")) is not int:
         zero["stage"] = int(spec.zero_stage)  # (a file's own stage is kept; none, or "auto": parallel.zero_stage)
     if not torch.cuda.is_available():
         for k in ("offload_optimizer", "offload_param"):

@@ -44,7 +44,7 @@ from hmscale.atomic import atomic_write_json
 from hmscale.train.common import seed_everything, setup_layout, stage_dir
 from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
-                                   resumed_totals, train_loop, zero_stage_of)
+                                   resumed_totals, train_loop)
 
 
 class LayerParallelMPU:
@@ -282,7 +282,7 @@ def run_stage1(
     """
     s1, par = cfg.stage1, cfg.parallel
     out = stage_dir(run_dir, "stage1")
-    zero = zero_stage_of(par.zero_stage, par.ds_config)  # the stage DeepSpeed runs (a ds_config file's own)
+    zero = par.zero  # the stage DeepSpeed runs (a ds_config file's own)
     layout = setup_layout(cfg, tp=1, zero_stage=zero)
     seed_everything(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)

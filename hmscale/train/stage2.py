@@ -45,7 +45,6 @@ from hmscale.train.engine import (
     build_engine,
     resumed_totals,
     train_loop,
-    zero_stage_of,
 )
 
 
@@ -390,7 +389,7 @@ def run_stage2(
     s2, par = cfg.stage2, cfg.parallel
     out = stage_dir(run_dir, "stage2")
     layout = setup_layout(cfg)
-    zero = zero_stage_of(par.zero_stage, par.ds_config)  # the stage DeepSpeed runs (a ds_config file's own)
+    zero = par.zero  # the stage DeepSpeed runs (a ds_config file's own)
     seed_everything(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
 

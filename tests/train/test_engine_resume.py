@@ -231,16 +231,18 @@ def test_rowwise_checkpointed_losses_equal_the_plain_ones():
 # ---------------------------------------------------------------- a ds_config file's own ZeRO stage
 
 
-def test_zero_stage_of_reads_the_files_stage(tmp_path):
-    from hmscale.train.engine import zero_stage_of
+def test_the_zero_stage_run_is_the_files_stage(tmp_path):
+    def zero(stage, ds_config):
+        over = [f"parallel.zero_stage={stage}"] + ([f"parallel.ds_config={ds_config}"] if ds_config else [])
+        return build_config({}, over).parallel.zero
 
-    assert zero_stage_of(2, None) == 2 and zero_stage_of(0, None) == 0
-    assert zero_stage_of(2, str(DS_CONFIG_DIR / "zero3_offload.json")) == 3
-    assert zero_stage_of(3, str(DS_CONFIG_DIR / "zero1.json")) == 1
+    assert zero(2, None) == 2 and zero(0, None) == 0
+    assert zero(2, str(DS_CONFIG_DIR / "zero3_offload.json")) == 3
+    assert zero(3, str(DS_CONFIG_DIR / "zero1.json")) == 1
     conf = json.loads((DS_CONFIG_DIR / "zero2.json").read_text())
     del conf["zero_optimization"]["stage"]
     (tmp_path / "nostage.json").write_text(json.dumps(conf))
-    assert zero_stage_of(1, str(tmp_path / "nostage.json")) == 1  # the file names none: parallel.zero_stage
+    assert zero(1, str(tmp_path / "nostage.json")) == 1  # the file names none: parallel.zero_stage
 
 
 def test_tp_with_a_zero3_ds_config_is_one_line_before_joining(tmp_path):
