@@ -394,10 +394,10 @@ class RunConfig(_Section):
             self.tokenizer.name_or_path = self.teacher.name_or_path
         return self
 
-    def with_absolute_paths(self) -> "RunConfig":
-        """A copy whose directories are absolute (resolved against this process's working directory),
-        for workers that run elsewhere (Ray Train changes their working directory)."""
-        absolute = lambda p: str(Path(p).expanduser().resolve())  # noqa: E731
+    def with_absolute_paths(self, base: str | os.PathLike | None = None) -> "RunConfig":
+        """A copy whose directories are absolute (resolved against ``base``, by default this process's working
+        directory), for workers that run elsewhere (Ray Train changes their working directory)."""
+        absolute = lambda p: str((Path(base or ".") / Path(p).expanduser()).resolve())  # noqa: E731
         cfg = self.model_copy(deep=True)
         cfg.output_dir = absolute(cfg.output_dir)
         cfg.data.cache_dir = absolute(cfg.data.cache_dir)

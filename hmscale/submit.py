@@ -82,12 +82,9 @@ def place_directories(cfg: RunConfig, address: str, cwd: str | os.PathLike | Non
                 + " ".join(f"-s {k}=/shared/..." for k in relative) + " (a path every node sees)")
         return cfg  # relative data.paths inside the checkout travel with it
     base = Path(os.path.abspath(cwd or "."))
-    absolute = lambda p: os.path.abspath(base / os.path.expanduser(p))  # noqa: E731  (abspath: globs stay globs)
-    cfg = cfg.model_copy(deep=True)
-    cfg.output_dir = absolute(cfg.output_dir)
-    cfg.data.cache_dir = absolute(cfg.data.cache_dir)
-    cfg.cache.root = absolute(cfg.cache.root)
-    cfg.data.paths = [absolute(p) for p in cfg.data.paths]
+    cfg = cfg.with_absolute_paths(base)
+    # (abspath, not resolve: a glob stays a glob)
+    cfg.data.paths = [os.path.abspath(base / os.path.expanduser(p)) for p in cfg.data.paths]
     return cfg
 
 
