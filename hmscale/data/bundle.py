@@ -256,8 +256,11 @@ def prepare_data(cfg, log=print) -> DataBundle:
                          "use more documents or a shorter seq_len")
     val_tokens, val_seq_idx = pack(np.load(stream / "validation.tokens.npy"), np.load(stream / "validation.doc_lens.npy"), d.seq_len)
     if len(val_tokens) == 0:
-        raise ValueError(f"data.val_fraction: the validation split has fewer than {d.seq_len} tokens; "
-                         "raise val_fraction or max_documents")
+        more = [f"data.{k}" for k in ("max_documents", "max_tokens") if getattr(d, k, None) is not None]
+        n_val = int(np.load(stream / "validation.doc_lens.npy").sum())
+        raise ValueError(f"data.val_fraction: the validation split has {n_val} tokens, fewer than one row of "
+                         f"{d.seq_len}; raise data.val_fraction" + "".join(f", {k}" for k in more)
+                         + ", use more documents or a shorter data.seq_len")
     vocab_size = len(tokenizer)
     log(f"[data] plan {plan.hash}: {plan.num_shards} shards x {plan.sequences_per_shard} x {plan.seq_len} tokens "
         f"({plan.total_tokens:,} train tokens), {len(val_tokens)} validation rows, vocab {vocab_size}")

@@ -146,3 +146,20 @@ def test_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
         prepare_data(cfg, log=lambda *a: None)
     assert str(err.value).startswith(f"data.cache_dir: '{tmp_path}/file/sub': cannot create it (Not a directory)")
     assert err.value.__cause__ is None
+
+
+def test_a_validation_split_shorter_than_a_row_says_what_to_raise(files, tmp_path):
+    root, _ = files
+    cfg = build_config({"tokenizer": {"vocab_size": 300},
+                        "data": {"source": "files", "paths": [str(root / "*.*")], "seq_len": 256, "sequences_per_shard": 1,
+                                 "val_fraction": 0.02, "cache_dir": str(tmp_path / "cache")}})
+    with pytest.raises(ValueError) as err:
+        prepare_data(cfg, log=lambda *a: None)
+    msg = str(err.value)
+    assert msg.startswith("data.val_fraction: the validation split has ") and "fewer than one row of 256" in msg
+    assert "max_documents" not in msg  # not set, so raising it is no advice
+    cfg = build_config({"tokenizer": {"vocab_size": 300},
+                        "data": {"source": "files", "paths": [str(root / "*.*")], "seq_len": 256, "sequences_per_shard": 1,
+                                 "val_fraction": 0.02, "max_documents": 50, "cache_dir": str(tmp_path / "cache2")}})
+    with pytest.raises(ValueError, match="raise data.val_fraction, data.max_documents"):
+        prepare_data(cfg, log=lambda *a: None)
