@@ -16,8 +16,10 @@ would put it, and a second submit resumes it); for a remote cluster a relative o
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -32,6 +34,34 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 class SubmitError(RuntimeError):
     pass
+
+
+class _LogStream:
+    """The job's log as it is written, through the job API's websocket (``tail_job_logs``), on a thread of its own:
+    each line is fetched once (re-reading the whole log every poll costs the log's size per poll on a long job), and
+    the caller's thread stays free to poll the status, stop on a timeout and take Ctrl-C."""
+
+    def __init__(self, client, job_id: str, log):
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+        async def tail():
+            async for chunk in client.tail_job_logs(job_id):
+                log(chunk.rstrip("\n"))
+
+        def run():
+            try:
+                asyncio.run(tail())
+            except Exception as err:  # the connection dropped; the caller reports it
+                self.error = err
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name=f"logs-{job_id}", daemon=True).start()
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the stream has closed (the job ended) within ``seconds``."""
+        return self._done.wait(seconds)
 
 
 def find_token(token_file: str | None = None) -> str | None:
@@ -212,22 +242,23 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
     if not follow:
         log(f"[submit] {_job_commands(job_id, address)}")
         return "PENDING"
-    start, shown = time.time(), 0
+    start = time.time()
     try:
+        stream = _LogStream(client, job_id, log)
         while True:
             status = str(client.get_job_status(job_id).value)
-            logs = client.get_job_logs(job_id)
-            if len(logs) > shown:
-                log(logs[shown:].rstrip("\n"))
-                shown = len(logs)
             if status in TERMINAL:
+                stream.wait(10)  # the last lines: the stream closes once the job has ended
                 log(f"[submit] job {job_id}: {status}")
                 return status
+            if stream.error is not None:
+                raise stream.error
             if timeout_s is not None and time.time() - start > timeout_s:
                 log(f"[submit] job {job_id}: still {status} after {timeout_s:.0f} s; stopping it")
                 client.stop_job(job_id)
                 return "STOPPED"
-            time.sleep(2)
+            if stream.wait(2):  # closed without an error: the job has ended and its status follows
+                time.sleep(0.5)
     except KeyboardInterrupt:
         log(f"[submit] stopped following; job {job_id} keeps running on the cluster: {_job_commands(job_id, address)}")
         raise

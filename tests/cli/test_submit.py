@@ -97,15 +97,21 @@ class _FakeClient:
         _FakeClient.jobs.append(kw)
         return "raysubmit_TEST"
 
+    log_chunks = ["done\n"]
+    statuses: list = []  # the statuses get_job_status returns in turn, SUCCEEDED once they run out
+
     def get_job_status(self, job_id):
         if _FakeClient.fail_status is not None:
             raise _FakeClient.fail_status
         from ray.job_submission import JobStatus
 
-        return JobStatus.SUCCEEDED
+        return JobStatus(_FakeClient.statuses.pop(0)) if _FakeClient.statuses else JobStatus.SUCCEEDED
 
-    def get_job_logs(self, job_id):
-        return "done\n"
+    async def tail_job_logs(self, job_id):
+        for chunk in _FakeClient.log_chunks:
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
 
 
 @pytest.fixture
@@ -114,6 +120,8 @@ def fake_client(monkeypatch, tmp_path):
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", _FakeClient)
     monkeypatch.setattr(_FakeClient, "jobs", [])
+    monkeypatch.setattr(_FakeClient, "log_chunks", ["done\n"])
+    monkeypatch.setattr(_FakeClient, "statuses", [])
     for name in ("fail_init", "fail_submit", "fail_status"):
         monkeypatch.setattr(_FakeClient, name, None)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -190,6 +198,22 @@ def test_no_follow_and_an_interrupted_follow_say_how_to_reach_the_job(fake_clien
     assert "\n" not in str(err.value)
 
 
+def test_follow_streams_each_line_once_and_a_dropped_stream_is_one_line(fake_client):
+    # the log is streamed (tail_job_logs), not re-read whole every poll
+    cfg = build_config({}, ["output_dir=/tmp/x", "data.cache_dir=/tmp/c", "cache.root=/tmp/t"])
+    fake_client.log_chunks = ["step 1\n", "step 2\n", "step 3\n"]
+    fake_client.statuses = ["RUNNING", "RUNNING"]
+    lines = []
+    assert submit(cfg, "10.1.2.3:8265", log=lines.append) == "SUCCEEDED"
+    assert lines[1:] == ["step 1", "step 2", "step 3", "[submit] job raysubmit_TEST: SUCCEEDED"]
+    fake_client.log_chunks = ["step 1\n", RuntimeError("Connection closed unexpectedly.\nmore")]
+    fake_client.statuses = ["RUNNING"] * 5
+    with pytest.raises(SubmitError, match=r"lost the job's logs \(Connection closed unexpectedly.\); job raysubmit_TEST "
+                                          r"may still be running") as err:
+        submit(cfg, "10.1.2.3:8265", log=lines.append)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("error,code", [("RecipeError", 2), ("TrainingError", 1)])
 def test_a_failing_recipe_job_ends_in_one_line(monkeypatch, capsys, error, code):
     # e.g. a second submit with other training settings into the same output_dir: as `hmscale run`, no traceback
@@ -252,6 +276,7 @@ def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "SUCCEEDED" in r.stdout
+        assert "[data] plan " in r.stdout  # the job's own log, streamed from the cluster
         results = json.loads((out / "results.json").read_text())
         assert results["hedgemamba_ppl"] > 1 and results["teacher_ppl"] > 1
     finally:
