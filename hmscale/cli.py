@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from hmscale.config import ConfigError, load_config
+from hmscale.config import ConfigError, load_config, stage1_cache_problem
 
 app = typer.Typer(
     add_completion=False,
@@ -29,11 +29,16 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _config(path, overrides):
+def _config(path, overrides, stage1: bool = False):
+    """The config; with ``stage1`` (commands that train stage 1), also one that stage 1 can train from."""
     try:
-        return load_config(path, overrides or [])
+        cfg = load_config(path, overrides or [])
     except ConfigError as err:
         fail(str(err))
+    problem = stage1_cache_problem(cfg) if stage1 else None
+    if problem:  # (else found after the data, the teacher and the cache)
+        fail(problem)
+    return cfg
 
 
 @app.command()
@@ -139,7 +144,7 @@ def _run_stages(config, overrides, stages: tuple, stage1_from: Optional[str] = N
     from hmscale.train.engine import TrainingError
     from ray_jobs.distill import run_distill, summary_line
 
-    cfg = _config(config, overrides)
+    cfg = _config(config, overrides, stage1="stage1" in stages)
     absolute = cfg.with_absolute_paths()  # as run_distill saves it
     refusal = saved_config_mismatch(Path(absolute.output_dir), absolute)
     if refusal:
@@ -254,7 +259,7 @@ def generate(
 @app.command()
 def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """The whole recipe: cache, stage 1, stage 2, eval, into one run directory (resumable)."""
-    cfg = _config(config, overrides)
+    cfg = _config(config, overrides, stage1=True)
     from hmscale.recipe import RecipeError, run_recipe
     from hmscale.train.engine import TrainingError
 

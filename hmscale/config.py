@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +33,8 @@ def _number_field(annotation) -> bool:
         args = typing.get_args(a)
         if args and typing.get_origin(a) is not Literal:
             todo.extend(args)
+        elif args:  # Literal[0, 1, 2, 3] holds numbers too (pydantic takes true / false there as 1 / 0)
+            leaves.update(type(v) for v in args)
         else:
             leaves.add(a)
     return bool(leaves & {int, float}) and bool not in leaves
@@ -372,6 +375,10 @@ class RunConfig(_Section):
                     f"teacher.flavor: {flavor.name} is a published size; set teacher.name_or_path={flavor.hub_id} to load it"
                 )
             heads, n_layers = flavor.n_heads, flavor.n_layers
+            if self.data.seq_len > flavor.max_positions:  # (pretraining it on such rows fails after the data work)
+                raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the {flavor.name} teacher's "
+                                 f"{flavor.max_positions} positions; set data.seq_len<={flavor.max_positions} or a "
+                                 "larger teacher.flavor")
         else:
             heads, n_layers = _shape_of(self.teacher.name_or_path)
         layers = self.cache.capture.layers
@@ -379,6 +386,16 @@ class RunConfig(_Section):
         if bad:
             raise ValueError(f"cache.capture.layers: {bad} out of range for the teacher's {n_layers} layers; use "
                              f"0..{n_layers - 1} or 'all'")
+        if self.stage1.layer_parallel and n_layers and self.parallel.num_workers > n_layers:  # (else stage 1 stops)
+            raise ValueError(f"stage1.layer_parallel: {self.parallel.num_workers} workers for {n_layers} layers; use at "
+                             f"most {n_layers} workers (parallel.num_workers) or layer_parallel=false")
+        if self.teacher.name_or_path:  # a published Pythia's vocabulary; a miniature's is its BPE's
+            vocab = next((f.vocab_size for f in FLAVORS.values() if f.hub_id == self.teacher.name_or_path), None)
+        else:
+            vocab = None if self.tokenizer.name_or_path else self.tokenizer.vocab_size
+        if vocab and self.cache.capture.topk > vocab:
+            raise ValueError(f"cache.capture.topk: {self.cache.capture.topk} exceeds the {vocab}-token vocabulary; set "
+                             f"cache.capture.topk<={vocab} (e.g. 32)")
         s2 = self.stage2
         if s2.kd_weight > 0 and s2.kd_source == "cache" and self.cache.capture.topk == 0:
             raise ValueError(f"stage2.kd_weight: {s2.kd_weight} with stage2.kd_source=cache needs the teacher's top-k "
@@ -389,6 +406,8 @@ class RunConfig(_Section):
                              "stage2.lora_rank=0")
         if heads is not None and heads % self.parallel.tp:
             raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's {heads} heads; pick a divisor of {heads}")
+        if not self.cache.enabled and self.stage1.source == "cache":
+            self.stage1.source = "online"  # what cache.enabled=false means (stage 1 built the cache itself otherwise)
         if self.teacher.name_or_path and self.tokenizer.name_or_path is None:
             # a pretrained teacher needs its own tokenizer
             self.tokenizer.name_or_path = self.teacher.name_or_path
@@ -414,6 +433,23 @@ class RunConfig(_Section):
         return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def stage1_cache_problem(cfg: RunConfig) -> str | None:
+    """Why stage 1 cannot train from the teacher cache this config captures (every layer's attn_input), in one line;
+    None when it can or reads no cache. (`hmscale cache` alone may capture less: checked where stage 1 runs.)"""
+    cap = cfg.cache.capture
+    if cfg.stage1.source != "cache" or not cfg.cache.enabled:
+        return None
+    if "attn_input" not in cap.tensors:
+        return (f"cache.capture.tensors: {list(cap.tensors)} lacks attn_input, which stage 1 trains from; add it "
+                "(e.g. [attn_input, attn_output]) or set stage1.source=online")
+    t = cfg.teacher
+    n_layers = _shape_of(t.name_or_path)[1] if t.name_or_path else get_flavor(t.flavor).n_layers
+    if cap.layers != "all" and n_layers and set(cap.layers) != set(range(n_layers)):
+        return (f"cache.capture.layers: {cap.layers} leaves out layers that stage 1 trains from the cache; set "
+                "cache.capture.layers=all or stage1.source=online")
+    return None
+
+
 def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
     """(attention heads, layers) of a teacher, from the flavour registry or a local config; (None, None) for a hub id
     this process cannot see yet."""
@@ -432,6 +468,19 @@ def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
 # --------------------------------------------------------------------------- loading
 
 
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load's reading, except a number written with a leading zero (0123): YAML 1.1 reads it as octal (83),
+    which no setting means; it stays the text it is (data.revision=0123456, an all-digit short sha; a number field
+    reads it as decimal)."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        return text if re.fullmatch(r"[-+]?0[0-7_]+", text) else super().construct_yaml_int(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: write overrides as section.field=value, e.g. stage2.lr=3e-4")
@@ -440,7 +489,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"override {text!r}: the key before '=' must be section.field, e.g. stage2.lr=3e-4")
     try:
-        return path, yaml.safe_load(raw) if raw.strip() else None
+        return path, yaml.load(raw, Loader=_Loader) if raw.strip() else None
     except yaml.YAMLError:
         raise ConfigError(f"override {text!r}: the value is not valid YAML; quote it, e.g. -s 'data.dataset=\"x:y\"'") from None
 
@@ -497,7 +546,7 @@ def read_config_tree(path: str | os.PathLike, overrides: list[str] | None = None
         raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML file (a run directory's is "
                           f"{str(p / 'config.yaml')!r})")
     try:
-        tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
     except (UnicodeDecodeError, OSError) as err:
