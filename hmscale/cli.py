@@ -259,7 +259,7 @@ def generate(
 @app.command()
 def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """The whole recipe: cache, stage 1, stage 2, eval, into one run directory (resumable)."""
-    cfg = _config(config, overrides, stage1=True)
+    cfg = _config(config, overrides)
     from hmscale.recipe import RecipeError, run_recipe
     from hmscale.train.engine import TrainingError
 

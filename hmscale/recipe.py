@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
-from hmscale.config import RunConfig, save_resolved
+from hmscale.config import RunConfig, save_resolved, stage1_cache_problem
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
 
@@ -109,6 +109,9 @@ def check_local_gpu(cfg: RunConfig) -> None:
 def run_recipe(cfg: RunConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the contents of results.json."""
     t_start = time.time()
+    problem = stage1_cache_problem(cfg)  # here, for `hmscale run` and for a job sent with `hmscale submit` alike
+    if problem:
+        raise RecipeError(problem)
     check_local_gpu(cfg)
     cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)

@@ -79,3 +79,15 @@ def test_stage1_from_a_cache_that_lacks_what_it_reads(tmp_path, capsys, command,
     assert not (tmp_path / "d").exists()  # before any data work
     assert main(["check", "-s", override]) == 0  # `hmscale cache` alone may capture less
     assert main(["check", "-s", override, "-s", "stage1.source=online"]) == 0
+
+
+def test_a_submitted_job_refuses_a_stage1_cache_that_lacks_what_it_reads(tmp_path, capsys):
+    # the job `hmscale submit` sends (python -m ray_jobs.run_recipe) checks it as `hmscale run` does
+    from ray_jobs import run_recipe
+
+    args = ["-s", "cache.capture.tensors=[attn_output]", "-s", f"output_dir={tmp_path}/r",
+            "-s", f"data.cache_dir={tmp_path}/d"]
+    assert run_recipe.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hmscale: error: cache.capture.tensors: ['attn_output'] lacks attn_input") and err.count("\n") == 1
+    assert not (tmp_path / "d").exists()
