@@ -19,7 +19,7 @@ class GraphDecoder:
             raise ValueError("GraphDecoder needs CUDA tensors; on CPU use model.generate()")
         self.model = model.eval()
         with torch.no_grad():
-            out = model(input_ids=prompt_ids, use_cache=True)
+            out = model(input_ids=prompt_ids, use_cache=True, return_dict=True)
         self.cache = out.cache
         self.next_logits = out.logits[:, -1]
         self.pos = prompt_ids.shape[1]
@@ -48,7 +48,8 @@ class GraphDecoder:
         cache = self.cache
         cache.conv_states = list(self.conv)
         cache.ssm_states = list(self.ssm)
-        logits = self.model(input_ids=self.static_ids, cache=cache, use_cache=True, position_ids=self.static_pos).logits
+        logits = self.model(input_ids=self.static_ids, cache=cache, use_cache=True, position_ids=self.static_pos,
+                            return_dict=True).logits
         for dst, src in zip(self.conv + self.ssm, cache.conv_states + cache.ssm_states):
             if dst is not None and src is not dst:
                 dst.copy_(src)

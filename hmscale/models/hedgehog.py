@@ -101,11 +101,18 @@ def hedgehog_loss(o_lin: torch.Tensor, o_teacher: torch.Tensor, eps: float = 1e-
     return (1.0 - cos).mean()
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy (labels are the inputs; shifted here; -100 ignored), in fp32."""
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Next-token cross-entropy (labels are the inputs; shifted here; -100 ignored), in fp32: the mean, or with
+    ``num_items_in_batch`` (transformers' ``Trainer`` passes it under gradient accumulation) the sum over it."""
     shift_logits = logits[:, :-1].float()
     shift_labels = labels[:, 1:].to(logits.device)
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100)
+    if num_items_in_batch is None:
+        return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100)
+    total = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 class HedgehogForCausalLM(nn.Module):
@@ -163,9 +170,17 @@ class HedgehogForCausalLM(nn.Module):
         return attn.dense(o_lin.reshape(*o_lin.shape[:2], -1))
 
     def forward(self, input_ids=None, labels=None, position_ids=None, seq_idx=None, inputs_embeds=None,
-                attention_mask=None, output_hidden_states: bool = False, **kwargs):
+                attention_mask=None, output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                use_cache: bool | None = None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("HedgehogForCausalLM: pass exactly one of input_ids or inputs_embeds")
+        if use_cache:
+            raise ValueError("HedgehogForCausalLM has no cache (use_cache=True): it recomputes whole rows; "
+                             "HedgeMamba (convert.to_hedgemamba) decodes with a recurrent state")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("HedgehogForCausalLM: padding in attention_mask is not supported; pack sequences and pass seq_idx")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         neox = self.teacher.gpt_neox
         x = neox.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
@@ -184,5 +199,6 @@ class HedgehogForCausalLM(nn.Module):
         if hidden is not None:  # as the teacher (GPT-NeoX): the last hidden state after the final LayerNorm
             hidden[-1] = x
         logits = self.teacher.get_output_embeddings()(x)
-        loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(loss=loss, logits=logits, hidden_states=tuple(hidden) if hidden else None)
+        loss = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch")) if labels is not None else None
+        out = CausalLMOutput(loss=loss, logits=logits, hidden_states=tuple(hidden) if hidden else None)
+        return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()

@@ -518,8 +518,9 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
             am = attention_mask[:, -l:].bool()
             if not bool(am.all()):
                 token_mask = am
-                if position_ids is None:
-                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -l:]
+            # positions count each row's real tokens: also for new tokens after a left-padded prompt in the cache
+            if position_ids is None and not bool(attention_mask.bool().all()):
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -l:]
         if position_ids is None:
             position_ids = (torch.arange(l, device=x.device) + offset)[None, :]
         if seq_idx is not None:
@@ -544,6 +545,8 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
 
 
 class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "backbone.embed_in.weight"}  # tied only with config.tie_word_embeddings
+
     def __init__(self, config: HedgeMambaConfig):
         super().__init__(config)
         self.backbone = HedgeMambaModel(config)
@@ -578,6 +581,9 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
             # the tokens the cache has not consumed yet: after a prompt given as embeddings, input_ids holds only the
             # generated tokens while the cache counts the prompt's positions too
             total = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
+            if total <= past:
+                raise ValueError(f"generate: the cache has consumed {past} tokens, the input has {total}; pass the cache "
+                                 "of all but the input's last token (model(ids[:, :-1], use_cache=True).cache)")
             ids = input_ids[:, input_ids.shape[1] - (total - past):]
             inputs["input_ids"] = ids.contiguous()
             length = ids.shape[1]
@@ -598,6 +604,10 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
                 output_hidden_states=None, return_dict=None, **kwargs) -> HedgeMambaCausalLMOutput:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if return_dict is None:
+            return_dict = self.config.return_dict
         out = self.backbone(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
                             cache=cache, use_cache=bool(use_cache) or cache is not None, seq_idx=seq_idx,
                             attention_mask=attention_mask, output_hidden_states=bool(output_hidden_states))
@@ -610,8 +620,8 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
         if labels is not None and getattr(self, "vocab_shard", None) is not None:
             raise ValueError("labels=: the LM head is sharded by vocabulary (tensor parallelism), the logits are this "
                              "rank's slice; use hmscale.train.stage2.causal_lm_losses(..., vocab_shard=model.vocab_shard)")
-        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        loss = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch")) if labels is not None else None
         result = HedgeMambaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
-        if return_dict is False:
+        if not return_dict:
             return result.to_tuple()
         return result
