@@ -62,7 +62,7 @@ class TeacherConfig(_Section):
     # on-the-spot pretraining of a miniature teacher
     pretrain_steps: int = Field(600, ge=0)
     pretrain_seconds: float = Field(80.0, gt=0)  # training-loop limit; the final validation adds a few seconds
-    pretrain_lr: float = Field(3e-3, gt=0)
+    pretrain_lr: float = Field(3e-3, gt=0, allow_inf_nan=False)
     pretrain_batch_size: int = Field(8, gt=0)
 
 
@@ -170,7 +170,7 @@ class BudgetConfig(_Section):
 
 class Stage1Config(_Section):
     feature_dim: int | None = Field(None, gt=0)  # F; None = head_dim
-    lr: float = Field(1e-2, gt=0)
+    lr: float = Field(1e-2, gt=0, allow_inf_nan=False)
     micro_batch_size: int = Field(8, gt=0)
     warmup_steps: int = Field(10, ge=0)
     source: Literal["cache", "online"] = "cache"
@@ -184,7 +184,7 @@ class Stage1Config(_Section):
     # attention (the paper's; only the feature maps train); "mixer" = the whole HedgeMamba mixer of stage 2
     # (feature maps plus the conv, dt/A/D and gate of stage2.components), layer-local all the same
     transfer: Literal["attention", "mixer"] = "attention"
-    new_params_lr_scale: float = Field(0.2, gt=0)  # transfer=mixer: lr multiplier of the conv, dt/A/D and gate
+    new_params_lr_scale: float = Field(0.2, gt=0, allow_inf_nan=False)  # transfer=mixer: lr multiplier of the conv, dt/A/D and gate
 
     @model_validator(mode="after")
     def _check_epochs(self):
@@ -205,7 +205,7 @@ class ComponentsConfig(_Section):
 
 
 class Stage2Config(_Section):
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -225,8 +225,8 @@ class Stage2Config(_Section):
     trainable: Literal["all", "mixers"] = "all"
     # lr multipliers (x stage2.lr) for the parts that are not the teacher's own weights: the recurrent
     # parts HedgeMamba adds at identity (gate z_proj, conv, dt_proj, A, D) and the stage-1 feature maps
-    new_params_lr_scale: float = Field(1.0, gt=0)
-    feature_map_lr_scale: float = Field(1.0, gt=0)
+    new_params_lr_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+    feature_map_lr_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
     eval_every: int = Field(50, gt=0)
     steps: int | None = Field(None, gt=0)  # optimizer steps; None = from budget.stage2_tokens
     # passes over the stage's token share (budget.stage2_tokens): the rows a one-pass run reads, revisited

@@ -91,3 +91,11 @@ def test_a_submitted_job_refuses_a_stage1_cache_that_lacks_what_it_reads(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("hmscale: error: cache.capture.tensors: ['attn_output'] lacks attn_input") and err.count("\n") == 1
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("override", ["stage2.lr=.inf", "stage1.lr=.inf", "teacher.pretrain_lr=.inf",
+                                      "stage2.new_params_lr_scale=.inf", "stage2.feature_map_lr_scale=.inf"])
+def test_an_infinite_learning_rate_is_refused(override):
+    # (NaN already failed the > 0 check; inf passed it and trained to NaN at the first step)
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: Input should be a finite number"):
+        build_config({}, [override])
