@@ -1,23 +1,24 @@
 """The two students of the recipe: the Hedgehog stage-1 student and the HedgeMamba stage-2 model.
 
 Importing this package registers HedgeMamba with the transformers Auto classes
-(``AutoConfig`` model_type "hedgemamba", ``AutoModelForCausalLM``).
+(``AutoConfig`` model_type "hedgemamba", ``AutoModelForCausalLM``, ``AutoModel`` for the backbone alone).
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .feature_map import HedgehogFeatureMap
 from .hedgehog import HedgehogForCausalLM, hedgehog_layer_output, hedgehog_loss
-from .hedgemamba import HedgeMambaCache, HedgeMambaConfig, HedgeMambaForCausalLM
+from .hedgemamba import HedgeMambaCache, HedgeMambaConfig, HedgeMambaForCausalLM, HedgeMambaModel
 
 try:
     AutoConfig.register("hedgemamba", HedgeMambaConfig)
 except ValueError:  # already registered (re-import)
     pass
-try:
-    AutoModelForCausalLM.register(HedgeMambaConfig, HedgeMambaForCausalLM)
-except ValueError:
-    pass
+for auto, cls in ((AutoModelForCausalLM, HedgeMambaForCausalLM), (AutoModel, HedgeMambaModel)):
+    try:
+        auto.register(HedgeMambaConfig, cls)
+    except ValueError:
+        pass
 
 __all__ = [
     "HedgehogFeatureMap",
@@ -27,4 +28,5 @@ __all__ = [
     "HedgeMambaCache",
     "HedgeMambaConfig",
     "HedgeMambaForCausalLM",
+    "HedgeMambaModel",
 ]

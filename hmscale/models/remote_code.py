@@ -17,12 +17,13 @@ SHIM = (
     "# Written by hmscale (HedgeMamba's save_pretrained): `trust_remote_code=True` loads HedgeMamba from the installed\n"
     "# hmscale package; the model's code is not copied here.\n"
     "try:\n"
-    "    from hmscale.models.hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM  # noqa: F401\n"
+    "    from hmscale.models.hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM, HedgeMambaModel  # noqa: F401\n"
     "except ImportError as err:\n"
     "    raise ImportError(\"this HedgeMamba model needs the hmscale package: pip install -e <hmscale checkout> \"\n"
     "                      \"(it is not on PyPI)\") from err\n"
 )
-AUTO_MAP = {"AutoConfig": f"{MODULE}.HedgeMambaConfig", "AutoModelForCausalLM": f"{MODULE}.HedgeMambaForCausalLM"}
+AUTO_MAP = {"AutoConfig": f"{MODULE}.HedgeMambaConfig", "AutoModelForCausalLM": f"{MODULE}.HedgeMambaForCausalLM",
+            "AutoModel": f"{MODULE}.HedgeMambaModel"}
 
 
 def write_remote_code(model_dir: str | Path) -> None:

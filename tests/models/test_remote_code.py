@@ -52,3 +52,21 @@ def test_only_hedgemamba_directories(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     with pytest.raises(ValueError, match="not a HedgeMamba model"):
         write_remote_code(tmp_path)
+
+
+def test_auto_model_loads_the_backbone_of_a_saved_hedgemamba(tmp_path):
+    # AutoModel (embeddings / features) as for transformers' own models: the backbone, the LM head's input as output
+    from transformers import AutoModel
+
+    import hmscale.models  # noqa: F401  (registers the Auto classes)
+
+    torch.manual_seed(0)
+    model = to_hedgemamba(to_hedgehog(GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=97)).eval())).eval()
+    model.save_pretrained(tmp_path)
+    backbone = AutoModel.from_pretrained(tmp_path).eval()
+    assert type(backbone).__name__ == "HedgeMambaModel"
+    ids = torch.arange(1, 40)[None] % 97
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states[-1]
+        got = backbone(ids).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
