@@ -323,11 +323,27 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, optimizer=optimizer, config=conf, mpu=mpu, lr_scheduler=scheduler
     )
+    _record_fp32_grad_norm(engine)
     if foreach_grad_checks:
         install_foreach(engine.optimizer)
     if grad_buckets:
         install_buckets(engine.optimizer)
     return engine
+
+
+def _record_fp32_grad_norm(engine) -> None:
+    """ZeRO-0 in fp32: DeepSpeed clips the gradients (``clip_fp32_gradients``) but drops the norm it computed, so
+    ``get_global_grad_norm()`` stayed None and metrics.jsonl had no grad_norm; keep it, as the ZeRO optimizers do."""
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients():
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -389,11 +405,70 @@ class Checkpointer:
 
     @staticmethod
     def load(engine, path: str | os.PathLike) -> dict:
+        """The checkpoint's weights, optimizer state and step; the optimizer's hyperparameters (lr, betas, eps,
+        weight decay) and the lr schedule stay the config's: the checkpoint's param groups and scheduler state
+        carried the lr it was written with, so a resume with another stage lr trained at the old one, silently."""
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
         load_path, client = engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if load_path is None:
             raise TrainingError(f"checkpoint {str(path)!r} could not be loaded (no DeepSpeed state under tag {TAG!r})")
+        groups = engine.optimizer.param_groups
+        if len(groups) == len(fresh):
+            for g, f in zip(groups, fresh):
+                g.update(f)
+            sched = engine.lr_scheduler
+            if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and all("initial_lr" in f for f in fresh):
+                sched.base_lrs = [f["initial_lr"] for f in fresh]
+                for g, base, fn in zip(groups, sched.base_lrs, sched.lr_lambdas):
+                    g["lr"] = base * fn(sched.last_epoch)
+                sched._last_lr = [g["lr"] for g in groups]
         return client or {}
+
+    @staticmethod
+    def check_layout(path: str | os.PathLike, name: str, *, zero_stage: int, dp: int, mp: int,
+                     samples_per_step: int, mp_what: str = "parallel.tp") -> None:
+        """Refuse (one line) to resume from a checkpoint written with another layout: ZeRO 0 / 1-2 / 3 (different
+        files), another data-parallel size under ZeRO (DeepSpeed does not re-partition the optimizer state: it
+        raised a traceback), another model-parallel size (`mp_what`), or another number of rows per optimizer step
+        (the data position is step x rows: the resumed run would silently re-read or skip rows)."""
+        found = checkpoint_layout(path)
+        diffs = []
+        if found is not None:
+            group = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
+            if group[found["zero"]] != group[int(zero_stage)]:
+                diffs.append(f"ZeRO {group[found['zero']]} -> {int(zero_stage)}")
+            elif found["dp"] is not None and int(zero_stage) >= 1 and found["dp"] != dp:
+                diffs.append(f"{found['dp']} -> {dp} data-parallel workers")
+            if found["mp"] != mp:
+                diffs.append(f"{mp_what} {found['mp']} -> {mp}")
+        meta_path = Path(path) / "meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        step, seen = int(meta.get("step", 0) or 0), int(meta.get("samples_seen", 0) or 0)
+        if step > 0 and seen and seen // step != samples_per_step:
+            diffs.append(f"{seen // step} -> {samples_per_step} rows per optimizer step "
+                         "(micro_batch_size x grad_accum x data-parallel workers)")
+        if diffs:
+            raise TrainingError(f"{name}: cannot resume from {path}: it was written with another layout "
+                                f"({', '.join(diffs)}); resume with the settings it was written with, or start "
+                                "the stage over in a new output_dir")
+
+
+def checkpoint_layout(path: str | os.PathLike) -> dict | None:
+    """How the DeepSpeed checkpoint at `path` (tag `state`) was partitioned, from its file names:
+    {"zero": 0, 1 (ZeRO 1 or 2: the same files) or 3, "dp": data-parallel ranks (None for ZeRO 0: one file),
+    "mp": model-parallel ranks}; None when it holds no DeepSpeed files."""
+    import re
+
+    names = [p.name for p in (Path(path) / TAG).glob("*.pt")]
+    model = {m[1] for n in names if (m := re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", n))}
+    zero = [m for n in names if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt", n))]
+    if zero:
+        return {"zero": 3 if any(m[3] == "model" for m in zero) else 1, "dp": len({m[1] for m in zero}),
+                "mp": len({m[2] for m in zero})}
+    if model:
+        return {"zero": 0, "dp": None, "mp": len(model)}
+    return None
 
 
 def _jsonable(d: dict) -> dict:

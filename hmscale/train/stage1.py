@@ -367,6 +367,9 @@ def run_stage1(
     start_step, resumed = 0, None
     load_from = Path(resume_from) if resume_from else (ckpt.latest() if resume else None)
     if load_from is not None:
+        Checkpointer.check_layout(load_from, "stage1", zero_stage=zero, dp=dp_size,
+                                  mp=layout.world if mpu is not None else 1, samples_per_step=s1.micro_batch_size * dp_size,
+                                  mp_what="layer-parallel workers")
         client = Checkpointer.load(engine, load_from)
         start_step = int(client.get("step", 0))
         resumed = resumed_totals(load_from, client, start_step * tokens_per_step)
@@ -377,7 +380,8 @@ def run_stage1(
     if layout.rank == 0 and start_step == 0:
         logger.log(0, {"event": "start", "mode": "cache" if cached else "online", "layer_parallel": mpu is not None,
                        "transfer": s1.transfer,
-                       "trainable_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
+                       "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()
+                                               if p.requires_grad),  # (ZeRO-3: partitioned, numel() is 0)
                        "total_steps": total_steps,
                        "tokens_per_step": tokens_per_step}, kind="event")
 

@@ -327,8 +327,14 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
     if val_tokens is None or len(val_tokens) == 0:
         return {}
     rows = np.asarray(val_tokens)[:max_sequences]
-    per = max(len(rows) // layout.dp_size, 1)
-    mine = rows[layout.dp_rank * per : (layout.dp_rank + 1) * per] if len(rows) >= layout.dp_size else rows[:1]
+    # every row once over the dp ranks (the last `len(rows) % dp` were dropped: the loss depended on the number of
+    # workers and was not the exported model's on the same rows); each rank runs the same number of forwards (ZeRO-3
+    # and tp gather inside them), a rank short of rows repeating its last one, uncounted
+    n = len(rows)
+    per = -(-n // layout.dp_size)
+    lo = layout.dp_rank * per
+    counted = np.arange(lo, lo + per) < n
+    mine = rows[np.minimum(np.arange(lo, lo + per), n - 1)]
     was_training = engine.module.training
     engine.module.eval()
     total = torch.zeros(2, dtype=torch.float64)
@@ -339,6 +345,12 @@ def validation_loss(engine, val_tokens, layout: Layout, micro_batch_size: int, m
         x = torch.as_tensor(mine[i : i + micro_batch_size], dtype=torch.long, device=layout.device)
         _graph_step_begin()
         logits = engine(input_ids=x).logits
+        keep = counted[i : i + micro_batch_size]
+        if not keep.any():
+            continue
+        if not keep.all():
+            keep = torch.as_tensor(keep, device=layout.device)
+            logits, x = logits[keep], x[keep]
         if shard is None and kernels.resolve_backend(logits) == "triton":  # no fp32 copy of the logits
             nll = kernels.next_token_loss_sums(logits, x)[0]
         elif shard is None:
@@ -454,6 +466,8 @@ def run_stage2(
     start_step, resumed = 0, None
     load_from = Path(resume_from) if resume_from else (ckpt.latest() if resume else None)
     if load_from is not None:
+        Checkpointer.check_layout(load_from, "stage2", zero_stage=zero, dp=layout.dp_size, mp=layout.tp_size,
+                                  samples_per_step=s2.micro_batch_size * s2.grad_accum * layout.dp_size)
         client = Checkpointer.load(engine, load_from)
         start_step = int(client.get("step", 0))
         resumed = resumed_totals(load_from, client, start_step * tokens_per_step)
@@ -462,7 +476,8 @@ def run_stage2(
     logger = MetricsLogger(out, "stage2", total_steps, start_step, rank=layout.rank,
                            progress=getattr(cfg, "_progress", True))
     if layout.rank == 0 and start_step == 0:
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # (ZeRO-3 has partitioned the parameters by now: numel() is 0, ds_numel the full size)
+        n_train = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         logger.log(0, {"event": "start", "trainable_params": n_train, "frozen_params": frozen,
                        "total_steps": total_steps, "tokens_per_step": tokens_per_step,
                        "zero_stage": zero, "tp": layout.tp_size, "dp": layout.dp_size,
