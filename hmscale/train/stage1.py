@@ -355,7 +355,8 @@ def run_stage1(
         params = [{"params": groups["feature_map"], "lr": s1.lr, "name": "feature_map"}]
         if groups["added"]:
             params.append({"params": groups["added"], "lr": s1.lr * s1.new_params_lr_scale, "name": "new"})
-    tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len * (layout.world if mpu is not None else 1)
+    # the tokens each layer trains on per step (the budget's unit): layer-parallel workers read the same rows
+    tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len
     total_steps = stage1_steps(cfg, tokens_per_step)
     spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,
                      total_steps=total_steps, min_lr_ratio=s1.min_lr_ratio, weight_decay=0.0, grad_clip=1.0,

@@ -25,6 +25,9 @@ def test_layer_parallel_matches_single_worker(launch_job, tmp_path, transfer, ex
     assert one[-1] != one[0]
     meta = json.loads((tmp_path / "two" / "stage1" / "summary.json").read_text())
     assert meta["layer_parallel"] and meta["done"]
+    # each layer trained on the same tokens (the budget's unit), so the same count: layer-parallel workers read the
+    # same rows (it counted them once per worker, and a budget gave each layer 1/workers of its tokens)
+    assert meta["tokens"] == json.loads((tmp_path / "one" / "stage1" / "summary.json").read_text())["tokens"]
     from safetensors.torch import load_file
 
     a = load_file(str(tmp_path / "one" / "stage1" / "student" / export))
