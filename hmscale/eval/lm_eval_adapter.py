@@ -67,7 +67,7 @@ class HmscaleLM(LM):
                              "raise max_length")
         ids = (context + continuation)[-(self.max_length + 1):]
         inp = torch.tensor([ids[:-1]], device=self._device)
-        logp = F.log_softmax(self.model(input_ids=inp).logits[0].float(), dim=-1)[-n:]
+        logp = F.log_softmax(self.model(input_ids=inp, return_dict=True).logits[0].float(), dim=-1)[-n:]
         target = torch.tensor(ids[-n:], device=self._device)
         total = logp.gather(-1, target[:, None]).sum().item()
         greedy = bool((logp.argmax(-1) == target).all().item())

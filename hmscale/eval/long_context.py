@@ -87,9 +87,9 @@ def position_nll(model, rows, batch_size: int = 1, segment: int | None = None,
             for a in range(0, L - 1, step):
                 b = min(a + step, L)
                 if segment is None:
-                    logits = model(input_ids=ids[:, a:b]).logits
+                    logits = model(input_ids=ids[:, a:b], return_dict=True).logits
                 else:
-                    out = model(input_ids=ids[:, a:b], cache=cache, use_cache=True)
+                    out = model(input_ids=ids[:, a:b], cache=cache, use_cache=True, return_dict=True)
                     logits, cache = out.logits, out.cache
                 m = min(b, L - 1) - a  # targets a+1 .. min(b, L-1)
                 for c in range(0, m, _CE_BLOCK):  # fp32 logits a block of positions at a time (long rows, big vocab)

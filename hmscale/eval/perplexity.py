@@ -28,7 +28,7 @@ def mean_nll(model, tokens, batch_size: int = 8, device: str | torch.device | No
     try:
         for i in range(0, rows.shape[0], batch_size):
             ids = rows[i : i + batch_size].to(device)
-            logits = model(input_ids=ids).logits.float()
+            logits = model(input_ids=ids, return_dict=True).logits.float()
             nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
             total += nll.item()
             count += ids[:, 1:].numel()

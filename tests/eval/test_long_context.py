@@ -132,3 +132,14 @@ def test_long_context_eval_logs_progress_while_a_model_scores():
     seen = []
     position_nll(student, rows, batch_size=3, progress=lambda done, n: seen.append((done, n)))
     assert seen == [(3, 5), (5, 5)]
+
+
+def test_scoring_a_model_saved_with_return_dict_false():
+    # a model whose config says return_dict=False returns tuples; the scorers ask for the output object
+    model = make_model()
+    rows = torch.randint(1, VOCAB, (2, 30))
+    want = position_nll(model, rows, batch_size=2, segment=8)[0], mean_nll(model, rows)[0]
+    model.config.return_dict = False
+    got = position_nll(model, rows, batch_size=2, segment=8)[0], mean_nll(model, rows)[0]
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1] == want[1]
