@@ -16,6 +16,7 @@ from pathlib import Path
 from hmscale.config import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_started_embedded = False  # whether this process started the cluster it is on (`connect`): one that never grows
 
 
 class RayConnectError(ConfigError):
@@ -71,6 +72,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         runtime_env={"env_vars": {"PYTHONPATH": pypath}},
     )
     log(f"[ray] embedded local cluster: {ray.cluster_resources()}")
+    global _started_embedded
+    _started_embedded = True
     return True
 
 
@@ -88,3 +91,37 @@ def process_cpus() -> int:
         if cpus:
             return max(1, min(cores, int(cpus)))
     return cores
+
+
+class ClusterTooSmall(ConfigError):
+    """`parallel.num_workers` asks for more CPUs (GPUs with `parallel.use_gpu`) than the Ray cluster has in all."""
+
+
+_warned: set = set()
+
+
+def check_workers_fit(num_workers: int, use_gpu: bool, log=print) -> None:
+    """Ray Train's worker group takes one CPU (one GPU with `use_gpu`) per worker and waits for them without end
+    (its start times out every 60 s and is retried forever), so a group larger than the cluster hangs. The embedded
+    cluster never grows: refuse in one line (`ClusterTooSmall`). A joined cluster may (autoscaling): say once that
+    the run waits for nodes and what to change on a fixed cluster. Nothing to check before Ray is initialised."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    embedded = _started_embedded  # (a Ray task or a submitted job's driver is on a cluster someone else started)
+    kind = "GPU" if use_gpu else "CPU"
+    have = int(ray.cluster_resources().get(kind, 0))
+    if num_workers <= have:
+        return
+    what = (f"parallel.num_workers={num_workers}: each Ray Train worker takes one {kind}"
+            f"{' (parallel.use_gpu)' if use_gpu else ''} and the {'embedded ' if embedded else ''}Ray cluster has "
+            f"{have} in all")
+    lower = f"lower parallel.num_workers to {have}" if have else "drop parallel.use_gpu" if use_gpu else "add CPUs"
+    if embedded:
+        raise ClusterTooSmall(f"{what} (this machine's); {lower}, or join a larger cluster with "
+                              "parallel.ray_address=HEAD:6379")
+    if (num_workers, kind) not in _warned:
+        _warned.add((num_workers, kind))
+        log(f"[ray] warning: {what} now: training waits until nodes with the rest join (an autoscaling cluster; Ray "
+            f"Train retries every 60 s without end); on a fixed cluster stop it and {lower}, or add nodes")

@@ -84,7 +84,13 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
     try:
         res = ray.cluster_resources()
         gpus = int(res.get("GPU", 0))
-        n = min(cfg.cache.workers, len(pending), gpus if gpus else cfg.cache.workers)
+        # one CPU (and one GPU, where there are any) per actor: an actor the cluster cannot hold never starts, and the
+        # shards dealt to it would wait for it without end
+        cpus = max(1, int(res.get("CPU", 1)))
+        n = min(cfg.cache.workers, len(pending), min(gpus, cpus) if gpus else cpus)
+        if n < min(cfg.cache.workers, len(pending)):
+            log(f"cache: cache.workers={cfg.cache.workers}, but the Ray cluster has {cpus} CPU{'s' * (cpus != 1)}"
+                f"{f' and {gpus} GPU' + 's' * (gpus != 1) if gpus else ''} in all: {n} workers")
         writers = actor_writers(gpus, res.get("CPU", 1))
         env = {k: os.environ[k] for k in (FAULT_ENV, WRITERS_ENV) if os.environ.get(k)}
         opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=1)

@@ -210,6 +210,7 @@ def prepare(cfg, log=print, stages=STAGES, check_data=None) -> dict:
     from hmscale.data import prepare_data
     from hmscale.teacher import get_teacher
 
+    _check_ray_workers(cfg, log)  # before the data, the teacher and its cache: a group the cluster can never hold
     data = prepare_data(cfg, log=log)
     if check_data is not None:
         check_data(data)
@@ -220,6 +221,16 @@ def prepare(cfg, log=print, stages=STAGES, check_data=None) -> dict:
 
         cache_dir = str(build_cache(cfg, data, teacher))
     return {"data": data, "teacher": teacher, "cache_dir": cache_dir}
+
+
+def _check_ray_workers(cfg, log=print) -> None:
+    """engine=ray on a cluster this process has joined (or started): refuse a worker group the embedded cluster can
+    never hold (Ray Train would wait for it without end), warn for a joined one (it may grow)."""
+    if cfg.parallel.engine != "ray":
+        return
+    from hmscale.ray_cluster import check_workers_fit
+
+    check_workers_fit(cfg.parallel.num_workers, cfg.parallel.use_gpu, log=log)
 
 
 def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES, log=print,
@@ -314,6 +325,7 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     from hmscale.ray_cluster import connect
 
     connect(cfg.parallel.ray_address, log=log)
+    _check_ray_workers(cfg, log)
     par = cfg.parallel
     config = dict(config, ray=True, threads=max(1, (os.cpu_count() or 1) // par.num_workers))
     trainer = TorchTrainer(

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         results = run_recipe(cfg)
-    except RecipeError as err:  # as `hmscale run`: one line, 2 = bad input (another run's directory, a bad setting)
+    except (RecipeError, ConfigError) as err:  # as `hmscale run`: one line, 2 = bad input (another run's directory,
+        # a bad setting, a cluster that cannot be joined)
         print(f"hmscale: error: {err}", file=sys.stderr)
         return 2
     except TrainingError as err:
