@@ -33,23 +33,67 @@ def freeze(model):
     return model
 
 
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def check_architecture(name: str, config: dict) -> None:
+    """Refuse a checkpoint that is not a GPT-NeoX causal LM, before any weight is allocated: `from_pretrained` would
+    read another architecture's config.json as GPTNeoXConfig's defaults (a 20B-parameter model for GPT-2's) or
+    initialise every weight at random (Llama's: no key matches), both without an error."""
+    model_type = config.get("model_type")
+    if model_type != "gpt_neox" and not (model_type is None and "GPTNeoXForCausalLM" in (config.get("architectures") or [])):
+        archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
+        raise ValueError(f"teacher.name_or_path: {name!r} is a {model_type or 'untyped'} checkpoint ({archs}), not "
+                         "GPT-NeoX; the teacher must be a GPT-NeoX (Pythia) GPTNeoXForCausalLM")
+
+
+def check_rope(name: str, config) -> None:
+    """The capture and both students recompute q, k with the plain (default) rotary embedding of
+    `hmscale.models.neox_attention`: a scaled rotary (linear, dynamic, yarn, ...) would be silently not the teacher's."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"teacher.name_or_path: {name!r} uses rope_type={rope_type!r}; hmscale's capture and students "
+                         "implement the default (unscaled) rotary embedding only: use a teacher without rope scaling")
+
+
 def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu"):
-    """`GPTNeoXForCausalLM` from a hub id (e.g. EleutherAI/pythia-160m) or a saved directory; frozen, eval."""
-    from transformers import GPTNeoXForCausalLM
+    """`GPTNeoXForCausalLM` from a hub id (e.g. EleutherAI/pythia-160m) or a saved directory; frozen, eval.
+
+    Refused with one line: another architecture, a checkpoint missing weights (which `from_pretrained` would
+    initialise at random: e.g. a `GPTNeoXModel` without its LM head), weights whose shapes differ from its
+    config.json, a scaled rotary embedding."""
+    from transformers import GPTNeoXForCausalLM, PretrainedConfig
 
     torch_dtype = resolve_dtype(dtype)
     name = str(name_or_path)
     if looks_like_path(name):
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
-            what = "does not exist" if not path.exists() else "has no config.json"
+            what = ("does not exist" if not path.exists() else
+                    "is a file, not a model directory" if path.is_file() else "has no config.json")
             raise FileNotFoundError(f"teacher.name_or_path: {name!r} {what}; point it at a saved GPTNeoX model or a hub id")
         source = str(path)
     else:
         source = name  # hub id: downloaded (or read from the local HF cache) by transformers
     try:
-        model = GPTNeoXForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        config_dict, _ = PretrainedConfig.get_config_dict(source)
+        check_architecture(name, config_dict)
+        model, info = GPTNeoXForCausalLM.from_pretrained(source, dtype=torch_dtype, output_loading_info=True)
     except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OSError(f"teacher.name_or_path: cannot load {name!r} ({first}); check the hub id, network or HF cache") from err
+        raise OSError(f"teacher.name_or_path: cannot load {name!r} ({_first_line(err)}); check the hub id, network or "
+                      "HF cache") from err
+    except RuntimeError as err:
+        if "ignore_mismatched_sizes" not in str(err):  # (an out-of-memory error is a RuntimeError too)
+            raise
+        # weights whose shapes differ from the config (transformers prints a table of them first)
+        raise ValueError(f"teacher.name_or_path: cannot load {name!r}: the shapes of its weights differ from its "
+                         "config.json (the MISMATCH rows above); fix the config or the weights") from err
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"teacher.name_or_path: {name!r} lacks weights {', '.join(missing[:3])}{more} (they would be "
+                         "random); save the whole GPTNeoXForCausalLM (model.save_pretrained)")
+    check_rope(name, model.config)
     return freeze(model.to(device))
