@@ -456,11 +456,11 @@ def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
     for f in FLAVORS.values():
         if f.hub_id == name_or_path:
             return f.n_heads, f.n_layers
-    cfg = Path(name_or_path) / "config.json"
+    cfg = Path(name_or_path).expanduser() / "config.json"
     if cfg.exists():
         tree = json.loads(cfg.read_text())
         return tree.get("num_attention_heads"), tree.get("num_hidden_layers")
-    if Path(name_or_path).exists() or name_or_path.startswith((".", "/")):
+    if Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~")):
         raise ValueError(f"teacher.name_or_path: {name_or_path!r} has no config.json; point it at a saved GPTNeoX model or a hub id")
     return None, None
 

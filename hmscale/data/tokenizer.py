@@ -9,6 +9,7 @@ It is returned as a `PreTrainedTokenizerFast` whose eos token `<|endoftext|>` ha
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -29,12 +30,18 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))  # (~/models/x, as the teacher's path)
     except OSError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TokenizerLoadError(f"tokenizer.name_or_path: cannot load tokenizer {name_or_path!r}: {first}") from err
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer.name_or_path: tokenizer {name_or_path!r} has no eos token; documents need one to be packed")
+    # a directory without tokenizer files (a teacher's, which tokenizer.name_or_path defaults to) loads as an empty
+    # tokenizer that encodes every document to its eos token alone: the whole recipe then ran on eos-only rows
+    if not tok.encode("def main(): return 1  # the quick brown fox", add_special_tokens=False):
+        raise TokenizerLoadError(f"tokenizer.name_or_path: {name_or_path!r} gives a tokenizer that encodes text to no "
+                                 "tokens (no tokenizer files there?); save the teacher's tokenizer beside it "
+                                 "(tokenizer.save_pretrained) or set tokenizer.name_or_path")
     return tok
 
 

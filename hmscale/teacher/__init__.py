@@ -30,7 +30,6 @@ def get_teacher(cfg, data, device=None, log=print):
     if device is None:
         device = "cuda" if cfg.parallel.use_gpu else "cpu"
     if t.name_or_path:
-        _check_tokenizer(cfg, data)
         model = load_teacher(t.name_or_path, t.dtype, device)
         if model.config.vocab_size < data.vocab_size:
             raise ValueError(f"tokenizer.name_or_path: the tokenizer has {data.vocab_size} tokens but the teacher only "
@@ -69,17 +68,6 @@ def get_teacher(cfg, data, device=None, log=print):
     model = load_teacher(target, t.dtype, device)
     model.hmscale_info = {"source": str(target), "pretrain": stats}
     return model
-
-
-def _check_tokenizer(cfg, data) -> None:
-    """A teacher directory without tokenizer files (tokenizer.name_or_path defaults to it) loads as an empty tokenizer
-    that encodes every document to nothing but its eos token: refuse it rather than distil on eos-only rows."""
-    tok = getattr(data, "tokenizer", None)
-    encode = getattr(tok, "encode", None)
-    if encode is not None and not encode("def main(): return 1  # the quick brown fox", add_special_tokens=False):
-        raise ValueError(f"tokenizer.name_or_path: {cfg.tokenizer.name_or_path!r} gives a tokenizer that encodes text to "
-                         "no tokens (no tokenizer files there?); save the teacher's tokenizer beside it "
-                         "(tokenizer.save_pretrained) or set tokenizer.name_or_path")
 
 
 def _read_stats(path: Path) -> dict:

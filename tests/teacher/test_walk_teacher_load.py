@@ -110,14 +110,30 @@ def test_teacher_directory_without_tokenizer_is_refused(tmp_path):
     an empty tokenizer, every document became its eos token alone, and the whole recipe ran on that (rc 0)."""
     from hmscale.data.tokenizer import load_tokenizer
 
+    from hmscale.data.tokenizer import TokenizerLoadError
+
     neox().save_pretrained(tmp_path / "t")
     cfg = _cfg(tmp_path / "t")
     assert cfg.tokenizer.name_or_path == str(tmp_path / "t")
-    tok = load_tokenizer(cfg.tokenizer.name_or_path)
-    data = SimpleNamespace(tokenizer=tok, vocab_size=len(tok))
-    with pytest.raises(ValueError) as err:
-        get_teacher(cfg, data, log=lambda *a: None)
+    with pytest.raises(TokenizerLoadError) as err:  # where the tokenizer loads: before any data is prepared
+        load_tokenizer(cfg.tokenizer.name_or_path)
     assert "encodes text to no tokens" in one_line(err)
+
+
+def test_a_teacher_path_under_home_is_found_for_its_tokenizer_and_shape(tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hmscale.data.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    neox().save_pretrained(tmp_path / "models" / "t")
+    tok = Tokenizer(models.WordLevel({"<eos>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(tmp_path / "models" / "t")
+    assert len(load_tokenizer("~/models/t")) == 4
+    with pytest.raises(ValueError, match="cache.capture.layers"):  # the layer check sees the teacher's config
+        _cfg("~/models/t", "cache.capture.layers=[99]")
 
 
 def test_topk_larger_than_a_local_teachers_vocabulary_is_one_line(tmp_path):
