@@ -244,10 +244,14 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise ValueError(f"stages: {bad} unknown; choose from {list(STAGES)}")
-    from hmscale.config import save_resolved
+    from hmscale.config import ConfigError, save_resolved
+    from hmscale.run_identity import saved_config_mismatch
 
     cfg = cfg.with_absolute_paths()
     run_dir = Path(run_dir or cfg.output_dir).resolve()
+    refusal = saved_config_mismatch(run_dir, cfg)  # before config.yaml is replaced: another run's, or this one's
+    if refusal:
+        raise ConfigError(refusal)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
     finished = [s for s in stages if _stage_done(run_dir, s)]

@@ -53,6 +53,14 @@ def test_local_distill_layout_and_export(tmp_path, monkeypatch):
     for s in ("stage1", "stage2"):
         assert res2[s]["skipped"] and res2[s]["tokens"] == res[s]["tokens"] > 0 and res2[s]["final_loss"] == res[s]["final_loss"]
         assert (run / s / "summary.json").read_text() == summaries[s]  # not rewritten by an empty resume
+    # a rerun with other training settings (`python -m ray_jobs.distill` calls this too) is refused, and the run's
+    # config.yaml still says what it trained (it was overwritten by the new settings while reporting "skipped")
+    saved = (run / "config.yaml").read_text()
+    from hmscale.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"output_dir: .* holds a run of a different config \(stage2.steps: 4 -> 10\)"):
+        run_distill(build_config({}, _overrides(tmp_path) + ["stage2.steps=10"]), log=lambda *a, **k: None)
+    assert (run / "config.yaml").read_text() == saved
 
 
 def test_cli_eval_scores_long_contexts(tmp_path, capsys, monkeypatch):
