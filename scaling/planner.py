@@ -129,6 +129,17 @@ class PlanSettings:
             raise ValueError("plan: gpu_mem_gb must be positive and usable_fraction in (0, 1]")
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"plan: zero_stage {self.zero_stage} must be 0, 1, 2 or 3")
+        # the recipe config's own ranges (data.seq_len, *.micro_batch_size, cache.capture.*, stage2.lora_rank):
+        # out of them the memory, cache and GPU-hour formulas give numbers for a run that cannot exist
+        for name, ok, rule in (
+            ("seq_len", self.seq_len > 1, "> 1"), ("micro_batch", self.micro_batch > 0, "> 0"),
+            ("teacher_micro_batch", self.teacher_micro_batch > 0, "> 0"), ("max_tp", self.max_tp > 0, "> 0"),
+            ("max_gpus", self.max_gpus > 0, "> 0"),
+            ("token_fraction", 0 < self.token_fraction <= 1, "in (0, 1]"), ("topk", self.topk >= 0, ">= 0"),
+            ("lora_rank", self.lora_rank >= 0, ">= 0"),
+        ):
+            if not ok:
+                raise ValueError(f"plan: {name} {getattr(self, name)} must be {rule}")
 
     @property
     def usable_bytes(self) -> float:
@@ -433,29 +444,55 @@ def load_throughput(*paths: str | Path) -> dict:
         p = Path(path)
         if not p.exists():
             raise ValueError(f"throughput table {str(p)!r} does not exist")
-        raw: dict = {}
-        if p.suffix == ".json":
-            data = json.loads(p.read_text())
-            if isinstance(data, dict) and isinstance(data.get("rows"), list):  # train_throughput.py
-                for r in data["rows"]:
-                    name, _, kind = str(r.get("model", "")).partition(" ")
-                    if kind == "hedgemamba" and r.get("tokens_per_s"):
-                        raw.setdefault(name, {})["stage2"] = r["tokens_per_s"]
-            elif isinstance(data, dict) and "cache_tok_s" in data and "teacher" in data:  # cache_throughput.py
-                raw[data["teacher"]] = {"cache": data["cache_tok_s"]}
-            else:
-                raw = data
-        else:
-            with p.open() as fh:
-                for row in csv.DictReader(fh):
-                    raw.setdefault(row["size"], {})[row["stage"]] = float(row["tokens_per_s"])
+        try:
+            raw = _read_throughput(p)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:  # json, csv and shape errors: one line
+            what = f"no column {err}" if isinstance(err, KeyError) else str(err).strip().splitlines()[-1]
+            raise ValueError(f"throughput table {p}: {what}; write JSON {{size: {{stage: tokens/s}}}} or CSV "
+                             f"size,stage,tokens_per_s with stages {', '.join(STAGES)}") from None
         for size, stages in raw.items():
-            key = size if size == "*" else canonical_name(size)
+            try:
+                key = size if size == "*" else canonical_name(size)
+            except ValueError as err:
+                raise ValueError(f"throughput table {p}: {err}") from None
+            if not isinstance(stages, dict):
+                raise ValueError(f"throughput table {p}: {size}: {stages!r} is not {{stage: tokens/s}} "
+                                 f"(stages {', '.join(STAGES)})")
             bad = set(stages) - set(STAGES)
             if bad:
                 raise ValueError(f"throughput table {p}: unknown stage(s) {sorted(bad)} for {size}; use {', '.join(STAGES)}")
-            out.setdefault(key, {}).update({k: float(v) for k, v in stages.items()})
+            for st, v in stages.items():
+                try:
+                    v = float(v)
+                except (TypeError, ValueError):
+                    v = float("nan")
+                if not (math.isfinite(v) and v > 0):  # a GPU-hour is tokens / (tokens/s): 0 divides by zero
+                    raise ValueError(f"throughput table {p}: {size} {st}: {stages[st]!r} is not a positive number of tokens/s")
+                out.setdefault(key, {})[st] = v
     return out
+
+
+def _read_throughput(p: Path) -> dict:
+    """One throughput file as ``{size: {stage: value}}``, unchecked (``load_throughput`` checks it)."""
+    raw: dict = {}
+    if p.suffix == ".json":
+        data = json.loads(p.read_text())
+        if isinstance(data, dict) and isinstance(data.get("rows"), list):  # train_throughput.py
+            for r in data["rows"]:
+                name, _, kind = str(r.get("model", "")).partition(" ")
+                if kind == "hedgemamba" and r.get("tokens_per_s"):
+                    raw.setdefault(name, {})["stage2"] = r["tokens_per_s"]
+        elif isinstance(data, dict) and "cache_tok_s" in data and "teacher" in data:  # cache_throughput.py
+            raw[data["teacher"]] = {"cache": data["cache_tok_s"]}
+        elif isinstance(data, dict):
+            raw = data
+        else:
+            raise ValueError(f"holds a JSON {type(data).__name__}, not an object")
+    else:
+        with p.open() as fh:
+            for row in csv.DictReader(fh):
+                raw.setdefault(row["size"], {})[row["stage"]] = row["tokens_per_s"]
+    return raw
 
 
 # --------------------------------------------------------------------------- the plan

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from hmscale.teacher.flavors import FLAVORS, MINIATURE, PYTHIA, Flavor
 
 PYTHIA_SIZES: tuple[str, ...] = tuple(PYTHIA)  # 70m ... 12b, smallest first
-MINIATURE_SIZES: tuple[str, ...] = tuple(MINIATURE)  # nano, micro, mini
+MINIATURE_SIZES: tuple[str, ...] = tuple(MINIATURE)  # nano, micro, mini, 70m-local
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "pythia": PYTHIA_SIZES,

@@ -3,7 +3,8 @@
     rows = run_sweep(["nano", "micro", "mini"], "runs/scale", overrides=["teacher.pretrain_steps=20"])
 
 Per size the sweep builds a RunConfig (teacher = the miniature flavour, or the published hub id;
-budget from the `BudgetRule` unless the config or overrides set ``budget.total_tokens``; run
+total tokens from the `BudgetRule` unless the config or overrides set ``budget.total_tokens``, its split
+unless they set ``budget.split``; run
 directory ``OUT/runs/<size>``; teacher caches under one shared root, ``OUT/cache`` unless
 ``cache.root`` is given) and runs ``hmscale.recipe.run_recipe`` on it in a Ray task. Caches are
 keyed by teacher fingerprint + data-plan hash, so every run (and every rerun, and other sweeps
@@ -102,8 +103,8 @@ def size_config(
     rule = rule or BudgetRule()
     if not _has_key(tree, overrides, "budget.total_tokens"):
         tree.setdefault("budget", {})["total_tokens"] = rule.total_tokens(size.flavor)
-        if not _has_key(tree, overrides, "budget.split"):
-            tree["budget"]["split"] = list(rule.split)
+    if not _has_key(tree, overrides, "budget.split"):  # the rule's split (--split) applies whoever set the total
+        tree.setdefault("budget", {})["split"] = list(rule.split)
     if not _has_key(tree, overrides, "cache.root"):
         tree.setdefault("cache", {})["root"] = str(out / "cache")
     if not _has_key(tree, overrides, "data.cache_dir"):
@@ -312,6 +313,28 @@ def prepare_shared_data(cfg_tree: dict, tag: str = "") -> str:
 # --------------------------------------------------------------------------- the sweep
 
 
+def _check_resources(resources: dict | None) -> dict:
+    """Per-size resources keyed by canonical size name (short names like "12b" or "nano" too, as --sizes takes them)
+    or "*"; each value a dict of Ray task options. One-line ValueError otherwise, before any work."""
+    from scaling.registry import canonical_name
+
+    if resources is None:
+        return {}
+    if not isinstance(resources, dict):
+        raise ValueError(f"resources: {resources!r} must be a JSON object {{size or \"*\": {{\"num_cpus\": .., \"num_gpus\": ..}}}}")
+    out: dict = {}
+    for key, value in resources.items():
+        if not isinstance(value, dict):
+            raise ValueError(f"resources: {key!r} must map to an object of task options, e.g. {{\"num_cpus\": 2, \"num_gpus\": 1}}, "
+                             f"not {value!r}")
+        try:
+            name = "*" if key == "*" else canonical_name(str(key))
+        except ValueError as err:
+            raise ValueError(f"resources: {err}") from None
+        out.setdefault(name, {}).update(value)
+    return out
+
+
 def _ensure_ray(address: str | None, num_cpus: int | None):
     import ray
 
@@ -345,6 +368,7 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides)
     sizes_ = resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))
+    resources = _check_resources(resources)
     cfgs = {s.name: size_config(s, out, base_tree, overrides, rule) for s in sizes_}
     for s in sizes_:  # before any work: a size directory holding a run of other settings stops the study
         problem = size_mismatch(s.name, cfgs[s.name])
@@ -354,6 +378,12 @@ def run_sweep(
         "sizes": [s.name for s in sizes_], "overrides": overrides, "base": base_tree or {},
         "recipe": recipe if isinstance(recipe, str) else f"{recipe.__module__}:{recipe.__qualname__}",
     })
+    others = sorted(d.name for d in (out / "runs").glob("*") if d.is_dir() and d.name not in cfgs
+                    and finished_results(d / RESULTS) is not None)
+    if others:  # the table and plots are rewritten with this invocation's sizes only
+        log(f"[scale] {out / 'runs'} also holds finished {', '.join(others)}, not in --sizes: results.csv, results.json "
+            "and the plots will leave them out; list every size (e.g. --sizes " + ",".join([*others, *cfgs])
+            + ") to keep them in the table")
 
     rows: dict[str, dict] = {}
     plans: dict[str, Any] = {}
@@ -361,8 +391,8 @@ def run_sweep(
     for s in sizes_:
         cfg = cfgs[s.name]
         res = dict(default_resources(cfg, cpus_per_size))
-        res.update((resources or {}).get("*", {}))
-        res.update((resources or {}).get(s.name, {}))
+        res.update(resources.get("*", {}))
+        res.update(resources.get(s.name, {}))
         res_of[s.name] = res
         settings = plan_settings or PlanSettings.from_run_config(cfg)
         try:
