@@ -28,12 +28,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded local cluster")
     p.add_argument("--cpus-per-size", type=float, default=1.0, help="CPUs each size's task asks for")
     p.add_argument("--resources", default=None, help='JSON per-size resources, e.g. \'{"pythia-12b": {"num_gpus": 4}, "*": {"num_cpus": 2}}\'')
-    p.add_argument("--budget-fraction", type=float, default=None, help="distillation tokens as a fraction of the teacher's pretraining tokens (default 1/30)")
+    p.add_argument("--budget-fraction", type=float, default=None, help="distillation tokens as a fraction of the teacher's pretraining tokens (default 1/30; published sizes, "
+                   "not the miniatures, whose budget is fixed; no effect with budget.total_tokens set)")
     p.add_argument("--split", default=None, help="stage split, e.g. 10/90 (default)")
     p.add_argument("--local", action="store_true", help="run sizes one after another in this process (no Ray)")
     p.add_argument("--recipe", default="hmscale.recipe:run_recipe", help=argparse.SUPPRESS)
     p.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
+
+
+def _resources(text: str | None):
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--resources: not valid JSON ({err.msg}); e.g. "
+                         '\'{"pythia-12b": {"num_gpus": 4}, "*": {"num_cpus": 2}}\'') from None
 
 
 def main(argv=None) -> int:
@@ -49,12 +60,14 @@ def main(argv=None) -> int:
             if not a.budget_fraction > 0:
                 raise ValueError(f"--budget-fraction: {a.budget_fraction} must be positive (1/30 ~ 10B tokens per Pythia size)")
             rule_kw["fraction"] = a.budget_fraction
+            if "total_tokens" in (base.get("budget") or {}) or any(o.startswith("budget.total_tokens=") for o in a.overrides):
+                print("scaling: note: --budget-fraction has no effect: budget.total_tokens is set", file=sys.stderr)
         if a.split is not None:
             rule_kw["split"] = parse_split(a.split)
         rows = run_sweep(
             a.sizes, a.out, overrides=a.overrides, base_tree=base, rule=BudgetRule(**rule_kw),
             engine="local" if a.local else "ray", ray_address=a.address, ray_num_cpus=a.num_cpus,
-            cpus_per_size=a.cpus_per_size, resources=json.loads(a.resources) if a.resources else None,
+            cpus_per_size=a.cpus_per_size, resources=_resources(a.resources),
             recipe=a.recipe, plots=not a.no_plots,
         )
     except (ConfigError, ValueError) as err:

@@ -139,3 +139,16 @@ def test_adding_a_size_alone_says_the_table_leaves_out_the_others(tmp_path):
     lines.clear()
     rows = run_sweep(["nano", "micro"], out, log=lambda *a: lines.append(" ".join(map(str, a))), **kw)
     assert [r["status"] for r in rows] == ["skipped", "skipped"] and not any("also holds" in ln for ln in lines)
+
+
+def test_cli_resources_that_are_not_json_and_a_budget_fraction_without_effect(tmp_path, capsys, monkeypatch):
+    import scaling.sweep
+    from ray_jobs import scaling as cli
+
+    assert cli.main(["--sizes", "nano", "--out", str(tmp_path), "--resources", "notjson"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scaling: error: --resources: not valid JSON (Expecting value)") and err.count("\n") == 1
+    monkeypatch.setattr(scaling.sweep, "run_sweep", lambda *a, **k: [])  # (the note comes before any work)
+    assert cli.main(["--sizes", "nano", "--out", str(tmp_path), "--budget-fraction", "0.1",
+                     "-s", "budget.total_tokens=4096"]) == 0
+    assert "--budget-fraction has no effect: budget.total_tokens is set" in capsys.readouterr().err
