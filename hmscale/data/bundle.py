@@ -218,12 +218,35 @@ def tokenized_streams(source: TextSource, tokenizer, eos_id: int, cache_dir: str
 
     for other in target.parent.glob(".*.partial") if target.parent.is_dir() else []:
         if other.name != f".{target.name}.partial":  # no run of this data will resume it
-            size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            try:  # another process may be building it now, finish it (rename it away) or remove its files meanwhile
+                if _being_built(other):
+                    continue
+                size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            except OSError:
+                continue
             log(f"[data] tokens: {other} ({size / 1e9:.2f} GB) is an interrupted preparation of other data or "
                 "settings; delete it if that preparation will not be run again")
     resumable_dir(target, build, log=log)
     log(f"[data] tokens: cached at {target}")
     return target
+
+
+def _being_built(partial: Path) -> bool:
+    """Whether a process holds the build lock of the entry whose `.{key}.partial` this is (``resumable_dir``)."""
+    import fcntl
+
+    lock_path = partial.parent / f"{partial.name[: -len('.partial')]}.lock"
+    if not lock_path.exists():
+        return False
+    with open(lock_path) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:  # no file locks on this filesystem: cannot tell
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
 
 
 def check_cache_dir(cache_dir) -> None:

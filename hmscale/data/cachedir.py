@@ -42,19 +42,25 @@ def atomic_dir(target: str | os.PathLike, build: Callable[[Path], None]) -> Path
     return target
 
 
-def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None], log=print) -> Path:
+def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None], log=print, *, resume: bool = True,
+                  tag: str = "data", lock_path: str | os.PathLike | None = None) -> Path:
     """Create directory `target` like ``atomic_dir``, for long builds that must survive an interruption:
     build(partial) works in the fixed sibling `.{name}.partial`, which an interrupted build leaves behind, so the
     next call hands the same directory back and `build` resumes from what it recorded there. One builder at a
     time: the others wait on a lock file (saying so), then find `target` built. Where the filesystem has no
-    ``flock`` (some network mounts), each builder works apart as in ``atomic_dir``, without resuming."""
+    ``flock`` (some network mounts), each builder works apart as in ``atomic_dir``, without resuming.
+
+    ``resume=False``: for builds that cannot resume (a teacher's pretraining): what an interrupted build left in
+    `.{name}.partial` is deleted first, so it never leaks into the entry (the lock still makes the others wait).
+    ``lock_path``: the lock file (default `.{name}.lock` beside `target`; it stays, as removing it would race)."""
     import fcntl
 
     target = Path(target)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{target.name}.lock"
+    lock_path = Path(lock_path) if lock_path is not None else target.parent / f".{target.name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         lock = open(lock_path, "a")
     except PermissionError:  # another user's lock file on a shared cache: locking needs only read access
@@ -63,14 +69,16 @@ def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None], log=
         try:  # released when the file closes (also when this process dies)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"[data] {target.name}: another process is building it; waiting for it")
+            log(f"[{tag}] {target.name}: another process is building it; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError as err:
-            log(f"[data] {target.parent}: no file locks here ({err.strerror}); building {target.name} without resume")
+            log(f"[{tag}] {target.parent}: no file locks here ({err.strerror}); building {target.name} without resume")
             return atomic_dir(target, build)
         if target.is_dir():
             return target
         partial = target.parent / f".{target.name}.partial"
+        if not resume and partial.exists():  # an interrupted build's leftovers (we hold the lock: no one writes it)
+            shutil.rmtree(partial)
         partial.mkdir(exist_ok=True)
         build(partial)
         os.rename(partial, target)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hmscale.data.cachedir import atomic_dir, stable_hash
+from hmscale.data.cachedir import resumable_dir, stable_hash
 from hmscale.teacher.load import load_teacher
 
 __all__ = ["get_teacher", "load_teacher", "teacher_cache_dir"]
@@ -50,7 +50,10 @@ def get_teacher(cfg, data, device=None, log=print):
     else:
         from hmscale.teacher.pretrain import pretrain_teacher
 
+        built = []
+
         def build(tmp: Path):
+            built.append(tmp)
             model, stats = pretrain_teacher(
                 t.flavor, data.vocab_size, data.plan.all_tokens(), steps=t.pretrain_steps, seconds=t.pretrain_seconds,
                 lr=t.pretrain_lr, batch_size=t.pretrain_batch_size, seed=cfg.seed, val_tokens=data.val_tokens, log=log,
@@ -62,9 +65,12 @@ def get_teacher(cfg, data, device=None, log=print):
             stats["plan_hash"] = data.plan.hash
             (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 
-        atomic_dir(target, build)
+        # one process pretrains, the others (concurrent runs of the same teacher and data) wait and reuse its teacher
+        # (the lock file apart, under {data.cache_dir}/locks: teachers/ holds teachers only)
+        resumable_dir(target, build, log=log, resume=False, tag="teacher",
+                      lock_path=target.parent.parent / "locks" / f"teacher-{target.name}.lock")
         stats = _read_stats(target)
-        log(f"[teacher] stored at {target}")
+        log(f"[teacher] stored at {target}" if built else f"[teacher] reusing the {t.flavor} another process pretrained at {target}")
     model = load_teacher(target, t.dtype, device)
     model.hmscale_info = {"source": str(target), "pretrain": stats}
     return model
