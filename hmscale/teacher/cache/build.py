@@ -7,6 +7,7 @@ Either way only this driver writes the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -277,6 +278,46 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             config_hash=config_hash,
         )
 
+    with _build_lock(cache_dir, log) as waited:
+        if waited and (cache_dir / MANIFEST).exists():  # the other build's shards, now recorded
+            manifest = Manifest.load(cache_dir)
+        return _complete(cfg, plan, teacher, cp, manifest, engine, log=log, capture_fn=capture_fn, device=device,
+                         devices=devices, processes=processes)
+
+
+@contextlib.contextmanager
+def _build_lock(cache_dir: Path, log=_log):
+    """One build of a cache at a time: concurrent runs asking for the same cache (two ablations started together, the
+    sizes of a sweep) wait for the first, then find its shards instead of computing every one again. The lock file
+    lives under the root's `.locks/` (not in the cache: its listing stays the shards and the manifest); where the
+    filesystem has no flock the builds run side by side as before (the manifest merge keeps both's shards).
+    Yields whether it waited."""
+    import fcntl
+
+    lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "a")
+    except OSError:
+        yield False
+        return
+    with lock:
+        waited = False
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"cache: another process is building {cache_dir.name}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = True
+        except OSError:
+            pass
+        yield waited  # released when the file closes (also when this process dies)
+
+
+def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str, *, log=_log, capture_fn=None,
+              device=None, devices=None, processes=False) -> Path:
+    """Compute the shards of ``cp`` that ``manifest`` lacks (or holds damaged), recording each as it lands."""
+    cache_dir = cp.cache_dir
     done = existing_shards(manifest, cp.shard_ids, log=log)
     pending = [s for s in cp.shard_ids if s not in done]
     if not pending:

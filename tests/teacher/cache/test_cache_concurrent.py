@@ -194,3 +194,45 @@ def test_staged_buffer_path_byte_identical(tmp_path, teacher, tools, monkeypatch
     assert _shards(tmp_path / "staged") == _shards(tmp_path / "direct")
     pool = staged._pool
     assert pool._made <= pool.limit and len(pool._free) == pool._made  # every buffer set came back
+
+
+def test_two_builds_of_one_cache_at_once_compute_its_shards_once(tmp_path, teacher, data, tools, monkeypatch):
+    """Two runs asking for the same cache together (ablations started at once, a sweep's sizes): the second waits for
+    the first and reuses its shards (both computed every shard before, with the same bytes)."""
+    import threading
+
+    import hmscale.teacher.cache.build as build
+
+    real, calls = build.run_local, []
+
+    def slow_run_local(*a, **k):
+        calls.append(1)
+        time.sleep(1.0)  # the second build starts while the first holds the cache
+        return real(*a, **k)
+
+    monkeypatch.setattr(build, "run_local", slow_run_local)
+    cfg = tools.make_cfg(tmp_path)
+    logs = {"first": [], "second": []}
+    out, errors = {}, []
+
+    def run(name):
+        try:
+            out[name] = build_cache(cfg, data, teacher, engine="local", log=logs[name].append)
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    first = threading.Thread(target=run, args=("first",))
+    first.start()
+    deadline = time.time() + 30
+    while not calls and time.time() < deadline:
+        time.sleep(0.02)
+    second = threading.Thread(target=run, args=("second",))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert not errors, errors
+    assert len(calls) == 1  # the teacher ran over the shards once
+    assert any("another process is building" in line and "waiting for it" in line for line in logs["second"])
+    assert any("no teacher forward needed" in line for line in logs["second"]), logs["second"]
+    assert out["first"] == out["second"] and verify_cache(out["first"]).ok
+    assert sorted(p.name for p in out["first"].iterdir() if not p.name.startswith("shard-")) == ["manifest.json"]
