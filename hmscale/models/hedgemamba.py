@@ -515,12 +515,13 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError("HedgeMamba: attention_mask must be 2-D (batch, length) of 0/1")
-            am = attention_mask[:, -l:].bool()
-            if not bool(am.all()):
-                token_mask = am
-            # positions count each row's real tokens: also for new tokens after a left-padded prompt in the cache
-            if position_ids is None and not bool(attention_mask.bool().all()):
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -l:]
+            if not bool(attention_mask.bool().all()):  # (one host read per call where nothing is padded)
+                am = attention_mask[:, -l:].bool()
+                if not bool(am.all()):
+                    token_mask = am
+                # positions count each row's real tokens: also for new tokens after a left-padded prompt in the cache
+                if position_ids is None:
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -l:]
         if position_ids is None:
             position_ids = (torch.arange(l, device=x.device) + offset)[None, :]
         if seq_idx is not None:
