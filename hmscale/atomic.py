@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # what atomic_write_bytes' mkstemp names
+
+
+def remove_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries that killed atomic writes left in ``directory`` (``.NAME.XXXXXXXX.tmp``: a SIGKILL between
+    the write and the rename runs no cleanup); returns them. Only for a directory no other process is writing into
+    now (a live write's temporary would go too)."""
+    gone = []
+    for p in Path(directory).glob(".*.tmp") if Path(directory).is_dir() else ():
+        if _TEMPORARY.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

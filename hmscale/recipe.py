@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
-from hmscale.atomic import atomic_write_json
+from hmscale.atomic import atomic_write_json, remove_temporaries
 from hmscale.config import RunConfig, save_resolved, stage1_cache_problem
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
@@ -107,7 +108,19 @@ def check_local_gpu(cfg: RunConfig) -> None:
 
 
 def run_recipe(cfg: RunConfig, log=print) -> dict:
-    """Run (or resume) every stage; returns the contents of results.json."""
+    """Run (or resume) every stage; returns the contents of results.json. Ctrl-C says how to resume (on stderr; the
+    training loop adds where its stage stands) and goes on up."""
+    try:
+        return _run_recipe(cfg, log)
+    except KeyboardInterrupt:
+        run_dir = Path(cfg.with_absolute_paths().output_dir)
+        print(f"\n[recipe] interrupted; the same `hmscale run` (this config, output_dir {run_dir}) resumes: finished "
+              "stages are skipped, an interrupted training stage goes on from its last checkpoint", file=sys.stderr,
+              flush=True)
+        raise
+
+
+def _run_recipe(cfg: RunConfig, log=print) -> dict:
     t_start = time.time()
     problem = stage1_cache_problem(cfg)  # here, for `hmscale run` and for a job sent with `hmscale submit` alike
     if problem:
@@ -116,7 +129,9 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
     cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    results = _load_results(run_dir, cfg)
+    results = _load_results(run_dir, cfg)  # (refuses another run's directory before anything is touched)
+    for d in (run_dir, run_dir / "stage1", run_dir / "stage2", run_dir / "stage1" / "student"):
+        remove_temporaries(d)  # what a killed run's atomic writes left (this run rewrites what it needs)
     save_resolved(cfg, run_dir)
     stages = results["stages"]
 

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
+
+from hmscale.atomic import atomic_write_bytes
+
+
+def _save(fig, out: Path) -> Path:
+    """The figure as a PNG at ``out``, atomically: a rerun killed while rewriting a plot leaves the previous one whole
+    (matplotlib writes into the named file as it renders)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return atomic_write_bytes(out, buf.getvalue())
 
 
 def _series(path: Path, key: str = "loss") -> tuple[list[int], list[float]]:
@@ -47,10 +61,7 @@ def loss_plot(run_dir: str | Path) -> Path | None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = run_dir / "losses.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, run_dir / "losses.png")
 
 
 def long_context_plot(run_dir: str | Path, lc: dict, labels: dict | None = None) -> Path:
@@ -76,7 +87,4 @@ def long_context_plot(run_dir: str | Path, lc: dict, labels: dict | None = None)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(run_dir) / "long_context.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, Path(run_dir) / "long_context.png")
