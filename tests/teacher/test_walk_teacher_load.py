@@ -18,14 +18,6 @@ from hmscale.teacher.fingerprint import teacher_fingerprint
 V = 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def neox(seed=0, **kw):
     torch.manual_seed(seed)
     base = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
