@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -57,3 +58,30 @@ def writable_dir_problem(path: str | os.PathLike) -> str | None:
     except OSError as err:
         return f"cannot create it ({err.strerror or err})"
     return None if os.access(path, os.W_OK | os.X_OK) else "not writable by this user"
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: str | os.PathLike, on_wait=lambda: None):
+    """One holder at a time of the lock file ``lock_path`` (``flock``; released when the file closes, also when the
+    process dies): calls ``on_wait()`` and blocks when another process holds it. Yields whether it waited, or None
+    where the filesystem has no file locks (some network mounts: the caller decides how to work without one). The
+    lock file stays, as removing it would race."""
+    import fcntl
+
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = open(lock_path, "a")
+    except PermissionError:  # another user's lock file on a shared cache: locking needs only read access
+        lock = open(lock_path)
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = True
+        except OSError:
+            waited = None
+        yield waited

@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from hmscale.atomic import exclusive_lock
+
 
 def stable_hash(obj, n: int = 16) -> str:
     """A short sha256 of a JSON-serialisable object (keys sorted)."""
@@ -53,26 +55,15 @@ def resumable_dir(target: str | os.PathLike, build: Callable[[Path], None], log=
     ``resume=False``: for builds that cannot resume (a teacher's pretraining): what an interrupted build left in
     `.{name}.partial` is deleted first, so it never leaks into the entry (the lock still makes the others wait).
     ``lock_path``: the lock file (default `.{name}.lock` beside `target`; it stays, as removing it would race)."""
-    import fcntl
-
     target = Path(target)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = Path(lock_path) if lock_path is not None else target.parent / f".{target.name}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = open(lock_path, "a")
-    except PermissionError:  # another user's lock file on a shared cache: locking needs only read access
-        lock = open(lock_path)
-    with lock:
-        try:  # released when the file closes (also when this process dies)
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"[{tag}] {target.name}: another process is building it; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError as err:
-            log(f"[{tag}] {target.parent}: no file locks here ({err.strerror}); building {target.name} without resume")
+    on_wait = lambda: log(f"[{tag}] {target.name}: another process is building it; waiting for it")  # noqa: E731
+    with exclusive_lock(lock_path, on_wait) as waited:
+        if waited is None:
+            log(f"[{tag}] {target.parent}: no file locks here; building {target.name} without resume")
             return atomic_dir(target, build)
         if target.is_dir():
             return target

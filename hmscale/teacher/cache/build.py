@@ -7,7 +7,6 @@ Either way only this driver writes the manifest.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmscale.atomic import writable_dir_problem
+from hmscale.atomic import exclusive_lock, writable_dir_problem
 from hmscale.teacher.cache.format import (
     MANIFEST,
     CacheError,
@@ -278,40 +277,17 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             config_hash=config_hash,
         )
 
-    with _build_lock(cache_dir, log) as waited:
+    # one build of a cache at a time: concurrent runs asking for it (ablations started together, a sweep's sizes) wait
+    # for the first and find its shards, instead of computing every one again; the lock under the root's .locks/ (the
+    # cache holds shards and its manifest only); without file locks the builds run side by side (the manifest merge
+    # keeps both's shards)
+    make_cache_dir(cache_dir)  # (one line for an unwritable root, before its lock file is made)
+    lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
+    with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")) as waited:
         if waited and (cache_dir / MANIFEST).exists():  # the other build's shards, now recorded
             manifest = Manifest.load(cache_dir)
         return _complete(cfg, plan, teacher, cp, manifest, engine, log=log, capture_fn=capture_fn, device=device,
                          devices=devices, processes=processes)
-
-
-@contextlib.contextmanager
-def _build_lock(cache_dir: Path, log=_log):
-    """One build of a cache at a time: concurrent runs asking for the same cache (two ablations started together, the
-    sizes of a sweep) wait for the first, then find its shards instead of computing every one again. The lock file
-    lives under the root's `.locks/` (not in the cache: its listing stays the shards and the manifest); where the
-    filesystem has no flock the builds run side by side as before (the manifest merge keeps both's shards).
-    Yields whether it waited."""
-    import fcntl
-
-    lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
-    try:
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(lock_path, "a")
-    except OSError:
-        yield False
-        return
-    with lock:
-        waited = False
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"cache: another process is building {cache_dir.name}; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            waited = True
-        except OSError:
-            pass
-        yield waited  # released when the file closes (also when this process dies)
 
 
 def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str, *, log=_log, capture_fn=None,
@@ -330,7 +306,6 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
 
     missing = int(cp.total_bytes * len(pending) / max(len(cp.shard_ids), 1))
     check_disk(cp, missing, cfg.cache.allow_exceed_disk, log=log)
-    make_cache_dir(cache_dir)
     manifest.set_requested(cp.shard_ids)
     manifest.update_complete()
     manifest.save()
