@@ -135,8 +135,8 @@ def _run_recipe(cfg: RunConfig, log=print) -> dict:
     save_resolved(cfg, run_dir)
     stages = results["stages"]
 
-    def record(name: str, t0: float, **info):
-        stages[name] = {"seconds": round(time.time() - t0, 2), **info}
+    def record(name: str, t0: float, earlier_seconds: float = 0.0, **info):
+        stages[name] = {"seconds": round(time.time() - t0 + earlier_seconds, 2), **info}
         atomic_write_json(run_dir / "results.json", results)
         log(f"[recipe] {name} done in {stages[name]['seconds']:.1f} s")
 
@@ -178,7 +178,10 @@ def _run_recipe(cfg: RunConfig, log=print) -> dict:
             if name not in stages:
                 stages[name] = {"seconds": round(float(summary.get("seconds", 0.0)), 2),
                                 "tokens": int(summary.get("tokens", 0)), "summary": _plain(summary)}
-        record("distill", t0)
+        # a stage an earlier (killed) run of this recipe finished is skipped now: its recorded time still counts
+        earlier = sum(float((res.get(n) or {}).get("seconds", 0.0)) for n in ("stage1", "stage2")
+                      if (res.get(n) or {}).get("skipped"))
+        record("distill", t0, earlier_seconds=earlier)
 
     if not done("eval"):
         t0 = time.time()

@@ -100,3 +100,33 @@ def test_ctrl_c_outside_training_says_how_to_resume(tmp_path, monkeypatch, capsy
         recipe.run_recipe(cfg, log=lambda *a: None)
     err = capsys.readouterr().err
     assert "interrupted" in err and "hmscale run" in err and str(tmp_path) in err and "resume" in err
+
+
+def test_a_rerun_after_a_kill_past_training_keeps_the_trainings_time(tmp_path, monkeypatch):
+    """Killed after both trainings finished but before the recipe recorded them: the rerun skips them (run_distill
+    returns their recorded summaries) and the distill stage's time is theirs, not the ~0 s of the skip."""
+    import types
+
+    import ray_jobs.distill
+    from hmscale import recipe
+
+    cfg = build_config({}, [f"output_dir={tmp_path}", "parallel.engine=local"])
+    data = types.SimpleNamespace(plan=types.SimpleNamespace(total_tokens=10), val_tokens=[1], vocab_size=5)
+    monkeypatch.setattr(ray_jobs.distill, "prepare",
+                        lambda cfg, log, check_data: {"data": data, "teacher": None, "cache_dir": None})
+    monkeypatch.setattr(ray_jobs.distill, "run_distill", lambda *a, **k: {
+        "stage1": {"seconds": 12.5, "tokens": 100, "skipped": True},
+        "stage2": {"seconds": 30.25, "tokens": 200, "skipped": True}, "seconds": 0.0})
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr("hmscale.train.stage1.load_stage1_student", stop)  # the eval stage: not this test's
+    with pytest.raises(Stop):
+        recipe.run_recipe(cfg, log=lambda *a: None)
+    stages = json.loads((tmp_path / "results.json").read_text())["stages"]
+    assert stages["stage1"]["seconds"] == 12.5 and stages["stage2"]["seconds"] == 30.25
+    assert 42.75 <= stages["distill"]["seconds"] < 44.0
