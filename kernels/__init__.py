@@ -21,7 +21,7 @@ Public API (see DESIGN.md, "Contracts"):
 
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
-PyTorch path otherwise. The model's glue follows the same choice outside compiled graphs (``glue_on_triton``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this; ``ssd`` then applies
+PyTorch path otherwise (and for float64 inputs, which the Triton kernels do not compute). The model's glue follows the same choice outside compiled graphs (``glue_on_triton``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this; ``ssd`` then applies
 ``kernels.interpreter``'s bf16 fix itself).
 
 ``ssd_step`` is differentiable on both backends: the fused Triton step is one launch without autograd (under
@@ -66,7 +66,7 @@ def resolve_backend(tensor, backend=None) -> str:
     if choice not in _BACKENDS:
         raise ValueError(f"unknown SSD backend {choice!r}; expected one of {_BACKENDS}")
     if choice == "auto":
-        return "triton" if tensor.is_cuda else "torch"
+        return "triton" if getattr(tensor, "is_cuda", False) else "torch"  # (a non-tensor: the checks name it)
     return choice
 
 
@@ -74,7 +74,7 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
         return_final_state=False, backend=None):
     kw = dict(chunk_size=chunk_size, D=D, initial_state=initial_state, seq_idx=seq_idx,
               normalize=normalize, return_final_state=return_final_state)
-    which = resolve_backend(x, backend)
+    which = _scan_backend(x, backend)
     if which == "triton":
         _patch_interpreter()
         from .ssd_autograd import ssd_triton
@@ -83,6 +83,18 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
         check_ssd_args(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
         return ssd_reference(x, dt, A, B, C, **kw)
     return ssd_chunked_torch(x, dt, A, B, C, **kw)  # checks its arguments
+
+
+def _scan_backend(x, backend=None, also=None) -> str:
+    """``resolve_backend``, except that ``auto`` runs float64 (``x`` or ``also``) on the PyTorch path: the Triton
+    kernels compute in fp32 at most (the scan's backward has no float64 form), the PyTorch path in float64."""
+    import torch
+
+    which = resolve_backend(x, backend)
+    if (which == "triton" and torch.float64 in (getattr(x, "dtype", None), getattr(also, "dtype", None))
+            and (backend or os.environ.get("HMSCALE_SSD_BACKEND", "auto")).lower() == "auto"):
+        return "torch"
+    return which
 
 
 def _patch_interpreter() -> None:
@@ -96,7 +108,7 @@ def _patch_interpreter() -> None:
 
 
 def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None):
-    which = resolve_backend(x_t, backend)
+    which = _scan_backend(x_t, backend, also=state)
     if which == "triton":
         from .step import ssd_step_triton
         return ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)

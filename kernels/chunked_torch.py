@@ -39,6 +39,8 @@ def check_ssd_args(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, se
     if x.dim() != 4:
         bad(f"x must be (b, l, h, p), got shape {tuple(x.shape)}")
     b, l, h, p = x.shape
+    if l == 0:
+        bad(f"x has no tokens (l = 0), got shape {tuple(x.shape)}: the state after no tokens is initial_state itself")
     if tuple(dt.shape) != (b, l, h):
         hint = "; drop the last dim (dt[..., 0])" if tuple(dt.shape) == (b, l, h, 1) else ""
         bad(f"dt must be (b, l, h) = {(b, l, h)}, one step per token and head, got {tuple(dt.shape)}{hint}")

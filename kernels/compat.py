@@ -6,7 +6,8 @@ step, the state updated in place) runs :func:`kernels.ssd_step` where dt, A and 
 channels (Mamba-2: mamba_ssm's callers pass them expanded with stride 0) and plain PyTorch otherwise.
 
 What it adds around ``kernels.ssd`` is what mamba_ssm folds into its scan: ``dt + dt_bias``, the softplus, the
-clamp to ``dt_limit`` (all in fp32, on dt's (b, l, h) elements) and the output gate ``y * silu(z)`` (after the D
+clamp to ``dt_limit`` (applied always, as mamba_ssm's scan does: the default ``(0, inf)`` sends a negative dt to
+0 when there is no softplus; all in fp32, on dt's (b, l, h) elements) and the output gate ``y * silu(z)`` (after the D
 skip, as mamba_ssm applies it). Gradients reach x, dt, A, B, C, D, z, dt_bias and initial_states.
 
 Differences, by design:
@@ -54,19 +55,33 @@ def _fp32(t):
     return t if t.dtype == torch.float64 else t.float()
 
 
-def _dt_processed(dt, dt_bias, dt_softplus, dt_limit):
+def _check_dt_options(fn, dt, dt_bias, dt_limit) -> None:
+    """dt_bias (h,) floating-point on dt's device, dt_limit a (min, max) pair: one-line ``ValueError`` each."""
     h = dt.shape[-1]
-    d = _fp32(dt)
     if dt_bias is not None:
+        if not isinstance(dt_bias, torch.Tensor) or not dt_bias.is_floating_point():
+            raise ValueError(f"{fn}: dt_bias must be a floating-point tensor (h,), got "
+                             f"{getattr(dt_bias, 'dtype', type(dt_bias).__name__)}")
+        if dt_bias.device != dt.device:
+            raise ValueError(f"{fn}: dt_bias is on {dt_bias.device} but dt is on {dt.device}")
         if dt_bias.shape != (h,):
             raise ValueError(f"dt_bias must be (h,) = ({h},), got {tuple(dt_bias.shape)}")
+    try:
+        lo, hi = dt_limit
+        float(lo), float(hi)
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: dt_limit must be a (min, max) pair of numbers, got {dt_limit!r}") from None
+
+
+def _dt_processed(dt, dt_bias, dt_softplus, dt_limit):
+    d = _fp32(dt)
+    if dt_bias is not None:
         d = d + dt_bias.to(d.dtype)
     if dt_softplus:
         d = F.softplus(d)  # the identity above 20, as mamba_ssm's
+    # always, as mamba_ssm's scan: the default (0, inf) too sends a negative dt (no softplus) to 0
     lo, hi = dt_limit
-    if lo > 0.0 or hi != math.inf:
-        d = d.clamp(min=lo, max=hi)
-    return d
+    return d.clamp(min=float(lo), max=float(hi))
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
@@ -83,6 +98,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     # first: a wrong dt is named as such (not as a dt_bias of the wrong length), a wrong seq_idx before it is read
     check_ssd_args(x, dt, A, B, C, _chunk(), D, initial_states, seq_idx, fn="mamba_chunk_scan_combined",
                    init_name="initial_states")
+    _check_dt_options("mamba_chunk_scan_combined", dt, dt_bias, dt_limit)
     if return_varlen_states:
         _check_varlen(x, cu_seqlens, seq_idx)
     if z is not None and z.shape != x.shape:
@@ -211,7 +227,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if _tied(dt, [2]) and _tied(A, [1, 2]) and _tied(dt_bias, [1]):  # Mamba-2: one dt and A per head: ssd_step
         from kernels import ssd_step
 
-        d = _dt_processed(dt[..., 0], None if dt_bias is None else dt_bias[:, 0], dt_softplus, (0.0, math.inf))
+        # no dt_limit here: mamba_ssm's step has none (a negative dt without softplus stays negative)
+        d = _dt_processed(dt[..., 0], None if dt_bias is None else dt_bias[:, 0], dt_softplus, (-math.inf, math.inf))
         y, new = ssd_step(rows, x, d, _fp32(A[:, 0, 0]), B, C, D=D, backend=backend)
     else:  # per-channel dt or A (Mamba-1 style): plain PyTorch
         d = _fp32(dt) + (0 if dt_bias is None else _fp32(dt_bias))
@@ -221,7 +238,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         new = torch.exp(d[..., None] * _fp32(A)) * _fp32(rows) + (d * _fp32(x))[..., None] * Bh
         y = (new * Ch).sum(-1)
         if D is not None:
-            y = y + _fp32(D) * _fp32(x)
+            Dv = _fp32(D)
+            y = y + (Dv[:, None] if Dv.dim() == 1 else Dv) * _fp32(x)  # D (h,): one per head, over its p channels
         y = y.to(x.dtype)
     with torch.no_grad():
         if state_batch_indices is None:

@@ -16,6 +16,7 @@ import os
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .chunked_torch import check_ssd_args
 from .reference import doc_ids_from_seq_idx
@@ -87,6 +88,7 @@ class SSDCoreFunction(torch.autograd.Function):
         return y, final
 
     @staticmethod
+    @once_differentiable  # the Triton backward is not differentiable: a second derivative raises, not silently 0
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp = ctx.saved_tensors
         dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
@@ -190,6 +192,9 @@ def norm_mode() -> str:
 
 def _check(x, dt, A, B, C, chunk_size, D=None, initial_state=None, seq_idx=None, normalize=False):
     check_ssd_args(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"ssd: the Triton kernels take fp32, fp16 or bf16 x, got {x.dtype}; float64 runs on "
+                         f"backend='torch' (what backend='auto' picks for it)")
     b, l, h, p = x.shape
     if l * h * (p + 1) >= 2 ** 31 or l * B.shape[2] * B.shape[3] >= 2 ** 31:
         raise ValueError("one sequence over 2^31 elements: the kernels index within a sequence in int32")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .host_math import cdiv, next_pow2
 from .launch import launch
@@ -67,6 +68,7 @@ class _StepTritonFunction(torch.autograd.Function):
         return _ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D, normalize)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently being zero (the backward runs no graph)
     def backward(ctx, dy, dnew):
         saved = ctx.saved_tensors
         leaves = [None if t is None else t.detach().requires_grad_(need)
@@ -95,9 +97,10 @@ def _ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D, normalize):
     b, h, p = x_t.shape
     g, n = B_t.shape[1], B_t.shape[2]
     ps = state.shape[2]
-    state = state.contiguous()
-    new = torch.empty_like(state)
-    y = torch.empty_like(x_t)
+    state, x_t = state.contiguous(), x_t.contiguous()
+    # allocated contiguous, as the kernel writes them (empty_like would keep a permuted input's strides)
+    new = torch.empty(state.shape, dtype=state.dtype, device=state.device)
+    y = torch.empty(x_t.shape, dtype=x_t.dtype, device=x_t.device)
     BN = max(16, next_pow2(n))
     BP = max(2, min(next_pow2(p), 4096 // BN))
     has_d = D is not None
@@ -108,7 +111,7 @@ def _ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D, normalize):
     else:
         Dc, dsh, dsp = A, 0, 0
     grid = (b * h, cdiv(p, BP))
-    launch(_ssd_step_kernel, grid, state, x_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
+    launch(_ssd_step_kernel, grid, state, x_t, dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
            C_t.contiguous(), Dc, new, y, h, g, p, n, ps, dsh, dsp,
            BP=BP, BN=BN, NORM=bool(normalize), HAS_D=has_d, num_warps=4)
     return y, new
