@@ -115,6 +115,8 @@ def cache(
         path = build_cache(cfg, engine=engine)
     except (CacheError, ConfigError) as err:
         fail(str(err), code=1)
+    except (ValueError, OSError, RuntimeError) as err:  # the data or the teacher, as `hmscale prepare` reports them
+        fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__, code=1)
     typer.echo(str(path))
 
 

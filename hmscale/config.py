@@ -120,7 +120,7 @@ class DataConfig(_Section):
             import glob
 
             for p in self.paths:
-                if not glob.glob(os.path.expanduser(p)):
+                if not glob.glob(os.path.expanduser(p), recursive=True):
                     raise ValueError(f"data.paths: {p!r} does not exist; fix the path or remove it")
         return self
 

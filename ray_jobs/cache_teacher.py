@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     except CacheError as err:
         print(f"cache_teacher: error: {err}", file=sys.stderr)
         return 1
+    except (ValueError, OSError, RuntimeError) as err:  # the data or the teacher (a non-UTF-8 file, a missing model)
+        print(f"cache_teacher: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
+              file=sys.stderr)
+        return 1
     print(path)
     return 0
 

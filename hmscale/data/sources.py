@@ -79,7 +79,16 @@ class _TableSource(TextSource):
     def _column(self, ds, column: str, name: str | None = None):
         """One table's texts, ``BATCH`` rows at a time; a value neither text nor null stops with one line (it
         would otherwise be dropped without a word)."""
-        for batch in ds.select_columns([column]).iter(batch_size=self.BATCH):
+        batches = iter(ds.select_columns([column]).iter(batch_size=self.BATCH))
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except UnicodeDecodeError as err:  # Arrow's json reader keeps invalid UTF-8; it fails here, unnamed
+                field, where = ("data.paths", name) if name else ("data.dataset", getattr(self, "dataset", "?"))
+                raise ValueError(f"{field}: {where!r} holds text in {column!r} that is not UTF-8 ({err.reason}); "
+                                 "convert it to UTF-8 or remove it") from None
             texts = batch[column]
             for t in texts:
                 if t is not None and not isinstance(t, str):
@@ -118,7 +127,11 @@ class _TableSource(TextSource):
 
 class HFSource(_TableSource):
     """`datasets.load_dataset(dataset, dataset_config, split=split)[text_field]`; with ``streaming`` the dataset is
-    read from the hub as it is tokenised (no full download: with ``data.max_tokens``, only what the run needs)."""
+    read from the hub as it is tokenised (no full download: with ``data.max_tokens``, only what the run needs).
+
+    ``dataset`` may also be a folder written by ``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``: ``split``
+    picks the split), which ``load_dataset`` refuses: it is read with ``load_from_disk`` (memory-mapped) and
+    identified by the content of its Arrow files, not by its path (moved, it is the same data; rewritten, another)."""
 
     def __init__(self, dataset: str, dataset_config: str | None = None, split: str = "train", text_field: str = "text",
                  val_fraction: float = 0.05, max_documents: int | None = None, streaming: bool = False,
@@ -132,6 +145,37 @@ class HFSource(_TableSource):
             + (f":revision={revision}" if revision else "")
         )
         self._ds = None
+        self._saved = _saved_dataset_dir(dataset)
+        if self._saved is not None:
+            if self.streaming or revision:
+                raise ValueError(f"data.{'streaming' if self.streaming else 'revision'}: {dataset!r} is a dataset saved "
+                                 "with save_to_disk, read from disk; remove the setting (it is for hub datasets)")
+            self._ds = self._load_saved()
+            listing = _sha(*(f"{Path(f).name}:{_file_sha(f)}" for f in self._arrow_files()))[:16]
+            self.description = (f"hf-disk:{listing}:{split if self._is_dict else ''}:{text_field}:val={val_fraction}:"
+                                f"max_documents={max_documents}")
+
+    def _load_saved(self):
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(self._saved))
+        except Exception as err:  # noqa: BLE001 - re-raised with the config field named
+            raise ValueError(f"data.dataset: could not load the saved dataset {self.dataset!r}: {_root_cause(err)}; "
+                             "save it again with save_to_disk") from None
+        self._is_dict = isinstance(ds, datasets.DatasetDict)
+        if self._is_dict:
+            if self.split not in ds:
+                raise ValueError(f"data.split: {self.split!r} is not a split of the saved dataset {self.dataset!r}; "
+                                 f"choose one of {', '.join(ds)}")
+            ds = ds[self.split]
+        if self.text_field not in ds.column_names:
+            raise ValueError(f"data.text_field: {self.text_field!r} is not a column of {self.dataset!r}; "
+                             f"choose one of {', '.join(ds.column_names)}")
+        return ds
+
+    def _arrow_files(self) -> list[str]:
+        return [c["filename"] for c in self._ds.cache_files]
 
     def _dataset(self):
         if self._ds is None:
@@ -155,6 +199,8 @@ class HFSource(_TableSource):
         yield self._dataset(), self.text_field
 
     def _identity(self) -> str:
+        if self._saved is not None:  # the description holds its files' content hashes
+            return "saved"
         if self.streaming:  # nothing downloaded, no content hash: the name, config and split identify it
             return "streaming"
         return getattr(self._dataset(), "_fingerprint", "") or ""
@@ -169,7 +215,7 @@ class FileSource(_TableSource):
         super().__init__(val_fraction, max_documents)
         files: list[str] = []
         for p in paths:
-            hits = sorted(glob.glob(os.path.expanduser(p)))
+            hits = sorted(glob.glob(os.path.expanduser(p), recursive=True))  # `**` spans folders, as in a shell's globstar
             if not hits:
                 raise FileNotFoundError(f"data.paths: {p!r} does not exist; fix the path or remove it")
             found = []
@@ -213,6 +259,9 @@ class FileSource(_TableSource):
                 if builder == "text":
                     yield None, f
                     continue
+                if _holds_no_rows(f, builder):  # an empty file is no documents, as an empty .txt is none (`datasets`
+                    yield _NO_ROWS, self.text_field  # stops on one: "StopIteration", "corresponds to no data")
+                    continue
                 try:
                     ds = datasets.load_dataset(builder, data_files=[f], split="train")
                 except Exception as err:  # noqa: BLE001 - datasets wraps the parser's error; named with the file
@@ -225,6 +274,8 @@ class FileSource(_TableSource):
 
     def _texts(self):
         for (ds, column), ds_name in zip(self._tables(), self._table_files()):
+            if ds is _NO_ROWS:
+                continue
             if ds is None:
                 with open(column, encoding="utf-8") as fh:
                     try:
@@ -243,6 +294,38 @@ class FileSource(_TableSource):
 
     def _identity(self) -> str:
         return self.description
+
+
+_NO_ROWS = object()  # a table file holding no rows
+
+
+def _saved_dataset_dir(name: str | None) -> Path | None:
+    """The folder ``name`` names when ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` wrote it, else None."""
+    if not name:
+        return None
+    path = Path(os.path.expanduser(name))
+    marks = ("state.json", "dataset_info.json"), ("dataset_dict.json",)
+    if path.is_dir() and any(all((path / m).is_file() for m in ms) for ms in marks):
+        return path
+    return None
+
+
+def _holds_no_rows(path: str, builder: str) -> bool:
+    """Whether a .jsonl / .json file is blank (whitespace, or an empty JSON list) or a .parquet file has no rows."""
+    if builder == "parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows == 0
+        except Exception:  # noqa: BLE001 - not parquet: `datasets` names the trouble
+            return False
+    seen = b""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            seen += bytes(chunk.translate(None, b" \t\r\n"))
+            if len(seen) > 2 or not b"[]".startswith(seen):
+                return False
+    return seen in (b"", b"[]")
 
 
 def source_from_config(data_cfg) -> TextSource:

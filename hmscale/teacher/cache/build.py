@@ -162,6 +162,8 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
     def ok(sid) -> bool:
         entry = recorded[sid]
         path = manifest.files_dir / entry["file"]
+        if path.is_symlink():  # never a shard the writer made (it renames regular files): redone in place
+            return False
         try:
             return path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
         except OSError:  # missing (or unreadable): redo it

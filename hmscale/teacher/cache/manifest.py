@@ -12,11 +12,15 @@ from hmscale.teacher.cache.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST,
+    STORAGE_DTYPES,
     TENSORS,
     CacheError,
     CaptureSpec,
     ShardInfo,
+    TeacherShape,
     layer_field,
+    layout,
+    layout_json,
     shard_name,
 )
 
@@ -33,9 +37,9 @@ def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _shard_problem(k, entry) -> str | None:
+def _shard_problem(k, entry, seq_len: int | None = None) -> str | None:
     """What is wrong with one ``shards`` entry, or None."""
-    if not (isinstance(k, str) and k.isdigit()):
+    if not (isinstance(k, str) and k.isdigit() and k == str(int(k))):  # ("00" would name shard 0 a second time)
         return f"shards: key {k!r} is not a shard number"
     if not isinstance(entry, dict):
         return f"shards[{k}] is not an object"
@@ -44,7 +48,11 @@ def _shard_problem(k, entry) -> str | None:
     if not (isinstance(entry.get("sha256"), str) and _HEX64.match(entry["sha256"])):
         return f"shards[{k}].sha256 is not 64 lowercase hex digits"
     bad = [f for f in ("bytes", "samples", "tokens") if not _is_count(entry.get(f))]
-    return f"shards[{k}].{bad[0]} is {entry.get(bad[0])!r}, not a non-negative integer" if bad else None
+    if bad:
+        return f"shards[{k}].{bad[0]} is {entry.get(bad[0])!r}, not a non-negative integer"
+    if seq_len is not None and entry["tokens"] != entry["samples"] * seq_len:
+        return f"shards[{k}].tokens is {entry['tokens']}, not its {entry['samples']} samples x {seq_len} tokens"
+    return None
 
 
 def _layout_problem(layout) -> str | None:
@@ -80,8 +88,68 @@ def structure_problem(data: dict) -> str | None:
     view = data.get("view_of")
     if view is not None and not (isinstance(view, str) and _DIR_NAME.match(view) and view not in (".", "..")):
         return f"view_of {view!r} is not the name of a sibling cache directory"
-    return _layout_problem(data["layout"]) or _fields_problem(spec, data["layout"]["fields"]) or next(
-        (p for p in (_shard_problem(k, e) for k, e in data["shards"].items()) if p), None)
+    return (_layout_problem(data["layout"]) or _fields_problem(spec, data["layout"]["fields"])
+            or _stored_problem(data, spec)
+            or next((p for p in (_shard_problem(k, e, data["layout"]["seq_len"]) for k, e in data["shards"].items())
+                     if p), None))
+
+
+_LAYER_FIELD = re.compile(r"^l(\d{3})_(attn_input|attn_output)$")
+_TOPK_DTYPES = ("float16", "bfloat16")
+
+
+def _stored_problem(data: dict, spec: CaptureSpec) -> str | None:
+    """Whether ``layout.fields`` is exactly what the format stores for some capture over this teacher and plan, and
+    holds what ``capture`` reads (the spec itself for a cache, a covered request for a view), or what is not.
+
+    Readers decode every member by its field's ``storage`` and build positions from ``seq_len``: a hand-edited
+    storage would hand the bits back as integers, another seq_len wrong positions, without a word."""
+    layout_d, fields = data["layout"], data["layout"]["fields"]
+    L = layout_d["seq_len"]
+    if data["plan"]["seq_len"] != L:
+        return f"layout.seq_len {L} is not plan.seq_len {data['plan']['seq_len']}"
+    if spec.dtype not in STORAGE_DTYPES or spec.topk_dtype not in _TOPK_DTYPES:
+        return (f"capture.dtype {spec.dtype!r} / topk_dtype {spec.topk_dtype!r} is not one of "
+                f"{', '.join(STORAGE_DTYPES)} / {', '.join(_TOPK_DTYPES)}")
+    tf = spec.token_fraction
+    if isinstance(tf, bool) or not isinstance(tf, (int, float)) or not 0 < tf <= 1 or not isinstance(spec.seed, int):
+        return f"capture.token_fraction {tf!r} is not in (0, 1] (or seed {spec.seed!r} not an integer)"
+    t = data["teacher"]
+    dims = [t.get(f) for f in ("n_layers", "d_model", "n_heads", "vocab_size")]
+    if not all(_is_count(x) and x > 0 for x in dims) or dims[1] % dims[2]:
+        return "teacher needs n_layers, d_model, n_heads (dividing d_model) and vocab_size (positive integers)"
+    shape = TeacherShape(*dims)
+    if any(i >= shape.n_layers for i in spec.layers):
+        return f"capture.layers {list(spec.layers)} lie outside the teacher's {shape.n_layers} layers"
+    # the capture the fields store: its layers and tensors from the field names, its dtypes from the fields
+    found = [m.groups() for m in map(_LAYER_FIELD.match, fields) if m]
+    stored_dtype = next((fields[layer_field(int(i), n)]["storage"] for i, n in found), spec.dtype)
+    topk = fields.get("topk_logprobs")
+    try:
+        stored = CaptureSpec(layers=tuple(sorted({int(i) for i, _ in found})),
+                             tensors=tuple(n for n in TENSORS if any(n == m for _, m in found)),
+                             dtype=stored_dtype, token_fraction=tf, seed=spec.seed,
+                             topk=topk["shape"][-1] if topk and topk["shape"] else 0,
+                             topk_dtype=topk["storage"] if topk else spec.topk_dtype)
+        if stored.dtype not in STORAGE_DTYPES or stored.topk_dtype not in _TOPK_DTYPES:
+            raise ValueError(f"storage {stored.dtype!r} / {stored.topk_dtype!r}")
+        expected = layout_json(layout(stored, shape, L))
+    except (KeyError, TypeError, ValueError) as err:
+        return f"layout.fields do not describe a stored capture ({err})"
+    if fields != expected:
+        bad = sorted(set(fields) ^ set(expected)) or sorted(k for k in fields if fields[k] != expected[k])
+        want = expected.get(bad[0], "no such field")
+        return f"layout.fields.{bad[0]} is {fields.get(bad[0], 'missing')}, the format stores {want} there"
+    if layout_d.get("kept_positions", spec.kept_positions(L)) != spec.kept_positions(L):
+        return f"layout.kept_positions is {layout_d['kept_positions']}, capture keeps {spec.kept_positions(L)}"
+    if data.get("view_of") is None:
+        same = (stored.layers, stored.tensors, stored.topk) == (spec.layers if spec.tensors else (), spec.tensors, spec.topk)
+        if not same or (spec.tensors and stored.dtype != spec.dtype) or (spec.topk and stored.topk_dtype != spec.topk_dtype):
+            return "layout.fields do not hold what capture says this cache stores"
+    elif (spec.tensors and stored.dtype != spec.dtype) or (spec.topk and (stored.topk < spec.topk
+                                                                          or stored.topk_dtype != spec.topk_dtype)):
+        return "layout.fields (the source's) do not hold what the view's capture reads"
+    return None
 
 
 def _fields_problem(spec: CaptureSpec, fields: dict) -> str | None:
@@ -128,6 +196,8 @@ class Manifest:
             data = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise CacheError(f"{path} is not valid JSON ({err}); rebuild the cache") from None
+        except OSError as err:  # a directory by that name, no permission to read it
+            raise CacheError(f"{path} cannot be read ({err.strerror or err}); fix its permissions or rebuild the cache") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise CacheError(f"{path} is not a {FORMAT_NAME} manifest")
         if data.get("format_version") != FORMAT_VERSION:

@@ -80,6 +80,8 @@ class CacheReader:
         if sid in self._verified:
             return
         entry, path = self._entries[sid], self._shard_path(sid)
+        if path.is_symlink():  # the writer renames regular files into place: never read through a link
+            raise CacheCorruptError(entry["file"], "the file is a symbolic link, not a shard the cache wrote", self._where)
         if not path.exists():
             raise CacheCorruptError(entry["file"], "the file is missing", self._where)
         size = path.stat().st_size
@@ -100,9 +102,16 @@ class CacheReader:
         name = self._entries[sid]["file"]
         try:
             with tarfile.open(self._shard_path(sid), mode="r:") as tf:
-                index = {ti.name: (ti.offset_data, ti.size) for ti in tf.getmembers() if ti.isfile()}
+                members = tf.getmembers()
         except tarfile.TarError as err:
             raise CacheCorruptError(name, f"not a readable tar ({err})", self._where) from None
+        index = {}
+        for ti in members:  # regular .npy members only, each once (a second copy would silently replace the first)
+            if not ti.isfile():
+                raise CacheCorruptError(name, f"member {ti.name!r} is not a regular file", self._where)
+            if ti.name in index:
+                raise CacheCorruptError(name, f"member {ti.name!r} appears twice", self._where)
+            index[ti.name] = (ti.offset_data, ti.size)
         keys = sorted({n.split(".", 1)[0] for n in index})
         if len(keys) != self._counts[sid]:
             raise CacheCorruptError(name, f"{len(keys)} samples, the manifest says {self._counts[sid]}", self._where)

@@ -33,7 +33,9 @@ def covers(source: Manifest, fingerprint: str, plan_hash: str, spec: CaptureSpec
     if spec.tensors and (have.dtype != spec.dtype or not set(spec.layers) <= set(have.layers)
                          or not set(spec.tensors) <= set(have.tensors)):
         return False
-    if (have.token_fraction, have.seed) != (spec.token_fraction, spec.seed):  # the kept positions, read by every stage
+    if have.token_fraction != spec.token_fraction:  # the kept positions, read by every stage
+        return False
+    if spec.token_fraction < 1.0 and have.seed != spec.seed:  # (the seed draws them; with every position kept, unused)
         return False
     if spec.topk and (have.topk < spec.topk or have.topk_dtype != spec.topk_dtype):
         return False

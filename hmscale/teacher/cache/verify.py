@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hmscale.teacher.cache.format import CacheError, load_npy
+from hmscale.teacher.cache.format import MANIFEST, CacheError, load_npy
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.writer import sha256_file
 
@@ -41,8 +41,12 @@ class VerifyReport:
 
 
 def _check_shard(path: Path, entry: dict, fields: dict) -> tuple[str | None, list[str]]:
+    if path.is_symlink():  # the writer renames regular files into place: a link points wherever someone chose
+        return "the file is a symbolic link, not a shard the cache wrote (it would be read from outside the cache)", []
     if not path.exists():
         return "the file is missing", []
+    if not path.is_file():
+        return "not a regular file", []
     size = path.stat().st_size
     if size != entry["bytes"]:
         return f"{size} bytes on disk, the manifest says {entry['bytes']} (truncated or appended)", []
@@ -69,6 +73,8 @@ def _check_shard(path: Path, entry: dict, fields: dict) -> tuple[str | None, lis
                 if list(arr.shape) != spec["shape"] or arr.dtype != np.dtype(spec["npy_dtype"]):
                     return (f"member {ti.name!r} has shape {list(arr.shape)} {arr.dtype}, "
                             f"expected {spec['shape']} {spec['npy_dtype']}"), []
+                if fname in seen.get(key, ()):  # a reader would take one of the two and never see the other
+                    return f"member {ti.name!r} appears twice", []
                 seen.setdefault(key, set()).add(fname)
     except (tarfile.TarError, OSError, EOFError) as err:
         return f"not a readable tar ({err})", []
@@ -116,7 +122,13 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
     if missing:
         report.problems.append(f"{len(missing)} requested shard(s) not built yet (e.g. shard {missing[0]}); rerun `hmscale cache`")
     known = {e["file"] for e in entries.values()}
-    for p in sorted(path.iterdir()) if not manifest.view_of else []:  # a view's source holds other shards too
-        if _SHARD_RE.match(p.name) and p.name not in known:
-            report.problems.append(f"{p.name} is not in the manifest (stray shard)")
+    for p in sorted(path.iterdir()):  # (a view's shards lie in its source, which holds other shards too)
+        if p.name == MANIFEST or p.name.startswith("."):  # hidden: temporaries of shards and manifests being written
+            continue
+        if _SHARD_RE.match(p.name) and not manifest.view_of:
+            if p.name not in known:
+                report.problems.append(f"{p.name} is not in the manifest (stray shard)")
+        else:
+            report.problems.append(f"{p.name} is not part of the cache (a cache directory holds {MANIFEST} and "
+                                   "shard-NNNNNN.tar files only); move it elsewhere")
     return report
