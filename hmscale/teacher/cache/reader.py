@@ -229,9 +229,16 @@ class CacheLoader(torch.utils.data.IterableDataset):
         self.epoch, self.position = int(epoch), int(start)  # position: batches consumed in this epoch
 
     def _mine(self, epoch: int) -> list[tuple[int, int]]:
+        """This rank's samples of the epoch: the first ``used`` of the order (every rank the same number of whole
+        batches), dealt round-robin. Without shuffling, epoch e starts where epoch e - 1 stopped, so the samples an
+        epoch leaves over are the next epoch's first (a fixed order would otherwise never reach its tail)."""
         order = self.reader.order(self.seed, epoch, self.shuffle)
-        n = len(order) // self.world_size * self.world_size
-        return order[:n][self.rank :: self.world_size]
+        per_step = self.world_size * self.batch_size
+        used = len(order) // per_step * per_step
+        if not self.shuffle and used:
+            k = epoch * used % len(order)
+            order = order[k:] + order[:k]
+        return order[:used][self.rank :: self.world_size]
 
     def __len__(self) -> int:
         return (self.reader.num_samples // self.world_size) // self.batch_size
