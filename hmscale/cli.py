@@ -187,16 +187,28 @@ def eval_(
     overrides: Optional[List[str]] = OverridesOpt,
     tasks: Optional[str] = typer.Option(None, help="comma-separated lm-eval-harness tasks for the final model"),
     include_path: Optional[str] = typer.Option(None, help="folder of custom lm-eval task YAMLs"),
-    limit: Optional[int] = typer.Option(None, help="at most this many documents per task"),
+    limit: Optional[int] = typer.Option(None, min=1, help="at most this many documents per task"),
     context_length: Optional[int] = typer.Option(
         None, help="also score rows this long, perplexity per position bucket (sets eval.context_length)"),
 ):
     """Perplexity of teacher and students on held-out data; lm-eval-harness tasks on the final model. CONFIG may be
     a run directory (its config.yaml); training settings other than the run's are refused (eval.* may differ)."""
     extra = [f"eval.context_length={context_length}"] if context_length is not None else []
+    # a run directory, or a run's config.yaml: that run's settings, scored on that directory's files (the file names
+    # the directory the run was trained in: after a move or a copy, that one would be scored instead of the one given,
+    # or nothing be found); -s output_dir=... still wins
+    run_dir = []
+    in_run = lambda d: any((d / f).exists() for f in ("results.json", "stage1", "stage2"))  # noqa: E731
     if config and Path(config).is_dir() and (Path(config) / "config.yaml").is_file():
-        config = str(Path(config) / "config.yaml")  # a run directory: its own resolved config
-    cfg = _config(config, list(overrides or []) + extra)
+        config = str(Path(config) / "config.yaml")
+        run_dir = [f"output_dir={Path(config).parent.resolve()}"]
+    elif config and Path(config).name == "config.yaml" and in_run(Path(config).parent):
+        run_dir = [f"output_dir={Path(config).parent.resolve()}"]
+    elif config and Path(config).is_dir() and (Path(config) / "config.json").is_file():
+        fail(f"{config!r} is a saved model, not a run: `hmscale eval` takes a run directory (or its config.yaml); "
+             "score a saved model with `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` "
+             "or `hmscale generate DIR`")
+    cfg = _config(config, run_dir + list(overrides or []) + extra)
     from hmscale.recipe import RecipeError, evaluate_run
 
     task_list = [t for t in (tasks or "").split(",") if t]
@@ -237,6 +249,9 @@ def generate(
         fail(f"model directory {model!r} does not exist; pass a saved model such as runs/demo/model")
     if not (path / "config.json").exists() and (path / "model" / "config.json").exists():
         path = path / "model"  # a run directory: its final model
+    if not (path / "config.json").exists() and any((path / f).exists() for f in ("config.yaml", "stage1", "stage2")):
+        fail(f"{model!r} is a run without its final model (model/): it has not finished; rerun `hmscale run` with "
+             "its config (only what is missing runs), then pass the run directory again")
     if not (path / "config.json").exists():
         fail(f"{model!r} holds no saved model (config.json); pass a run's model/ directory, e.g. runs/demo/model")
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):

@@ -1,10 +1,13 @@
 """lm-evaluation-harness adapter: any hmscale model (teacher, Hedgehog, HedgeMamba) as an `lm_eval` LM.
 
     hmscale eval RUN_DIR/config.yaml --tasks hellaswag,lambada_openai
-    lm_eval --model hmscale --model_args pretrained=runs/demo/stage2/hf --tasks ...   (after `import hmscale.eval.lm_eval_adapter`)
+    lm_eval --model hmscale --model_args pretrained=runs/demo/model --tasks ...   (after `import hmscale.eval.lm_eval_adapter`)
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -13,27 +16,73 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 
+def _lm_device(device) -> torch.device:
+    """The device to score on; lm_eval's CLI passes ``cuda:0`` unless told otherwise (``--device``), so without a GPU
+    this falls back to the CPU with a warning, as lm-eval's own ``hf`` model does."""
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError:
+        raise ValueError(f"HmscaleLM: device={device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"[lm-eval] HmscaleLM: device {device!r}, but this torch sees no GPU; scoring on the CPU "
+              "(pass --device cpu to silence this)", file=sys.stderr)
+        return torch.device("cpu")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _lm_dtype(dtype) -> torch.dtype | None:
+    """``dtype=`` of ``--model_args`` (``auto``/None: the weights' own)."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    if str(dtype) not in _DTYPES:
+        raise ValueError(f"HmscaleLM: dtype={dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[str(dtype)]
+
+
 @register_model("hmscale")
 class HmscaleLM(LM):
-    def __init__(self, model=None, tokenizer=None, pretrained: str | None = None, batch_size: int = 8,
-                 max_length: int = 1024, device: str = "cpu", **_):
+    def __init__(self, model=None, tokenizer=None, pretrained: str | None = None, batch_size: int | str = 8,
+                 max_length: int = 1024, device: str | None = "cpu", dtype: str | torch.dtype | None = None, **_):
         super().__init__()
+        device = _lm_device(device)
+        dtype = _lm_dtype(dtype)
         if model is None:
             if pretrained is None:
                 raise ValueError("HmscaleLM needs a model object or pretrained=DIR")
+            d = Path(str(pretrained)).expanduser()
+            local = d.exists() or d.is_absolute() or str(pretrained).startswith((".", "~")) or len(d.parts) > 2
+            if local and not (d / "config.json").is_file():  # (else a hub id: transformers says what is wrong)
+                raise ValueError(f"HmscaleLM: pretrained={pretrained!r} holds no saved model (config.json); pass a "
+                                 "run's model/ directory, e.g. runs/demo/model")
+            if local and tokenizer is None and not any((d / f).is_file() for f in ("tokenizer.json",
+                                                                                   "tokenizer_config.json")):
+                raise ValueError(f"HmscaleLM: pretrained={pretrained!r} has no tokenizer; pass the run's model/ "
+                                 "directory (the model with its tokenizer), e.g. runs/demo/model")
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             import hmscale.models  # noqa: F401  (registers HedgeMamba with the Auto classes)
 
+            pretrained = str(d) if local else pretrained
             model = AutoModelForCausalLM.from_pretrained(pretrained, trust_remote_code=True)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(pretrained)
         if tokenizer is None:
             raise ValueError("HmscaleLM needs the tokenizer the model was trained with")
-        self.model = model.to(device).eval()
+        self.model = model.to(device=device, dtype=dtype).eval()
         self.tok = tokenizer
-        self.batch_size = int(batch_size)
+        # requests are scored one at a time (the batch size is lm-eval's bookkeeping); lm_eval's --batch_size auto
+        # (or auto:N) passes a string
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            batch_size = 1
+        try:
+            self.batch_size = int(batch_size)
+        except (TypeError, ValueError):
+            raise ValueError(f"HmscaleLM: batch_size={batch_size!r}; use a number or auto") from None
         self.max_length = int(max_length)
-        self._device = torch.device(device)
+        self._device = device
 
     # ---------------------------------------------------------------- helpers
     def _encode(self, text: str) -> list[int]:
@@ -67,7 +116,8 @@ class HmscaleLM(LM):
                              "raise max_length")
         ids = (context + continuation)[-(self.max_length + 1):]
         inp = torch.tensor([ids[:-1]], device=self._device)
-        logp = F.log_softmax(self.model(input_ids=inp, return_dict=True).logits[0].float(), dim=-1)[-n:]
+        # (the continuation's positions only: a long context's (L, vocab) fp32 log-softmax is large and unused)
+        logp = F.log_softmax(self.model(input_ids=inp, return_dict=True).logits[0, -n:].float(), dim=-1)
         target = torch.tensor(ids[-n:], device=self._device)
         total = logp.gather(-1, target[:, None]).sum().item()
         greedy = bool((logp.argmax(-1) == target).all().item())
@@ -102,8 +152,13 @@ class HmscaleLM(LM):
             ids = torch.tensor([self._encode(context)[-self.max_length:] or [self.tok.eos_token_id]], device=self._device)
             # the stop strings end the generation (else every request ran its max_gen_toks); the text is cut below
             stopping = {"stop_strings": until, "tokenizer": self.tok} if until else {}
-            gen = self.model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False,
-                                      pad_token_id=self.tok.eos_token_id, **stopping)
+            # a task's sampling settings (do_sample: true, with temperature / top_p / top_k), else greedy, as
+            # lm-eval's hf model (a temperature of 0 is greedy)
+            sampling = {k: kwargs[k] for k in ("temperature", "top_p", "top_k") if kwargs.get(k) is not None}
+            do_sample = bool(kwargs.get("do_sample")) and float(sampling.get("temperature", 1.0)) > 0
+            gen = self.model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=do_sample,
+                                      pad_token_id=self.tok.eos_token_id, **(sampling if do_sample else {}),
+                                      **stopping)
             text = self.tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0]

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hmscale.eval.perplexity import check_token_ids
+
 
 def long_context_rows(stream_dir: str | Path, length: int, max_rows: int, split: str = "validation") -> tuple[np.ndarray, str]:
     """(rows int64 (n, length), rows_from): prefixes of the documents of at least ``length`` tokens, else slices of
@@ -70,8 +72,11 @@ def position_nll(model, rows, batch_size: int = 1, segment: int | None = None,
     only) each row goes through the model ``segment`` tokens at a time, the recurrent cache carried between them.
     ``progress(rows_done, n)`` is called after each batch of rows."""
     rows = torch.as_tensor(rows).long()
-    if rows.ndim != 2 or rows.shape[1] < 2:
-        raise ValueError(f"rows must be (n, L) with L >= 2, got shape {tuple(rows.shape)}")
+    if rows.ndim != 2 or rows.shape[0] == 0 or rows.shape[1] < 2:
+        raise ValueError(f"rows must be (n, L) with n >= 1 and L >= 2, got shape {tuple(rows.shape)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size: {batch_size}; use 1 or more rows per forward")
+    check_token_ids(model, rows)
     if segment is not None and not _has_recurrent_cache(model):
         raise ValueError(f"segment: {type(model).__name__} has no recurrent cache; score it whole (segment=None)")
     device = device or next(model.parameters()).device

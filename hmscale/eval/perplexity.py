@@ -13,13 +13,29 @@ def _rows(tokens) -> torch.Tensor:
     t = torch.as_tensor(np.asarray(tokens) if not torch.is_tensor(tokens) else tokens)
     if t.ndim != 2:
         raise ValueError(f"tokens must be (rows, length), got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or t.shape[1] < 2:  # (else no target: a perplexity of exactly 1)
+        raise ValueError(f"tokens of shape {tuple(t.shape)} have no next token to score; pass at least one row of "
+                         "2 or more tokens")
     return t.long()
+
+
+def check_token_ids(model, ids: torch.Tensor) -> None:
+    """One line instead of the embedding's ``IndexError`` when ``ids`` hold ids outside the model's vocabulary (tokens
+    of another tokenizer)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        raise ValueError(f"token ids span {lo}..{hi}, outside the model's vocabulary (0..{vocab - 1 if vocab else '?'}); "
+                         "tokenise with the model's own tokenizer")
 
 
 @torch.no_grad()
 def mean_nll(model, tokens, batch_size: int = 8, device: str | torch.device | None = None) -> tuple[float, int]:
     """Mean next-token negative log-likelihood (nats) over every position of every row, and the count."""
     rows = _rows(tokens)
+    check_token_ids(model, rows)
+    if batch_size < 1:
+        raise ValueError(f"batch_size: {batch_size}; use 1 or more rows per forward")
     if device is None:
         device = next(model.parameters()).device
     was_training = model.training
@@ -34,7 +50,7 @@ def mean_nll(model, tokens, batch_size: int = 8, device: str | torch.device | No
             count += ids[:, 1:].numel()
     finally:
         model.train(was_training)
-    return total / max(count, 1), count
+    return total / count, count
 
 
 def perplexity(model, tokens, batch_size: int = 8, device=None) -> float:

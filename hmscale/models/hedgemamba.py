@@ -595,7 +595,9 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
         if position_ids is not None:
             position_ids = position_ids[..., -length:]
         inputs.update(cache=cache, use_cache=True if use_cache is None else use_cache, position_ids=position_ids)
-        for key in ("output_hidden_states", "seq_idx"):
+        # logits_to_keep: generate() sets it to 1, so the prompt's prefill makes the last position's logits alone,
+        # not (b, prompt length, vocab) of them
+        for key in ("output_hidden_states", "seq_idx", "logits_to_keep"):
             if key in kwargs:
                 inputs[key] = kwargs[key]
         return inputs
