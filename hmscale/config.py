@@ -345,7 +345,7 @@ def ds_config_zero_stage(path: str) -> int | None:
 class EvalConfig(_Section):
     max_sequences: int = Field(64, gt=0)  # validation sequences for perplexity
     tasks: list[str] = Field(default_factory=list)  # lm-eval-harness tasks
-    generate_tokens: int = Field(32, ge=0)
+    generate_tokens: int = Field(32, ge=0)  # greedy tokens each model writes after a held-out prompt (report.md); 0: none
     # positions scored per row by the long-context evaluation (perplexity per position bucket, e.g. 8 x data.seq_len);
     # None: skipped. Rows: validation documents at least this long (at most max_sequences), else the concatenated split
     context_length: int | None = Field(None, ge=2)

@@ -192,6 +192,7 @@ def _run_recipe(cfg: RunConfig, log=print) -> dict:
         scores = evaluate_models(cfg, data, models, log=log)
         results["stage1_transfer"] = cfg.stage1.transfer
         results.pop("long_context", None)
+        results.pop("samples", None)
         results.update(scores)
         record("eval", t0, eval_hash=eval_hash(cfg), **{k: v for k, v in scores.items() if k.endswith("_ppl")})
     results["wall_seconds"] = round(sum(stages[k].get("seconds", 0) for k in ("prepare", "distill", "eval") if k in stages), 2)
@@ -247,6 +248,17 @@ def _plain(d: dict) -> dict:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
+def _sample_lines(results: dict) -> list[str]:
+    """The greedy samples (``eval.generate_tokens``) as report lines: the prompt, then each model's continuation."""
+    s, labels = results["samples"], model_labels(results)
+    fence = lambda text: ["```text", text.replace("```", "` ` `"), "```"]  # noqa: E731
+    lines = [f"Greedy continuations ({s['new_tokens']} tokens, `eval.generate_tokens`) of a held-out prompt:", ""]
+    lines += ["prompt:"] + fence(s["prompt"])
+    for name, text in s["continuations"].items():
+        lines += [f"{labels.get(name, name)}:"] + fence(text)
+    return lines + [""]
+
+
 def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
     """report.md: the results table, per-stage tokens and time, loss-curve plots."""
     from hmscale.report import loss_plot
@@ -258,6 +270,8 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
         for name, label in model_labels(results).items():
             lines.append(f"| {label} | {results[name + '_ppl']:.3f} | {results[name + '_ppl'] / t:.3f} |")
         lines += ["", f"Evaluated on {results.get('eval_tokens', 0):,} held-out tokens.", ""]
+    if results.get("samples"):
+        lines += _sample_lines(results)
     if "long_context" in results:
         from hmscale.report import long_context_plot
 
@@ -285,8 +299,19 @@ def evaluate_models(cfg: RunConfig, data, models: dict, log=print) -> dict:
 
     rows = data.val_tokens[: cfg.eval.max_sequences]
     bs = cfg.stage2.micro_batch_size
-    out = {f"{name}_ppl": perplexity(model, rows, bs) for name, model in models.items()}
+    out = {}
+    for name, model in models.items():
+        t0 = time.time()
+        out[f"{name}_ppl"] = perplexity(model, rows, bs)
+        log(f"[eval] {name}: perplexity {out[name + '_ppl']:.3f} on {len(rows)} held-out rows ({time.time() - t0:.1f} s)")
     out["eval_tokens"] = int(rows.shape[0] * (rows.shape[1] - 1))
+    if cfg.eval.generate_tokens:
+        from hmscale.eval.generation import recipe_samples
+
+        out["samples"] = recipe_samples(models, data.tokenizer, rows[0], cfg.eval.generate_tokens, cfg.data.seq_len)
+        log(f"[eval] greedy samples, {out['samples']['new_tokens']} tokens after {out['samples']['prompt']!r}:")
+        for name, text in out["samples"]["continuations"].items():
+            log(f"[eval]   {name}: {text!r}")
     if cfg.eval.context_length:
         from hmscale.eval.long_context import long_context_eval, long_context_rows
 

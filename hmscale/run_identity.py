@@ -38,8 +38,8 @@ def training_hash(cfg: RunConfig) -> str:
 
 
 def eval_hash(cfg: RunConfig) -> str:
-    """The settings the recipe's eval stage reads (eval.tasks and generate_tokens are `hmscale eval`'s / generate's)."""
-    return stable_hash([cfg.eval.max_sequences, cfg.eval.context_length])
+    """The settings the recipe's eval stage reads (eval.tasks are `hmscale eval`'s)."""
+    return stable_hash([cfg.eval.max_sequences, cfg.eval.context_length, cfg.eval.generate_tokens])
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

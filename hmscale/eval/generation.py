@@ -87,3 +87,32 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, tempera
     return prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), {
         "prompt_tokens": int(ids.shape[1]), "new_tokens": new, "prefill_s": first - t0,
         "tokens_per_s": (new - 1) / decode_s if new > 1 and decode_s > 0 else float("nan")}
+
+
+@torch.no_grad()
+def greedy_continuation(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """``new_tokens`` greedy tokens after ``ids`` (1, t), each from a full forward of everything so far: works for any
+    model whose forward takes ``input_ids`` (teacher, Hedgehog, HedgeMamba alike; the recipe's samples are short)."""
+    device = next(model.parameters()).device
+    seq = ids.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(new_tokens):
+            logits = model(input_ids=seq, return_dict=True).logits[:, -1]
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    finally:
+        model.train(was_training)
+    return seq[0, ids.shape[1]:].tolist()
+
+
+def recipe_samples(models: dict, tokenizer, row, new_tokens: int, seq_len: int) -> dict:
+    """The recipe's samples: a held-out row's first tokens as the prompt (a quarter of the row, at most 16) and each
+    model's greedy continuation, kept within the training length (at most ``seq_len`` tokens in all)."""
+    prompt_len = max(1, min(16, seq_len // 4))
+    n = max(0, min(int(new_tokens), seq_len - prompt_len))
+    ids = torch.as_tensor(row[:prompt_len]).long()[None]
+    text = {name: tokenizer.decode(greedy_continuation(model, ids, n), skip_special_tokens=True)
+            for name, model in models.items()}
+    return {"prompt": tokenizer.decode(ids[0].tolist(), skip_special_tokens=True), "new_tokens": n,
+            "continuations": text}
