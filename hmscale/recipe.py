@@ -332,6 +332,9 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
 
     run_dir = Path(cfg.output_dir)
     if not (run_dir / "results.json").exists():
+        if any((run_dir / d).exists() for d in ("stage1", "stage2")):
+            raise RecipeError(f"output_dir: the run in {run_dir} has not finished; rerun `hmscale run` with its config "
+                              "(only what is missing runs), then evaluate it")
         raise RecipeError(f"output_dir: {run_dir} holds no run; run `hmscale run` first or point output_dir at a run")
     if include_path is not None and not Path(include_path).is_dir():
         raise RecipeError(f"--include-path: {include_path!r} is not a folder; pass the folder of your task YAMLs")

@@ -48,3 +48,17 @@ def test_recipe_samples_stay_within_the_training_length_and_land_in_the_report()
     text = "\n".join(lines)
     assert "Greedy continuations (24 tokens" in text and "HedgeMamba (stage 2):" in text
     assert text.count("```") == 2 * 4  # prompt and three models, each fenced once; a fence inside is broken up
+
+
+def test_evaluating_an_unfinished_run_says_it_has_not_finished(tmp_path):
+    import pytest
+
+    from hmscale.config import build_config
+    from hmscale.recipe import RecipeError, evaluate_run
+
+    cfg = build_config({}, [f"output_dir={tmp_path}"])
+    with pytest.raises(RecipeError, match="holds no run"):
+        evaluate_run(cfg)
+    (tmp_path / "stage1").mkdir()  # killed during (or after) stage 1
+    with pytest.raises(RecipeError, match="has not finished; rerun `hmscale run`"):
+        evaluate_run(cfg)
