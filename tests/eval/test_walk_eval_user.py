@@ -15,14 +15,6 @@ from hmscale.models.convert import to_hedgehog, to_hedgemamba
 from hmscale.teacher.flavors import neox_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _hedgemamba(vocab=64):
     torch.manual_seed(0)
     model = to_hedgemamba(to_hedgehog(GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=vocab)).eval())).eval()
