@@ -112,7 +112,9 @@ class CacheReader:
             if ti.name in index:
                 raise CacheCorruptError(name, f"member {ti.name!r} appears twice", self._where)
             index[ti.name] = (ti.offset_data, ti.size)
-        keys = sorted({n.split(".", 1)[0] for n in index})
+        # in the tar's order, which is the plan's row order (a sort by name would put row 10000 before row 9999 once
+        # a shard holds that many rows: the keys' row number has 4 digits)
+        keys = list(dict.fromkeys(n.split(".", 1)[0] for n in index))
         if len(keys) != self._counts[sid]:
             raise CacheCorruptError(name, f"{len(keys)} samples, the manifest says {self._counts[sid]}", self._where)
         self._index[sid] = {"members": index, "keys": keys}

@@ -163,3 +163,15 @@ def test_with_kept_positions_drawn_another_seed_is_another_cache(tmp_path, teach
                          log=logs.append)
     assert second != first and not any("no teacher forward" in line for line in logs)
     assert not json.loads((second / "manifest.json").read_text()).get("view_of")
+
+
+def test_a_shard_of_more_than_ten_thousand_rows_reads_in_plan_order(tmp_path, teacher, tools):
+    # the keys' row number has 4 digits: sorted by name, row 10000 came before row 1000, so reader row j was not
+    # plan row j once a shard held more than 10,000 rows
+    data = tools.make_data(shards=1, per_shard=10_004, seq_len=4)  # (whole 16-token documents)
+    cfg = tools.make_cfg(tmp_path, **{"cache.capture.layers": "[0]", "cache.capture.tensors": "[attn_input]",
+                                      "data.seq_len": 4, "cache.batch_size": 2048})
+    reader = CacheReader(build_cache(cfg, data, teacher, engine="local", log=_quiet))
+    rows = data.plan.shard(0)["tokens"]
+    for j in (0, 999, 1000, 9999, 10_000, 10_003):
+        assert torch.equal(reader.sample(0, j)["tokens"], torch.from_numpy(rows[j]).long()), j
