@@ -267,6 +267,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs must be >= 1")
+    if args.only is not None:  # (before the data and the teacher: a typo ran nothing and printed the teacher alone)
+        known = ablations(args)
+        unknown = [name for name in args.only if name not in known]
+        if unknown or not args.only:
+            ap.error(f"--only: {'no ablation named ' + ', '.join(map(repr, unknown)) if unknown else 'give at least one name'}; "
+                     f"choose from {', '.join(known)} (and --variant names)")
 
     from hmscale.atomic import atomic_write_json
     from hmscale.config import build_config

@@ -204,6 +204,15 @@ class ComponentsConfig(_Section):
     conv_width: int = Field(4, ge=1)
 
 
+def lora_target_names(components: ComponentsConfig) -> list[str]:
+    """The linear layers of HedgeMamba (``hmscale.models.lora.lora_targets_available``) that ``stage2.lora_targets``
+    may name, for these components: the gate's ``z_proj`` and the SSM's ``dt_proj`` exist only when switched on."""
+    names = {"in_proj", "out_proj", "dense_h_to_4h", "dense_4h_to_h", "lm_head"}
+    names |= {"z_proj"} if components.gate else set()
+    names |= {"dt_proj"} if components.ssm else set()
+    return sorted(names)
+
+
 class Stage2Config(_Section):
     lr: float = Field(1e-3, gt=0, allow_inf_nan=False)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -250,6 +259,12 @@ class Stage2Config(_Section):
                              f"{self.trainable!r}) or lora_rank=0")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("stage2.lora_targets: empty; name the linear layers to adapt (e.g. [in_proj, out_proj])")
+        if self.lora_rank:  # now, not when stage 2 starts (after stage 1, whose run these settings also name)
+            have = lora_target_names(self.components)
+            unknown = [t for t in self.lora_targets if t not in have]
+            if unknown:
+                raise ValueError(f"stage2.lora_targets: {unknown} match no linear layer of HedgeMamba with these "
+                                 f"stage2.components; choose from {', '.join(have)}")
         if self.epochs > 1 and self.steps:
             raise ValueError(f"stage2.epochs: {self.epochs} passes and stage2.steps={self.steps} both set the "
                              "step count; set one of them (epochs=1, or steps=null)")

@@ -77,6 +77,14 @@ def adopt_stage1(source: Path, cfg: RunConfig) -> str:
     if diff:
         raise RecipeError(f"--stage1-from: {source}'s stage 1 was trained with other settings "
                           f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); only stage2.* may differ")
+    if cfg.stage1.transfer == "mixer":
+        # stage1.transfer=mixer trains the mixers of stage2.components: stage 2 can only start from mixers built
+        # with the same components (refused here, before the data, teacher and cache work, not at stage 2's start)
+        comp = [d for d in changed_settings(tree, cfg) if d.startswith("stage2.components.")]
+        if comp:
+            raise RecipeError(f"--stage1-from: {source}'s stage 1 (stage1.transfer=mixer) trained mixers with other "
+                              f"components ({', '.join(comp[:4])}); with transfer=mixer stage2.components must match "
+                              "(run stage 1 for these components, or use stage1.transfer=attention)")
     if source == run_dir:
         return f"[stage2] stage 1 of {run_dir} is this run's own"
     dst = run_dir / "stage1"

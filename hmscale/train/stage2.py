@@ -232,9 +232,14 @@ def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feat
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if new_scale == 1.0 and feature_map_scale == 1.0:
         return [p for _, p in params]
+    from hmscale.models.lora import is_lora_param
+
     buckets = {"base": [], "new": [], "feature_map": []}
     for name, p in params:
-        buckets[{"added": "new", "feature_map": "feature_map", "teacher": "base"}[param_kind(name)]].append(p)
+        # a LoRA adapter (``<layer>.lora_A``) trains at its layer's lr: one on the gate's z_proj or the SSM's dt_proj
+        # is an added part's update, not a teacher weight's
+        kind = param_kind(name.rsplit(".", 1)[0] + ".weight" if is_lora_param(name) else name)
+        buckets[{"added": "new", "feature_map": "feature_map", "teacher": "base"}[kind]].append(p)
     scales = {"base": 1.0, "new": new_scale, "feature_map": feature_map_scale}
     # a group with no parameters (e.g. the Hedgehog-only ablation: no gate, conv or SSM) is left out;
     # the base group comes first: the logged lr is group 0's
@@ -242,10 +247,14 @@ def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feat
 
 
 def stage2_steps(cfg, tokens_per_step: int) -> int:
-    """Optimizer steps: stage2.steps, else stage2.epochs passes over budget.stage2_tokens."""
+    """Optimizer steps: stage2.steps, else stage2.epochs passes over budget.stage2_tokens. A stage-2 share of
+    nothing (``budget.split=[1.0, 0.0]``, the paper's 100/0) is no step at all: the converted stage-1 model is
+    exported as it is (at least one step for any positive share)."""
     steps = getattr(cfg.stage2, "steps", None)
     if steps:
         return int(steps)
+    if cfg.budget.stage2_tokens <= 0:
+        return 0
     epochs = int(getattr(cfg.stage2, "epochs", 1))
     return max(1, epochs * cfg.budget.stage2_tokens // max(tokens_per_step, 1))
 

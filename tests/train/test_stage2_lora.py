@@ -121,10 +121,16 @@ def test_bad_lora_settings_are_one_line_config_errors(extra, match):
 
 
 def test_a_target_that_matches_nothing_names_the_choices(tmp_path):
-    from hmscale.train.stage2 import run_stage2
+    from types import SimpleNamespace
 
+    from hmscale.config import ConfigError
+    from hmscale.train.stage2 import apply_stage2_lora
+
+    # the config refuses it at once (not after stage 1); a model given to stage 2 directly is checked there too
+    with pytest.raises(ConfigError, match=r"stage2.lora_targets: .*'q_proj'.*choose from .*dense_h_to_4h.*in_proj"):
+        cfg(["stage2.lora_targets=[q_proj]"])
     with pytest.raises(TrainingError, match=r"stage2.lora_targets: .*'q_proj'.*choose from .*dense_h_to_4h.*in_proj"):
-        run_stage2(cfg(["stage2.lora_targets=[q_proj]"]), tmp_path, model=student(), source=ArraySource(toks()))
+        apply_stage2_lora(student(), SimpleNamespace(lora_targets=["q_proj"], lora_rank=2, lora_alpha=2.0))
 
 
 def test_a_tied_lm_head_is_refused():
