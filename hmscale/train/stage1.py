@@ -36,13 +36,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import seed_everything, setup_layout, stage_dir
-from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
+from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, SubsetSource, get_batch, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
                                    resumed_totals, train_loop)
 
@@ -252,6 +253,27 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
     return student
 
 
+def online_source(cfg, plan):
+    """The rows stage 1 reads from the live teacher: those of the plan's shards a cached run of the same config
+    reads (`run_shard_ids`: the first shards holding its requested tokens), in the cache's order, so that online and
+    cached stage 1 train on the same rows in the same steps (an fp32 cache gives the online run's losses). Reading
+    the whole plan instead made the two paths sample different rows from the same seed."""
+    from hmscale.teacher.cache.build import run_shard_ids
+
+    src = PlanSource(plan)
+    ids = run_shard_ids(cfg, plan.num_shards, plan.sequences_per_shard, plan.seq_len)
+    n = min(src.num_sequences, len(ids) * plan.sequences_per_shard)  # run_shard_ids: shards 0..k-1, rows in order
+    return src if n >= src.num_sequences else SubsetSource(src, np.arange(n))
+
+
+def _check_cache_tensors(tensors, where: str) -> None:
+    """Stage 1 trains from each layer's cached attn_input (attn_output is recomputed when not cached): refuse a
+    cache without it in one line, before any training (it was a KeyError 'layer0.attn_input' at the first step)."""
+    if "attn_input" not in tensors:
+        raise TrainingError(f"{where}: {list(tensors)} lacks attn_input, which stage 1 trains from; capture "
+                            "[attn_input, attn_output] (cache.capture.tensors) or set stage1.source=online")
+
+
 def _get_teacher(cfg, data, layout):
     from hmscale.teacher import get_teacher
 
@@ -323,20 +345,32 @@ def run_stage1(
         mine = list(range(n_layers))
         owners = {l: layout.world for l in range(n_layers)}
         mpu, dp_rank, dp_size = None, layout.rank, layout.world
+    zero_stage, ds_config = par.zero_stage, par.ds_config
+    if mpu is not None and zero >= 3:
+        # a layer-parallel worker's data-parallel group is itself: ZeRO-3 has nothing to partition there (ZeRO-2
+        # holds the same bytes), and DeepSpeed's ZeRO-3 requires every rank to trace the same modules each step, so
+        # workers with different numbers of layers (3 layers on 2 workers) failed at the first step with
+        # "Detected a disagreement on list length between rank0 and rank1". Stage 1 runs ZeRO-2 then (stage 2 keeps 3).
+        zero, zero_stage, ds_config = 2, 2, None
+        if layout.rank == 0:
+            print("stage1: layer-parallel workers each hold their own layers whole (ZeRO-3 would partition nothing): "
+                  "stage 1 runs ZeRO-2 (ds_configs/zero2.json); stage 2 keeps the configured ZeRO-3", flush=True)
 
     if source is None:
         if mode == "cache":
             if cache_dir is None:
+                _check_cache_tensors(cfg.cache.capture.tensors, "cache.capture.tensors")  # before a teacher pass
                 cache_dir = _ensure_cache(cfg, data, teacher, layout)
             from hmscale.teacher.cache import open_for_run
 
             reader = open_for_run(cfg, cache_dir)
+            _check_cache_tensors(reader.spec.tensors, f"the teacher cache {cache_dir}")
             missing = [l for l in mine if l not in reader.layers]
             if missing:
                 raise TrainingError(f"the teacher cache {cache_dir} has no layers {missing}; set cache.capture.layers=all and rebuild")
             source = CacheSource(reader, layers=mine, topk=False)
         else:
-            source = PlanSource(data.plan)
+            source = online_source(cfg, data.plan)
     if s1.epochs > 1 and not s1.steps:
         # several passes over the stage's token share: the rows a one-pass run would read, revisited
         source = token_share(source, cfg.budget.stage1_tokens, seed=cfg.seed + 1) or source
@@ -360,7 +394,7 @@ def run_stage1(
     total_steps = stage1_steps(cfg, tokens_per_step)
     spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,
                      total_steps=total_steps, min_lr_ratio=s1.min_lr_ratio, weight_decay=0.0, grad_clip=1.0,
-                     zero_stage=par.zero_stage, bf16=False, ds_config=par.ds_config,
+                     zero_stage=zero_stage, bf16=False, ds_config=ds_config,
                      adam=par.adam)
     engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu, params=params)
 
@@ -380,7 +414,7 @@ def run_stage1(
     logger = MetricsLogger(out, "stage1", total_steps, start_step, rank=layout.rank, progress=True)
     if layout.rank == 0 and start_step == 0:
         logger.log(0, {"event": "start", "mode": "cache" if cached else "online", "layer_parallel": mpu is not None,
-                       "transfer": s1.transfer,
+                       "transfer": s1.transfer, "zero_stage": zero,
                        "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()
                                                if p.requires_grad),  # (ZeRO-3: partitioned, numel() is 0)
                        "total_steps": total_steps,
