@@ -163,9 +163,12 @@ class Stage1Trainable(nn.Module):
 
 
 def stage1_steps(cfg, tokens_per_step: int) -> int:
-    """Optimizer steps: stage1.steps, else stage1.epochs passes over budget.stage1_tokens."""
+    """Optimizer steps: stage1.steps, else stage1.epochs passes over budget.stage1_tokens. A stage-1 share of nothing
+    (``budget.split=[0.0, 1.0]``, the paper's 0/100) is no step: the feature maps are exported as initialised."""
     if cfg.stage1.steps:
         return int(cfg.stage1.steps)
+    if cfg.budget.stage1_tokens <= 0:
+        return 0
     epochs = int(getattr(cfg.stage1, "epochs", 1))
     return max(1, epochs * cfg.budget.stage1_tokens // max(tokens_per_step, 1))
 

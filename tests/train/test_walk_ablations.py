@@ -74,6 +74,23 @@ def test_split_100_0_exports_the_converted_stage1_model(tmp_path):
     assert diff < 1e-5, diff
 
 
+def test_split_0_100_trains_no_stage1_step_and_exports_the_initial_feature_maps(tmp_path):
+    """budget.split=[0.0, 1.0] (the paper's 0/100: no stage 1) made one stage-1 step; the exported student must hold
+    the feature maps as initialised (Hedgehog's identity-like init), the rest of the run going on from there."""
+    from hmscale.models.convert import to_hedgehog
+    from hmscale.train.stage1 import load_stage1_student, run_stage1
+
+    teacher = _teacher()
+    cfg = build_config({}, ["budget.split=[0.0,1.0]", "stage1.source=online", "stage1.micro_batch_size=4",
+                            "parallel.zero_stage=0"])
+    res = run_stage1(cfg, tmp_path, teacher=teacher, source=ArraySource(_tokens()))
+    assert res["total_steps"] == 0 and res["tokens"] == 0
+    got = load_stage1_student(tmp_path, teacher)
+    want = to_hedgehog(teacher)
+    for a, b in zip(got.feature_maps, want.feature_maps):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+
+
 # ---------------------------------------------------------------- exact init through stage 2, every switch
 
 
