@@ -124,3 +124,18 @@ class ShardPlan:
     def __repr__(self) -> str:
         return (f"ShardPlan(hash={self.hash}, shards={self.num_shards}, sequences={self.num_sequences}, "
                 f"seq_len={self.seq_len}, per_shard={self.sequences_per_shard})")
+
+
+def shards_for_tokens(plan_hash: str, num_shards: int, sequences_per_shard: int, seq_len: int, tokens: int) -> list[int]:
+    """The plan's shards a run over ``tokens`` tokens reads (sorted): the first of a fixed pseudo-random order of the
+    shards, as many as hold ``tokens`` (at least one, at most all).
+
+    The order is seeded by the plan's hash alone: the same for every run of the plan whatever its seed or budget
+    (teacher caches are shared between them), and prefix-closed (a larger budget's shards hold a smaller one's).
+    Every way of reading a stage's rows (live teacher, teacher cache, with or without top-k) draws them from these
+    shards; the first shards of the packed stream instead would be its first documents (e.g. the alphabetically
+    first files of a corpus), unlike the validation split, which is drawn from every document."""
+    n = min(int(num_shards), max(1, -(-int(tokens) // (int(sequences_per_shard) * int(seq_len)))))
+    order = np.random.default_rng(int(str(plan_hash)[:16], 16)).permutation(int(num_shards))
+    return sorted(int(i) for i in order[:n])
+

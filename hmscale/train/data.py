@@ -9,6 +9,7 @@ Sources:
 - `ArraySource(tokens[, topk_ids, topk_logprobs])`  in-memory rows (tests, fixtures, benchmarks).
 - `PlanSource(plan)`                                 rows of a `hmscale.data.ShardPlan` (lazy, random access).
 - `CacheSource(reader)`                              rows (+ top-k teacher log-probs) of a teacher cache.
+- `plan_rows(plan, shard_ids)`                       the plan's rows of some shards (a stage's, as a cache holds them).
 - `SubsetSource(source, ids)`                        a fixed subset of another source's rows (stage 1's
                                                      token share, revisited for several epochs).
 """
@@ -134,6 +135,18 @@ class SubsetSource:
 
     def fetch(self, ids: np.ndarray) -> dict:
         return self.source.fetch(self.ids[np.asarray(ids, dtype=np.int64)])
+
+
+def plan_rows(plan, shard_ids) -> "PlanSource | SubsetSource":
+    """The rows of the plan's shards ``shard_ids`` (in shard order, then row order: a cache over the same shards
+    lists them so, so a seed draws the same rows from either)."""
+    src = PlanSource(plan)
+    ids = sorted(int(i) for i in shard_ids)
+    if ids == list(range(plan.num_shards)):
+        return src
+    S = plan.sequences_per_shard
+    rows = np.concatenate([np.arange(i * S, i * S + plan.shard_size(i)) for i in ids])
+    return SubsetSource(src, rows)
 
 
 def token_share(source, tokens: int, seed: int) -> "SubsetSource | None":

@@ -36,14 +36,13 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import seed_everything, setup_layout, stage_dir
-from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, SubsetSource, get_batch, token_share
+from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
                                    resumed_totals, train_loop)
 
@@ -257,16 +256,12 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
 
 
 def online_source(cfg, plan):
-    """The rows stage 1 reads from the live teacher: those of the plan's shards a cached run of the same config
-    reads (`run_shard_ids`: the first shards holding its requested tokens), in the cache's order, so that online and
-    cached stage 1 train on the same rows in the same steps (an fp32 cache gives the online run's losses). Reading
-    the whole plan instead made the two paths sample different rows from the same seed."""
-    from hmscale.teacher.cache.build import run_shard_ids
+    """The rows stage 1 reads from the live teacher: those of the plan's shards stage 1 draws from
+    (``stage_shard_ids``), as a cached run reads them from its cache, so that online and cached stage 1 train on
+    the same rows in the same steps (an fp32 cache gives the online run's losses)."""
+    from hmscale.teacher.cache.build import plan_meta, stage_shard_ids
 
-    src = PlanSource(plan)
-    ids = run_shard_ids(cfg, plan.num_shards, plan.sequences_per_shard, plan.seq_len)
-    n = min(src.num_sequences, len(ids) * plan.sequences_per_shard)  # run_shard_ids: shards 0..k-1, rows in order
-    return src if n >= src.num_sequences else SubsetSource(src, np.arange(n))
+    return plan_rows(plan, stage_shard_ids(cfg, plan_meta(plan), "stage1"))
 
 
 def _check_cache_tensors(tensors, where: str) -> None:
@@ -366,7 +361,7 @@ def run_stage1(
                 cache_dir = _ensure_cache(cfg, data, teacher, layout)
             from hmscale.teacher.cache import open_for_run
 
-            reader = open_for_run(cfg, cache_dir)
+            reader = open_for_run(cfg, cache_dir, stage="stage1")
             _check_cache_tensors(reader.spec.tensors, f"the teacher cache {cache_dir}")
             missing = [l for l in mine if l not in reader.layers]
             if missing:

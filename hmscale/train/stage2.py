@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import kernels
 from hmscale.atomic import atomic_write_json
 from hmscale.train.common import Layout, export_hf, seed_everything, setup_layout, stage_dir
-from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, token_share
+from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (
     Checkpointer,
     MetricsLogger,
@@ -273,13 +273,16 @@ def _source_for(cfg, data, cache_dir):
     if cache_dir is not None and not (_online_kd(cfg.stage2) and data is not None):
         from hmscale.teacher.cache import open_for_run
 
-        return CacheSource(open_for_run(cfg, cache_dir), topk=_cached_kd(cfg.stage2))
+        return CacheSource(open_for_run(cfg, cache_dir, stage="stage2"), topk=_cached_kd(cfg.stage2))
     if data is None:
         raise TrainingError("stage 2 needs training data: pass data=prepare_data(cfg) or a cache directory")
     if _cached_kd(cfg.stage2):
         raise TrainingError("stage2.kd_weight > 0 with kd_source=cache needs the teacher cache (top-k log-probs); "
                             "enable cache and set cache.capture.topk, or set stage2.kd_source=online")
-    return PlanSource(data.plan)
+    from hmscale.teacher.cache.build import plan_meta, stage_shard_ids
+
+    # the rows of the shards stage 2 draws from, as a top-k cache holds them: with or without KD, the same rows
+    return plan_rows(data.plan, stage_shard_ids(cfg, plan_meta(data.plan), "stage2"))
 
 
 def _kd_teacher(cfg, teacher, student, data, layout):

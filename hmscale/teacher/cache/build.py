@@ -74,19 +74,48 @@ def requested_tokens(cfg, spec: CaptureSpec) -> int:
     return int(cfg.budget.total_tokens if spec.topk else cfg.budget.stage1_tokens)
 
 
-def run_shard_ids(cfg, num_shards: int, sequences_per_shard: int, seq_len: int) -> list[int]:
-    """The plan's shards a run caches and reads: the first ones holding its requested tokens (``requested_tokens``)."""
-    want = requested_tokens(cfg, cfg.cache.capture)
-    return list(range(min(num_shards, max(1, -(-want // (sequences_per_shard * seq_len))))))
+def run_shard_ids(cfg, plan_meta: dict) -> list[int]:
+    """The plan's shards a run caches: those holding its requested tokens (``requested_tokens``;
+    ``hmscale.data.plan.shards_for_tokens``). ``plan_meta``: the plan's hash, num_shards, sequences_per_shard, seq_len."""
+    return _shards(plan_meta, requested_tokens(cfg, cfg.cache.capture))
 
 
-def open_for_run(cfg, cache_dir) -> "CacheReader":
-    """A reader of ``cache_dir`` over this run's shards only: the rows (and so the training) do not depend on how many
-    shards other runs with the same capture added to the cache."""
+def stage_tokens(cfg, stage: str) -> int:
+    """The tokens whose shards a stage draws its rows from: stage 1 its own share; stage 2 the whole budget (its share
+    is drawn from every row the run covers, as a top-k cache for it holds them)."""
+    if stage not in ("stage1", "stage2"):
+        raise ValueError(f"stage {stage!r}: choose 'stage1' or 'stage2'")
+    return int(cfg.budget.stage1_tokens if stage == "stage1" else cfg.budget.total_tokens)
+
+
+def stage_shard_ids(cfg, plan_meta: dict, stage: str) -> list[int]:
+    """The plan's shards a stage reads its rows from, whatever the source (live teacher or cache)."""
+    return _shards(plan_meta, stage_tokens(cfg, stage))
+
+
+def _shards(plan_meta: dict, tokens: int) -> list[int]:
+    from hmscale.data.plan import shards_for_tokens
+
+    return shards_for_tokens(plan_meta["hash"], plan_meta["num_shards"], plan_meta["sequences_per_shard"],
+                             plan_meta["seq_len"], tokens)
+
+
+def plan_meta(plan) -> dict:
+    return {"hash": plan.hash, "num_shards": plan.num_shards, "sequences_per_shard": plan.sequences_per_shard,
+            "seq_len": plan.seq_len}
+
+
+def open_for_run(cfg, cache_dir, stage: str | None = None) -> "CacheReader":
+    """A reader of ``cache_dir`` over this run's shards only (with ``stage``: those of them the stage reads rows
+    from): the rows, and so the training, do not depend on how many shards other runs with the same capture added
+    to the cache, nor on whether the cache also holds another stage's rows."""
     from hmscale.teacher.cache.reader import CacheReader
 
     p = Manifest.load(cache_dir).data["plan"]
-    return CacheReader(cache_dir, shards=run_shard_ids(cfg, p["num_shards"], p["sequences_per_shard"], p["seq_len"]))
+    ids = run_shard_ids(cfg, p)
+    if stage is not None:
+        ids = sorted(set(ids) & set(stage_shard_ids(cfg, p, stage)))
+    return CacheReader(cache_dir, shards=ids)
 
 
 def plan_cache(cfg, plan, teacher, fingerprint: str | None = None) -> CachePlan:
@@ -94,7 +123,7 @@ def plan_cache(cfg, plan, teacher, fingerprint: str | None = None) -> CachePlan:
     spec = CaptureSpec.from_config(cfg.cache.capture, shape.n_layers)
     fp = fingerprint or teacher_fingerprint(teacher)
     key = cache_key(fp, plan.hash, spec)
-    ids = run_shard_ids(cfg, plan.num_shards, plan.sequences_per_shard, plan.seq_len)
+    ids = run_shard_ids(cfg, plan_meta(plan))
     n = len(ids)
     sequences = sum(plan.shard_size(i) for i in ids) if hasattr(plan, "shard_size") else n * plan.sequences_per_shard
     tokens = sequences * plan.seq_len
