@@ -416,6 +416,9 @@ class RunConfig(_Section):
             raise ValueError(f"stage2.kd_weight: {s2.kd_weight} with stage2.kd_source=cache needs the teacher's top-k "
                              "in the cache; set cache.capture.topk (e.g. 32), or stage2.kd_source=online, or "
                              "stage2.kd_weight=0")
+        if s2.kd_weight > 0 and s2.kd_source == "cache" and not self.cache.enabled:
+            raise ValueError("cache.enabled: false, but stage2.kd_weight > 0 with kd_source=cache reads the teacher's "
+                             "top-k from the cache; enable the cache, or set stage2.kd_source=online")
         if self.stage2.lora_rank and self.parallel.tp > 1:
             raise ValueError("stage2.lora_rank: LoRA runs with ZeRO data parallelism only; set parallel.tp=1 or "
                              "stage2.lora_rank=0")

@@ -376,7 +376,7 @@ def summary_line(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hmscale.config import ConfigError, load_config
+    from hmscale.config import ConfigError, load_config, stage1_cache_problem
     from hmscale.train.engine import TrainingError
 
     ap = argparse.ArgumentParser(prog="python -m ray_jobs.distill", description=__doc__.splitlines()[0])
@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.run_dir is None and (refusal := job_copy_refusal(cfg)) is not None:
             raise ConfigError(refusal)
+        if "stage1" in args.stages.split(",") and (problem := stage1_cache_problem(cfg)):
+            raise ConfigError(problem)  # before the data, teacher and cache work (as `hmscale run` / `stage1`)
         res = run_distill(cfg, args.run_dir, stages=tuple(args.stages.split(",")))
     except (ConfigError, TrainingError, ValueError) as err:
         print(f"distill: error: {err}", file=sys.stderr)

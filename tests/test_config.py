@@ -88,8 +88,20 @@ def test_missing_config_file():
 def test_kd_from_the_cache_with_its_topk_or_online_is_accepted():
     assert build_config(overrides=["stage2.kd_weight=1", "cache.capture.topk=8"]).stage2.kd_weight == 1
     assert build_config(overrides=["stage2.kd_weight=1", "stage2.kd_source=online"]).stage2.kd_source == "online"
-    # cache.enabled=false only moves stage 1 online: the cache is still built for stage 2's top-k
-    assert build_config(overrides=["stage2.kd_weight=1", "cache.capture.topk=8", "cache.enabled=false"])
+    # cache.enabled=false with KD from the cache: the top-k would come from a cache the config turned off (it was
+    # built anyway); refused, naming both ways out
+    with pytest.raises(ConfigError, match=r"cache.enabled: false, but stage2.kd_weight > 0 with kd_source=cache .*"
+                                          r"enable the cache, or set stage2.kd_source=online"):
+        build_config(overrides=["stage2.kd_weight=1", "cache.capture.topk=8", "cache.enabled=false"])
+    assert build_config(overrides=["stage2.kd_weight=1", "stage2.kd_source=online", "cache.enabled=false"])
+
+
+def test_the_distill_job_refuses_a_stage1_cache_without_attn_input_before_any_work(capsys, monkeypatch):
+    import ray_jobs.distill as distill
+
+    monkeypatch.setattr(distill, "run_distill", lambda *a, **k: pytest.fail("ran"))
+    assert distill.main(["-s", "cache.capture.tensors=[attn_output]", "--run-dir", "/tmp/x"]) == 2
+    assert "lacks attn_input" in capsys.readouterr().err
 
 
 def test_a_union_field_says_each_form_it_takes():
