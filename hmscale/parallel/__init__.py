@@ -5,8 +5,8 @@ from .compile import apply_compile, keep_gradients_out_of_graph_pool
 from .cuda_graphs import apply_cuda_graphs
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import ParallelMesh, build_mesh, trivial_mesh
-from .mpu import MeshMPU
-from .tp import apply_tensor_parallel, check_tp_divides, gather_tensor_parallel_state_dict
+from .mpu import MeshMPU, count_tp_shards_in_grad_norm
+from .tp import apply_tensor_parallel, check_tp_divides, full_numel, gather_tensor_parallel_state_dict
 from .vocab import VocabShard, shard_lm_head
 
 __all__ = [
@@ -19,9 +19,11 @@ __all__ = [
     "build_mesh",
     "trivial_mesh",
     "MeshMPU",
+    "count_tp_shards_in_grad_norm",
     "apply_tensor_parallel",
     "check_tp_divides",
     "gather_tensor_parallel_state_dict",
+    "full_numel",
     "VocabShard",
     "shard_lm_head",
 ]

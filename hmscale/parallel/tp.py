@@ -27,7 +27,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, 
 from .mesh import ParallelMesh
 from .vocab import shard_lm_head
 
-__all__ = ["apply_tensor_parallel", "check_tp_divides", "gather_tensor_parallel_state_dict"]
+__all__ = ["apply_tensor_parallel", "check_tp_divides", "gather_tensor_parallel_state_dict", "full_numel"]
 
 
 def check_tp_divides(n_heads: int, tp: int, intermediate_size: int | None = None) -> None:
@@ -35,6 +35,13 @@ def check_tp_divides(n_heads: int, tp: int, intermediate_size: int | None = None
         raise ValueError(f"parallel.tp: {tp} does not divide the model's {n_heads} attention heads; pick a divisor of {n_heads}")
     if intermediate_size is not None and intermediate_size % tp:
         raise ValueError(f"parallel.tp: {tp} does not divide the MLP width {intermediate_size}; pick a divisor of it")
+
+
+def full_numel(p: torch.Tensor, tp_size: int) -> int:
+    """Elements of the whole (unsharded) parameter of which ``p`` is this rank's shard: a tensor-parallel slice
+    (``tp_split_dim``) counts ``tp_size`` times, a replicated one once (ZeRO-3's partitioned ``ds_numel`` too)."""
+    n = int(getattr(p, "ds_numel", p.numel()))
+    return n * tp_size if getattr(p, "tp_split_dim", None) is not None else n
 
 
 def _slice_param(p: nn.Parameter, index: torch.Tensor, dim: int = 0) -> nn.Parameter:

@@ -324,6 +324,10 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
         model=model, model_parameters=params, optimizer=optimizer, config=conf, mpu=mpu, lr_scheduler=scheduler
     )
     _record_fp32_grad_norm(engine)
+    if mpu is not None:  # ZeRO-0 bf16 under tp: the clipping norm counts every rank's shards (hmscale.parallel.mpu)
+        from hmscale.parallel.mpu import count_tp_shards_in_grad_norm
+
+        count_tp_shards_in_grad_norm(engine.optimizer, mpu)
     if foreach_grad_checks:
         install_foreach(engine.optimizer)
     if grad_buckets:

@@ -488,8 +488,11 @@ def run_stage2(
     logger = MetricsLogger(out, "stage2", total_steps, start_step, rank=layout.rank,
                            progress=getattr(cfg, "_progress", True))
     if layout.rank == 0 and start_step == 0:
-        # (ZeRO-3 has partitioned the parameters by now: numel() is 0, ds_numel the full size)
-        n_train = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        from hmscale.parallel import full_numel
+
+        # the whole model's count, not this rank's: a tensor-parallel shard counts as the parameter it is a slice of
+        # (it read about 1/tp of the tp=1 count); ZeRO-3 has partitioned the parameters by now: ds_numel is the size
+        n_train = sum(full_numel(p, layout.tp_size) for p in model.parameters() if p.requires_grad)
         logger.log(0, {"event": "start", "trainable_params": n_train, "frozen_params": frozen,
                        "total_steps": total_steps, "tokens_per_step": tokens_per_step,
                        "zero_stage": zero, "tp": layout.tp_size, "dp": layout.dp_size,
