@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -14,17 +15,44 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to a temporary file beside `path`, fsync it, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:  # (no inode or no space for the temporary itself)
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and err.filename != str(path):
+            # a full disk fails the write of the hidden temporary (or names no file at all): name the file the
+            # caller asked for, which is what the user knows (its previous version is untouched)
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
         raise
     return path
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def os_error_line(err: OSError, what: str | None = None, after: str = "", where: str | os.PathLike | None = None) -> str:
+    """One line for a file-system error while writing: what failed (``what``, else the file the error names), why,
+    and what to do (free space for a full disk or quota, on the filesystem of ``where``, default the file's folder;
+    permissions for a read-only place); ``after`` is appended (e.g. how the rerun resumes)."""
+    name = what or (f"{err.filename}" if err.filename else "a file")
+    why = err.strerror or str(err)
+    if err.errno in _NO_SPACE:
+        where = where or (Path(err.filename).parent if err.filename else None)
+        todo = f"free space{f' on the filesystem of {where}' if where else ''}"
+    elif err.errno in _NOT_WRITABLE:
+        todo = "make it writable by this user (or point the setting elsewhere)"
+    else:
+        todo = "fix the cause"
+    return f"writing {name} failed: {why}; {todo}{', then ' + after if after else ''}"
 
 
 _TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # what atomic_write_bytes' mkstemp names

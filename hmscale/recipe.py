@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from hmscale.atomic import atomic_write_json, remove_temporaries
+from hmscale.atomic import atomic_write_json, remove_temporaries, writable_dir_problem
 from hmscale.config import RunConfig, save_resolved, stage1_cache_problem
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
@@ -37,7 +37,14 @@ def _load_results(run_dir: Path, cfg: RunConfig) -> dict:
         if refusal:
             raise RecipeError(refusal)
         return {"config_hash": training_hash(cfg), "stages": {}}
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        results = err
+    if not (isinstance(results, dict) and isinstance(results.get("stages"), dict)):
+        why = f"not JSON ({results})" if isinstance(results, Exception) else "not a results object with its stages"
+        raise RecipeError(f"{path} is damaged ({why}); move it away and rerun: the finished training stages are "
+                          "kept in stage1/ and stage2/ (their summaries) and only the evaluation is redone")
     if results.get("config_hash") != training_hash(cfg):
         _check_identity(run_dir, results.get("config_hash"), cfg)
         # the run's key was computed from its config.yaml by an older hmscale (fields added since, or other key
@@ -118,8 +125,28 @@ def check_local_gpu(cfg: RunConfig) -> None:
 def run_recipe(cfg: RunConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the contents of results.json. Ctrl-C says how to resume (on stderr; the
     training loop adds where its stage stands) and goes on up."""
+    from hmscale.teacher.cache.format import CacheError
+
     try:
         return _run_recipe(cfg, log)
+    except CacheError as err:  # building or reading the teacher cache (a full disk, a damaged shard): its one line
+        if isinstance(err.__cause__, OSError):
+            from hmscale.train.engine import StorageError
+
+            raise StorageError(str(err)) from err
+        raise RecipeError(str(err)) from err
+    except OSError as err:
+        from hmscale.atomic import _NO_SPACE, _NOT_WRITABLE
+
+        if err.errno not in _NO_SPACE + _NOT_WRITABLE:
+            raise
+        from hmscale.atomic import os_error_line
+        from hmscale.train.engine import StorageError
+
+        # a full disk or a read-only place while writing the data, the teacher, a summary, the export, results.json
+        # or report.md: one line (the files written before are whole: atomic writes)
+        raise StorageError(os_error_line(err, after="rerun `hmscale run` with the same config: what is done is kept "
+                                                    "and the run resumes")) from err
     except KeyboardInterrupt:
         run_dir = Path(cfg.with_absolute_paths().output_dir)
         print(f"\n[recipe] interrupted; the same `hmscale run` (this config, output_dir {run_dir}) resumes: finished "
@@ -136,7 +163,9 @@ def _run_recipe(cfg: RunConfig, log=print) -> dict:
     check_local_gpu(cfg)
     cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    problem = writable_dir_problem(run_dir)
+    if problem:
+        raise RecipeError(f"output_dir: {run_dir}: {problem}; set output_dir to a directory you can write")
     results = _load_results(run_dir, cfg)  # (refuses another run's directory before anything is touched)
     for d in (run_dir, run_dir / "stage1", run_dir / "stage2", run_dir / "stage1" / "student"):
         remove_temporaries(d)  # what a killed run's atomic writes left (this run rewrites what it needs)
@@ -223,7 +252,15 @@ def load_final_model(run_dir: Path, data=None):
             raise RecipeError(f"{src} is missing: stage 2 did not export its model; rerun `hmscale run` to resume it")
         tmp = model_dir.with_name(".model.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
+        # file by file, not copytree: a full disk raises its own OSError (copytree gathers them into a shutil.Error
+        # without an errno, which reached the user as a traceback)
+        for f in sorted(src.rglob("*")):
+            (tmp / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            if f.is_dir():
+                (tmp / f.relative_to(src)).mkdir(exist_ok=True)
+            else:
+                shutil.copy2(f, tmp / f.relative_to(src))
+        tmp.mkdir(parents=True, exist_ok=True)
         if data is not None:
             data.tokenizer.save_pretrained(tmp)
         tmp.rename(model_dir)

@@ -96,19 +96,20 @@ class _StreamWriter:
         self._f.close()
         lens = np.concatenate(self.lens) if self.lens else np.zeros(0, dtype=np.int64)
         self._sha.update(np.ascontiguousarray(lens, dtype="<i8").tobytes())
-        out = np.lib.format.open_memmap(self.directory / f"{self.split}.tokens.npy", mode="w+", dtype=np.int32,
-                                        shape=(self.tokens,))
+        # plain writes, not a memory map: on a full disk a write raises ENOSPC (one line for the user; the rerun resumes)
+        # where a store into a mapped page of the sparse file kills the process with SIGBUS; the same bytes as np.save
         buf = np.empty(1 << 16, dtype="<i4")  # chunked copy through one 256 KB buffer: never the whole stream
-        with open(self.raw, "rb", buffering=0) as f:
+        with open(self.raw, "rb", buffering=0) as f, open(self.directory / f"{self.split}.tokens.npy", "wb") as out:
+            np.lib.format.write_array_header_1_0(out, {"descr": "<i4", "fortran_order": False, "shape": (self.tokens,)})
             done = 0
             while done < self.tokens:
                 n = f.readinto(memoryview(buf)[: min(len(buf), self.tokens - done)].cast("B")) // 4
                 if n == 0:
                     raise OSError(f"{self.raw}: ended after {done} of {self.tokens} tokens")
-                out[done:done + n] = buf[:n]
+                out.write(memoryview(buf)[:n].cast("B"))
                 done += n
-        out.flush()
-        del out
+            out.flush()
+            os.fsync(out.fileno())
         self.raw.unlink()
         np.save(self.directory / f"{self.split}.doc_lens.npy", lens)
         self.lens_path.unlink(missing_ok=True)

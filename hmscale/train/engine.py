@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hmscale.atomic import atomic_write_json, atomic_write_text
+from hmscale.atomic import atomic_write_json, atomic_write_text, os_error_line
 from hmscale.config import DS_CONFIG_DIR, resolve_ds_config
 
 
@@ -41,6 +41,11 @@ class TrainingError(RuntimeError):
 
 class NonFiniteLoss(TrainingError):
     """The loss became NaN or inf; the run stopped and the last good checkpoint was kept."""
+
+
+class StorageError(TrainingError):
+    """A write failed (a full disk, a read-only directory): one line naming the file and what to free or fix; what
+    was written before it is kept, and a rerun into the same output_dir resumes."""
 
 
 # --------------------------------------------------------------------------- distributed
@@ -387,19 +392,81 @@ class Checkpointer:
                 out.append(p)
         return sorted(out)
 
-    def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+    def latest(self, log: Callable[[str], None] | None = None) -> Path | None:
+        """The newest complete checkpoint that is whole (``problem``): a damaged one (a file truncated or deleted by
+        hand or by a failing disk, meta.json edited) is passed over, with one line on stderr (rank 0) naming it and
+        why, for the one before it; None when there is none."""
+        for path in reversed(self.complete()):
+            why = self.problem(path)
+            if why is None:
+                return path
+            if self.rank == 0:
+                (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
+                    f"[checkpoint] {path} is damaged ({why}); not resuming from it (the one before it, if any, is "
+                    "used; delete it once inspected)")
+        return None
 
-    def save(self, engine, step: int, client_state: dict, meta: dict | None = None) -> Path:
+    @staticmethod
+    def problem(path: str | os.PathLike) -> str | None:
+        """Why the checkpoint at ``path`` cannot be resumed from, or None: meta.json unreadable or not this
+        directory's step; a file recorded when it was written (``files`` in meta.json: path and size) missing or
+        of another size; for a checkpoint from before files were recorded, no DeepSpeed state at all. (Bytes damaged
+        in place, the size unchanged, are found by ``load``: one line, as torch.load fails.)"""
+        path = Path(path)
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            return f"meta.json unreadable: {err}"
+        if not isinstance(meta, dict):
+            return "meta.json is not a JSON object"
+        try:
+            want = int(path.name[len("step_"):])
+        except ValueError:
+            want = None
+        step = meta.get("step")
+        if type(step) is not int or (want is not None and step != want):
+            return f"meta.json says step {step!r}, the directory step {want}"
+        files = meta.get("files")
+        if files is None:  # written before the files were recorded
+            return None if checkpoint_layout(path) is not None else f"no DeepSpeed state under {TAG}/"
+        if not isinstance(files, dict):
+            return "meta.json's files is not an object"
+        for rel, size in sorted(files.items()):
+            f = path / rel
+            try:
+                have = f.stat().st_size
+            except OSError:
+                return f"{rel} is missing"
+            if have != size:
+                return f"{rel} has {have} bytes, {size} when written"
+        return None
+
+    def save(self, engine, step: int, client_state: dict, meta: dict | None = None, name: str = "training") -> Path:
+        """A DeepSpeed checkpoint of ``step``, then meta.json (recording every file's size: ``problem``), then the
+        older ones beyond ``keep`` go. A write that fails (a full disk) removes what it wrote and raises a one-line
+        TrainingError naming it: the checkpoints before it are untouched."""
         path = self.path_for(step)
         if self.rank == 0 and path.exists():  # a stale partial checkpoint from a killed attempt
             shutil.rmtree(path, ignore_errors=True)
         barrier()
-        engine.save_checkpoint(str(path), tag=TAG, client_state=dict(client_state))
-        barrier()
+        try:
+            engine.save_checkpoint(str(path), tag=TAG, client_state=dict(client_state))
+            barrier()
+            if self.rank == 0:
+                files = {str(f.relative_to(path)): f.stat().st_size for f in sorted((path / TAG).rglob("*"))
+                         if f.is_file()}  # (DeepSpeed's state: what a resume loads)
+                atomic_write_json(path / "meta.json", {"step": step, "tag": TAG, **(meta or {}),
+                                                       **_jsonable(client_state), "files": files})
+        except OSError as err:
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)  # never half a checkpoint (and give its space back)
+            before = self.latest()
+            kept = (f"the last good checkpoint {before} is kept" if before is not None
+                    else "no earlier checkpoint was written")
+            raise StorageError(
+                f"{name}: {os_error_line(err, f'checkpoint {path.name} ({err.filename or path})', 'rerun into the same output_dir to resume', where=self.root)}"
+                f"; {kept} (a save needs room for one more checkpoint than parallel.keep_checkpoints)") from err
         if self.rank == 0:
-            atomic_write_json(path / "meta.json", {"step": step, "tag": TAG, **(meta or {}), **_jsonable(client_state)})
             for old in self.complete()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
             for stale in self.partial(before=step):  # what a killed save left (never resumed from, never counted)
@@ -413,10 +480,21 @@ class Checkpointer:
         weight decay) and the lr schedule stay the config's: the checkpoint's param groups and scheduler state
         carried the lr it was written with, so a resume with another stage lr trained at the old one, silently."""
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-        load_path, client = engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+        advice = ("delete it (a rerun then resumes from the checkpoint before it, or starts the stage over) or "
+                  "restore it from a copy")
+        why = Checkpointer.problem(path)
+        if why is not None:
+            raise TrainingError(f"checkpoint {str(path)!r} is damaged ({why}); {advice}")
+        try:
+            load_path, client = engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=True)
+        except Exception as err:  # a file whose bytes were damaged in place (its size unchanged): torch.load's error
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise TrainingError(f"checkpoint {str(path)!r} could not be loaded ({type(err).__name__}: {first}); "
+                                f"{advice}") from err
         if load_path is None:
-            raise TrainingError(f"checkpoint {str(path)!r} could not be loaded (no DeepSpeed state under tag {TAG!r})")
+            raise TrainingError(f"checkpoint {str(path)!r} could not be loaded (no DeepSpeed state under tag {TAG!r}); "
+                                f"{advice}")
         groups = engine.optimizer.param_groups
         if len(groups) == len(fresh):
             for g, f in zip(groups, fresh):
@@ -526,7 +604,10 @@ class MetricsLogger:
                 continue
             if rec.get("step", -1) < start_step or rec.get("kind") == "event":
                 keep.append(line)
-        atomic_write_text(self.path, "".join(l + "\n" for l in keep))
+        try:
+            atomic_write_text(self.path, "".join(l + "\n" for l in keep))
+        except OSError as err:
+            raise StorageError(f"{self.name}: " + os_error_line(err, f"{self.path}", "rerun into the same output_dir")) from err
 
     def log(self, step: int, metrics: dict, kind: str = "train"):
         if self.rank != 0:
@@ -535,8 +616,12 @@ class MetricsLogger:
         # (numpy / torch scalars included) are written as floats
         rec = {"kind": kind, "step": step,
                **{k: _json_number(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as err:  # a full disk: one line (a torn last line is dropped by the resume's truncation)
+            raise StorageError(f"{self.name}: " + os_error_line(
+                err, f"{self.path}", "rerun into the same output_dir: it resumes from the last checkpoint")) from err
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(float(v)):
@@ -571,11 +656,19 @@ def _json_number(v):
 
 
 def read_metrics(path: str | os.PathLike, kind: str = "train") -> list[dict]:
+    """The records of one kind; a line that does not parse (the torn last line of a run killed mid-write) is skipped."""
     p = Path(path)
     if not p.exists():
         return []
-    recs = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
-    return [r for r in recs if r.get("kind") == kind]
+    recs = []
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == kind:
+            recs.append(rec)
+    return recs
 
 
 # --------------------------------------------------------------------------- the loop
@@ -618,6 +711,31 @@ def resumed_totals(path: str | os.PathLike, client: dict, default_tokens: int = 
             "loss": meta.get("loss")}
 
 
+def _weights_finite(engine) -> bool:
+    """Whether every trainable weight of every rank is finite (ZeRO-3: each rank's partition); every rank calls it, at
+    the same step (before each checkpoint)."""
+    bad = False
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            if p.requires_grad:
+                t = getattr(p, "ds_tensor", None)
+                t = p if t is None else t
+                if t.numel() and not bool(torch.isfinite(t).all()):
+                    bad = True
+                    break
+    dev = (torch.device("cuda", torch.cuda.current_device())
+           if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
+    return all_reduce_sum(torch.tensor([1.0 if bad else 0.0], device=dev)).item() == 0
+
+
+def _nonfinite_weights_message(name: str, step: int, cause: str, last_checkpoint: str | None) -> str:
+    where = (f"last checkpoint {last_checkpoint} (written before it; a rerun resumes from there and repeats this step "
+             "with the same settings)" if last_checkpoint else "no checkpoint was written yet")
+    return (f"{name}: the weights are not finite after step {step}{f' ({cause})' if cause else ''}; stopped without "
+            f"checkpointing them, {where}; lower the learning rate "
+            "(a new output_dir: it is a training setting)")
+
+
 def train_loop(
     *,
     name: str,
@@ -644,7 +762,7 @@ def train_loop(
     `resumed`: the stage's totals at start_step (`resumed_totals` of the checkpoint it resumes from); each
     checkpoint's client state carries them on (`stage_tokens`, `stage_seconds`)."""
     res = LoopResult(start_step=start_step, end_step=start_step, resumed=dict(resumed or {}))
-    last_ckpt = checkpointer.latest()
+    last_ckpt = checkpointer.latest(log=lambda _: None)  # (a damaged one was named when the stage chose where to resume)
     res.last_checkpoint = str(last_ckpt) if last_ckpt else None
     end = total_steps if stop_at_step is None else min(total_steps, stop_at_step)
     t_start = time.perf_counter()
@@ -707,9 +825,16 @@ def train_loop(
             if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == total_steps):
                 logger.log(step, eval_fn(step), kind="eval")
             if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps or step + 1 == end:
+                # never a checkpoint of non-finite weights: a finite loss whose non-finite gradient the optimizer
+                # applied (ZeRO 0 has no overflow skip) turns them NaN, and every rerun would resume them
+                if not _weights_finite(engine):
+                    bad_gn = gn is not None and not math.isfinite(float(gn))
+                    cause = f"the gradient norm of step {step} was {float(gn)}" if bad_gn else ""
+                    raise NonFiniteLoss(_nonfinite_weights_message(name, step, cause, res.last_checkpoint))
                 totals = {"stage_tokens": res.stage_tokens,
                           "stage_seconds": res.stage_seconds + (time.perf_counter() - t_start)}
-                path = checkpointer.save(engine, step + 1, {**client_state(step + 1), **totals}, {"stage": name, "loss": loss_val})
+                path = checkpointer.save(engine, step + 1, {**client_state(step + 1), **totals}, {"stage": name, "loss": loss_val},
+                                         name=name)
                 res.last_checkpoint = str(path)
                 if on_checkpoint is not None:
                     on_checkpoint(step + 1, path, {"stage": name, "step": step + 1, "loss": loss_val})

@@ -312,6 +312,13 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
     # for the first and find its shards, instead of computing every one again; the lock under the root's .locks/ (the
     # cache holds shards and its manifest only); without file locks the builds run side by side (the manifest merge
     # keeps both's shards)
+    if manifest is not None and writable_dir_problem(cache_dir):
+        # a finished cache this user may only read (another user's shared cache, a read-only mount): read it as it is;
+        # only a cache that lacks shards needs writing (then the one line below)
+        if len(existing_shards(manifest, cp.shard_ids, log=lambda *_: None)) == len(cp.shard_ids):
+            log(f"cache: reusing {cache_dir} (read-only here): all {len(cp.shard_ids)} shards present and verified; "
+                "no teacher forward needed")
+            return cache_dir
     make_cache_dir(cache_dir)  # (one line for an unwritable root, before its lock file is made)
     lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
     with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")) as waited:
