@@ -582,12 +582,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 def save_resolved(cfg: RunConfig, run_dir: str | os.PathLike) -> Path:
     """Write the resolved config into the run directory, atomically."""
-    out = Path(run_dir) / "config.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    os.replace(tmp, out)
-    return out
+    from hmscale.atomic import atomic_write_text
+
+    # (fsynced, and a failed write, e.g. on a full disk, leaves no temporary: the run's rerun removes what a kill left)
+    return atomic_write_text(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 # --------------------------------------------------------------------------- reference

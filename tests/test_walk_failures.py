@@ -544,3 +544,43 @@ def test_a_finished_cache_in_a_read_only_root_is_read(finished_run, monkeypatch)
     finally:
         victim.write_bytes(saved)
     assert "not writable by this user" in _one_line(err.value)
+
+
+def test_stage_commands_and_prepare_report_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
+    """`hmscale stage1 / stage2` and `hmscale prepare` printed a traceback when a write hit a full disk."""
+    import errno
+
+    import ray_jobs.distill
+    from hmscale import data as data_pkg
+    from hmscale.cli import main
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "stage1" / "summary.json"))
+
+    monkeypatch.setattr(ray_jobs.distill, "run_distill", full)
+    rc = main(["stage1", "-s", f"output_dir={tmp_path / 'run'}", "-s", "parallel.engine=local"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "summary.json failed: No space left on device; free space" in err and "Traceback" not in err
+    assert "rerun `hmscale stage1`" in err
+    monkeypatch.setattr(data_pkg, "prepare_data", full)
+    rc = main(["prepare", "-s", f"data.cache_dir={tmp_path / 'd'}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "No space left on device; free space" in err and "rerun `hmscale prepare`" in err
+
+
+def test_save_resolved_leaves_no_temporary_on_a_full_disk(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from hmscale.config import build_config, save_resolved
+
+    real = os.fsync
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        save_resolved(build_config({}), tmp_path)
+    monkeypatch.setattr(os, "fsync", real)
+    assert list(tmp_path.iterdir()) == []
