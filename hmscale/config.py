@@ -143,7 +143,7 @@ class CacheConfig(_Section):
     allow_exceed_disk: bool = False
     engine: Literal["local", "ray"] | None = None  # None = parallel.engine
     batch_size: int = Field(8, gt=0)  # sequences per teacher forward
-    # cache the plan shards covering this many tokens (the first of its fixed shard order: hmscale.data.plan.shards_for_tokens); None = the budget's stage-1 tokens (all budget tokens when capture.topk > 0)
+    # cache the plan's first shards covering this many tokens (hmscale.data.plan.shards_for_tokens); None = the budget's stage-1 tokens (all budget tokens when capture.topk > 0)
     max_tokens: int | None = Field(None, gt=0)
     max_retries: int = Field(3, ge=0)  # per shard, and worker restarts per run (ray engine)
 

@@ -1,10 +1,12 @@
 """The shard plan: a deterministic map shard id -> sequences of the packed train stream.
 
-Shard i holds sequences [i*S, (i+1)*S) of the packed stream (S = sequences_per_shard; the
-last shard may be shorter), whatever the number of workers and in whatever order they run:
-any worker can build any shard and a rerun builds byte-identical shards. `hash` identifies
-the plan (tokenizer, source, seq_len, S and the tokenised content), so caches keyed by it
-are invalidated by any change that alters a shard.
+The packed stream's rows are dealt into shards in a fixed pseudo-random order (``row_order``, seeded by the plan's
+hash): shard i holds rows ``row_order[i*S : (i+1)*S]`` (S = sequences_per_shard; the last shard may be shorter), so
+the first k shards are a uniform sample of the whole stream, not its first documents (a corpus in file order would
+otherwise put its first files in them), whatever the number of workers and in whatever order they run: any worker
+can build any shard and a rerun builds byte-identical shards. `hash` identifies the plan (tokenizer, source,
+seq_len, S, the tokenised content and this layout), so caches keyed by it are invalidated by any change that alters a
+shard.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 
 from hmscale.data.cachedir import stable_hash
 from hmscale.data.packing import rows_seq_idx
+
+ROW_LAYOUT = "shuffled-1"  # shards hold rows in a fixed pseudo-random order (part of the hash: older caches are not read)
 
 
 def stream_digest(tokens: np.ndarray, doc_lens: np.ndarray) -> str:
@@ -43,7 +47,9 @@ class ShardPlan:
         self.hash = stable_hash({
             "tokenizer": tokenizer_fingerprint, "source": source, "seq_len": self.seq_len,
             "sequences_per_shard": self.sequences_per_shard, "content": self.content_digest,
+            "rows": ROW_LAYOUT,
         })
+        self._row_order = None
 
     def _set_stream(self, tokens, doc_lens):
         self._tokens = tokens
@@ -55,6 +61,7 @@ class ShardPlan:
     # A plan backed by a cached stream pickles as its path (cheap to send to Ray workers).
     def __getstate__(self):
         state = self.__dict__.copy()
+        state["_row_order"] = None  # (recomputed where needed)
         if self.stream_path is not None:
             for k in ("_tokens", "_doc_lens", "_doc_starts"):
                 state.pop(k)
@@ -99,14 +106,35 @@ class ShardPlan:
         doc_ids = np.searchsorted(self._doc_starts, pos, side="right").reshape(n, L)
         return toks, rows_seq_idx(doc_ids)
 
+    def rows(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens int32 [n, L], seq_idx int32 [n, L]) for the packed sequences ``ids`` (stream row numbers, any order)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        L = self.seq_len
+        pos = ids[:, None] * L + np.arange(L, dtype=np.int64)[None, :]
+        toks = np.asarray(self._tokens[pos.reshape(-1)], dtype=np.int32).reshape(len(ids), L)
+        doc_ids = np.searchsorted(self._doc_starts, pos, side="right")
+        return toks, rows_seq_idx(doc_ids)
+
+    @property
+    def row_order(self) -> np.ndarray:
+        """The stream's rows in the order the shards hold them: a fixed pseudo-random permutation (seeded by the hash)."""
+        if self._row_order is None:
+            rng = np.random.default_rng(int(self.hash[:16], 16))
+            self._row_order = rng.permutation(self.num_sequences).astype(np.int64)
+        return self._row_order
+
+    def shard_rows(self, i: int) -> np.ndarray:
+        """The stream rows shard ``i`` holds, in its order."""
+        self._check(i)
+        S = self.sequences_per_shard
+        return self.row_order[i * S : i * S + self.shard_size(i)]
+
     def shard_keys(self, i: int) -> list[str]:
         return [f"{i:06d}-{j:04d}" for j in range(self.shard_size(i))]
 
     def shard(self, i: int) -> dict:
-        """{"keys": [f"{i:06d}-{j:04d}"], "tokens": int32 [n, L], "seq_idx": int32 [n, L]}."""
-        self._check(i)
-        S = self.sequences_per_shard
-        toks, seq_idx = self.sequences(i * S, (i + 1) * S)
+        """{"keys": [f"{i:06d}-{j:04d}"], "tokens": int32 [n, L], "seq_idx": int32 [n, L]}: the rows ``shard_rows(i)``."""
+        toks, seq_idx = self.rows(self.shard_rows(i))
         return {"keys": self.shard_keys(i), "tokens": toks, "seq_idx": seq_idx}
 
     def all_tokens(self) -> np.ndarray:
@@ -127,15 +155,11 @@ class ShardPlan:
 
 
 def shards_for_tokens(plan_hash: str, num_shards: int, sequences_per_shard: int, seq_len: int, tokens: int) -> list[int]:
-    """The plan's shards a run over ``tokens`` tokens reads (sorted): the first of a fixed pseudo-random order of the
-    shards, as many as hold ``tokens`` (at least one, at most all).
-
-    The order is seeded by the plan's hash alone: the same for every run of the plan whatever its seed or budget
-    (teacher caches are shared between them), and prefix-closed (a larger budget's shards hold a smaller one's).
-    Every way of reading a stage's rows (live teacher, teacher cache, with or without top-k) draws them from these
-    shards; the first shards of the packed stream instead would be its first documents (e.g. the alphabetically
-    first files of a corpus), unlike the validation split, which is drawn from every document."""
-    n = min(int(num_shards), max(1, -(-int(tokens) // (int(sequences_per_shard) * int(seq_len)))))
-    order = np.random.default_rng(int(str(plan_hash)[:16], 16)).permutation(int(num_shards))
-    return sorted(int(i) for i in order[:n])
-
+    """The plan's shards a run over ``tokens`` tokens reads: the first ones, as many as hold ``tokens`` (at least one,
+    at most all). Each shard holds rows drawn from the whole stream (``ShardPlan.row_order``), so these are a uniform
+    sample of it whatever the corpus order, the same for every run of the plan whatever its seed (teacher caches are
+    shared between them), and a larger budget's shards hold a smaller one's. Every way of reading a stage's rows (live
+    teacher, teacher cache, with or without top-k) draws them from these shards. (``plan_hash`` is not needed to
+    choose them; it is taken so that callers name the plan they mean.)"""
+    del plan_hash
+    return list(range(min(int(num_shards), max(1, -(-int(tokens) // (int(sequences_per_shard) * int(seq_len)))))))

@@ -65,8 +65,7 @@ class PlanSource:
     has_topk = False
 
     def fetch(self, ids: np.ndarray) -> dict:
-        rows = [self.plan.sequences(int(i), int(i) + 1)[0] for i in ids]
-        return {"input_ids": torch.from_numpy(np.concatenate(rows, 0).astype(np.int64))}
+        return {"input_ids": torch.from_numpy(self.plan.rows(ids)[0].astype(np.int64))}
 
 
 class CacheSource:
@@ -142,11 +141,7 @@ def plan_rows(plan, shard_ids) -> "PlanSource | SubsetSource":
     lists them so, so a seed draws the same rows from either)."""
     src = PlanSource(plan)
     ids = sorted(int(i) for i in shard_ids)
-    if ids == list(range(plan.num_shards)):
-        return src
-    S = plan.sequences_per_shard
-    rows = np.concatenate([np.arange(i * S, i * S + plan.shard_size(i)) for i in ids])
-    return SubsetSource(src, rows)
+    return SubsetSource(src, np.concatenate([plan.shard_rows(i) for i in ids]))
 
 
 def token_share(source, tokens: int, seed: int) -> "SubsetSource | None":

@@ -93,7 +93,11 @@ def test_shards_tile_the_stream(data):
     assert sum(len(s["keys"]) for s in shards) == plan.num_sequences
     assert all(len(s["keys"]) == S for s in shards[:-1]) and 1 <= len(shards[-1]["keys"]) <= S
     assert shards[1]["keys"][0] == "000001-0000" and shards[0]["keys"][3] == "000000-0003"
-    stream = np.concatenate([s["tokens"] for s in shards]).reshape(-1)
+    # the shards deal the stream's rows in the plan's fixed order: put back in stream order they are the stream
+    rows = np.concatenate([s["tokens"] for s in shards])
+    order = np.concatenate([plan.shard_rows(i) for i in range(plan.num_shards)])
+    assert sorted(order.tolist()) == list(range(plan.num_sequences))
+    stream = rows[np.argsort(order)].reshape(-1)
     assert np.array_equal(stream, np.asarray(np.load(Path(data.stream_dir) / "train.tokens.npy"))[: plan.total_tokens])
     for s in shards:
         assert s["tokens"].shape == s["seq_idx"].shape and s["tokens"].shape[1] == L

@@ -1,4 +1,4 @@
-"""Which rows each stage trains on: the shards of a fixed pseudo-random order of the plan's shards, the same whether
+"""Which rows each stage trains on: the plan's first shards (each a fixed pseudo-random deal of the stream's rows), the same whether
 the rows come from the live teacher or a cache, and whatever else the cache holds (top-k for KD, other runs' shards)."""
 
 import numpy as np
@@ -10,14 +10,22 @@ from hmscale.teacher.cache.build import plan_meta, stage_shard_ids
 from hmscale.train.data import CacheSource, plan_rows
 
 
-def test_shards_for_tokens_is_a_fixed_prefix_closed_choice_not_the_streams_head():
+def test_shards_for_tokens_is_a_prefix_and_the_shards_a_uniform_sample_of_the_stream():
     picks = [shards_for_tokens("ab12" * 4, 100, 64, 256, t * 64 * 256) for t in (1, 5, 20, 100, 1000)]
     assert [len(p) for p in picks] == [1, 5, 20, 100, 100]
     assert all(set(a) <= set(b) for a, b in zip(picks, picks[1:]))  # a larger budget holds a smaller one's shards
-    assert picks[1] == shards_for_tokens("ab12" * 4, 100, 64, 256, 5 * 64 * 256)  # fixed by the plan alone
     assert shards_for_tokens("ab12" * 4, 100, 64, 256, 1) == picks[0]  # at least one shard
-    heads = [shards_for_tokens(f"{h:016x}", 100, 64, 256, 10 * 64 * 256) for h in range(1, 6)]
-    assert all(h != list(range(10)) for h in heads) and len({tuple(h) for h in heads}) == 5
+    # each shard deals rows from the whole stream (a fixed order, the same on every rebuild), not a contiguous run
+    from hmscale.data.plan import ShardPlan
+
+    tokens = np.arange(64 * 400, dtype=np.int32) % 251
+    plan = ShardPlan(tokens, np.full(400, 64), 16, 40, source="s")
+    first = plan.shard_rows(0)
+    assert len(first) == 40 and first.max() - first.min() > plan.num_sequences // 2
+    assert sorted(np.concatenate([plan.shard_rows(i) for i in range(plan.num_shards)])) == list(range(plan.num_sequences))
+    again = ShardPlan(tokens, np.full(400, 64), 16, 40, source="s")
+    assert np.array_equal(again.shard(3)["tokens"], plan.shard(3)["tokens"])
+    assert np.array_equal(plan.shard(3)["tokens"], plan.rows(plan.shard_rows(3))[0])
 
 
 def _rows(source) -> list[tuple]:
