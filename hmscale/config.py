@@ -424,6 +424,10 @@ class RunConfig(_Section):
                              "stage2.lora_rank=0")
         if heads is not None and heads % self.parallel.tp:
             raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's {heads} heads; pick a divisor of {heads}")
+        width = _mlp_width_of(self.teacher.name_or_path) if self.teacher.name_or_path and self.parallel.tp > 1 else None
+        if width is not None and width % self.parallel.tp:  # (else refused by the workers, after stage 1)
+            raise ValueError(f"parallel.tp: {self.parallel.tp} does not divide the teacher's MLP width {width}; pick a "
+                             f"divisor of both {heads} and {width}")
         if not self.cache.enabled and self.stage1.source == "cache":
             self.stage1.source = "online"  # what cache.enabled=false means (stage 1 built the cache itself otherwise)
         if self.teacher.name_or_path and self.tokenizer.name_or_path is None:
@@ -481,6 +485,16 @@ def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
     if Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~")):
         raise ValueError(f"teacher.name_or_path: {name_or_path!r} has no config.json; point it at a saved GPTNeoX model or a hub id")
     return None, None
+
+
+def _mlp_width_of(name_or_path: str) -> int | None:
+    """A local teacher's MLP width (config.json's intermediate_size); None for a hub id or a published flavour (4 x
+    d_model, which every tp that divides the heads divides)."""
+    cfg = Path(name_or_path).expanduser() / "config.json"
+    if not cfg.exists():
+        return None
+    width = json.loads(cfg.read_text()).get("intermediate_size")
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 
 # --------------------------------------------------------------------------- loading

@@ -164,3 +164,15 @@ def test_a_ds_config_files_zero_stage_is_the_one_checked(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"parallel.ds_config: .*bad.json' is not valid JSON"):
         build_config({}, ["parallel.ds_config=bad.json"])
+
+
+def test_tp_must_divide_a_local_teachers_mlp_width_before_any_work(tmp_path):
+    """A custom teacher whose MLP width tp does not divide was refused by the workers, after stage 1 had run."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "num_attention_heads": 4,
+                                                     "num_hidden_layers": 2, "hidden_size": 64,
+                                                     "intermediate_size": 250}))
+    with pytest.raises(ConfigError, match=r"parallel.tp: 4 does not divide the teacher's MLP width 250"):
+        build_config({}, [f"teacher.name_or_path={tmp_path}", "parallel.tp=4", "parallel.num_workers=4"])
+    assert build_config({}, [f"teacher.name_or_path={tmp_path}", "parallel.tp=2", "parallel.num_workers=2"])
