@@ -92,7 +92,8 @@ def test_triton_step_passes_gradients(normalize):
         assert rel(y, yr) < 1e-5 and rel(s, sr) < 1e-5
         for a, r in zip(grads, gr):
             assert rel(a, r) < 1e-5
+    dev, _ = on_triton_device(ins)  # (the GPU, or the CPU under the interpreter)
     with torch.no_grad():  # no autograd: the plain launch, outputs without grad
-        y, _, = ssd_step(*(ins[k][:, 0] if k in ("x", "dt", "B", "C") else ins[k].clone().requires_grad_()
-                           for k in names[:6]), D=ins["D"], normalize=normalize, backend="triton")
+        y, _, = ssd_step(*(dev[k][:, 0] if k in ("x", "dt", "B", "C") else dev[k].clone().requires_grad_()
+                           for k in names[:6]), D=dev["D"], normalize=normalize, backend="triton")
     assert not y.requires_grad
