@@ -711,21 +711,24 @@ def resumed_totals(path: str | os.PathLike, client: dict, default_tokens: int = 
             "loss": meta.get("loss")}
 
 
+def _collective_device() -> torch.device:
+    """Where a collective's tensor must live: the current GPU under NCCL, else the CPU (gloo)."""
+    nccl = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _weights_finite(engine) -> bool:
     """Whether every trainable weight of every rank is finite (ZeRO-3: each rank's partition); every rank calls it, at
-    the same step (before each checkpoint)."""
-    bad = False
+    the same step (before each checkpoint). One host read per rank."""
+    checks = []
     with torch.no_grad():
         for p in engine.module.parameters():
             if p.requires_grad:
-                t = getattr(p, "ds_tensor", None)
-                t = p if t is None else t
-                if t.numel() and not bool(torch.isfinite(t).all()):
-                    bad = True
-                    break
-    dev = (torch.device("cuda", torch.cuda.current_device())
-           if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
-    return all_reduce_sum(torch.tensor([1.0 if bad else 0.0], device=dev)).item() == 0
+                t = p if getattr(p, "ds_tensor", None) is None else p.ds_tensor
+                if t.numel():
+                    checks.append(torch.isfinite(t).all())
+        bad = 0.0 if not checks else float(not bool(torch.stack([c.to(checks[0].device) for c in checks]).all()))
+    return all_reduce_sum(torch.tensor([bad], device=_collective_device())).item() == 0
 
 
 def _nonfinite_weights_message(name: str, step: int, cause: str, last_checkpoint: str | None) -> str:
@@ -796,8 +799,7 @@ def train_loop(
                     extra_sum[k] = extra_sum.get(k, 0) + v
             vals = [loss_sum.reshape(1) / grad_accum] + [extra_sum[k].reshape(-1) / grad_accum for k in sorted(extra_sum)]
             flat = torch.cat(vals)
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
-            flat = all_reduce_mean(flat.to(dev), group=reduce_group).cpu()
+            flat = all_reduce_mean(flat.to(_collective_device()), group=reduce_group).cpu()
             loss_val = float(flat[0])
             metrics: dict[str, Any] = {"loss": loss_val}
             off = 1
