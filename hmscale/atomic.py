@@ -55,6 +55,14 @@ def os_error_line(err: OSError, what: str | None = None, after: str = "", where:
     return f"writing {name} failed: {why}; {todo}{', then ' + after if after else ''}"
 
 
+def storage_error_line(err: OSError, rerun: str) -> str | None:
+    """``os_error_line`` for a full disk, a quota or an unwritable place met by a command, ending with how ``rerun``
+    (e.g. "hmscale run") resumes; None for any other OS error (which the caller re-raises)."""
+    if err.errno not in _NO_SPACE + _NOT_WRITABLE:
+        return None
+    return os_error_line(err, after=f"rerun `{rerun}` with the same config: what is done is kept and it resumes")
+
+
 _TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # what atomic_write_bytes' mkstemp names
 
 

@@ -130,7 +130,9 @@ def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = 
     try:
         data = prepare_data(cfg)
     except OSError as err:  # a missing corpus file; a full disk or an unwritable data.cache_dir
-        fail(_storage_line(err, "hmscale prepare") or str(err), code=1)
+        from hmscale.atomic import storage_error_line
+
+        fail(storage_error_line(err, "hmscale prepare") or str(err), code=1)
     except (ValueError, RuntimeError) as err:
         fail(str(err), code=1)
     have, want = data.plan.total_tokens, cfg.budget.total_tokens
@@ -163,21 +165,13 @@ def _run_stages(config, overrides, stages: tuple, stage1_from: Optional[str] = N
     except TrainingError as err:
         fail(str(err), code=1)
     except OSError as err:  # a full disk or a read-only place while writing a summary, an export, the data
-        line = _storage_line(err, f"hmscale {' / '.join(stages)}")
+        from hmscale.atomic import storage_error_line
+
+        line = storage_error_line(err, f"hmscale {' / '.join(stages)}")
         if line is None:
             raise
         fail(line, code=1)
     typer.echo(summary_line(res))
-
-
-def _storage_line(err: OSError, rerun: str) -> str | None:
-    """One line for a full disk or an unwritable place (what failed, what to free or fix, how the rerun resumes);
-    None for other OS errors."""
-    from hmscale.atomic import _NO_SPACE, _NOT_WRITABLE, os_error_line
-
-    if err.errno not in _NO_SPACE + _NOT_WRITABLE:
-        return None
-    return os_error_line(err, after=f"rerun `{rerun}` with the same config: what is done is kept")
 
 
 @app.command()

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from hmscale.atomic import atomic_write_json, remove_temporaries, writable_dir_problem
+from hmscale.atomic import atomic_write_json, remove_temporaries, storage_error_line, writable_dir_problem
 from hmscale.config import RunConfig, save_resolved, stage1_cache_problem
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
@@ -136,17 +136,14 @@ def run_recipe(cfg: RunConfig, log=print) -> dict:
             raise StorageError(str(err)) from err
         raise RecipeError(str(err)) from err
     except OSError as err:
-        from hmscale.atomic import _NO_SPACE, _NOT_WRITABLE
-
-        if err.errno not in _NO_SPACE + _NOT_WRITABLE:
-            raise
-        from hmscale.atomic import os_error_line
-        from hmscale.train.engine import StorageError
-
         # a full disk or a read-only place while writing the data, the teacher, a summary, the export, results.json
         # or report.md: one line (the files written before are whole: atomic writes)
-        raise StorageError(os_error_line(err, after="rerun `hmscale run` with the same config: what is done is kept "
-                                                    "and the run resumes")) from err
+        line = storage_error_line(err, "hmscale run")
+        if line is None:
+            raise
+        from hmscale.train.engine import StorageError
+
+        raise StorageError(line) from err
     except KeyboardInterrupt:
         run_dir = Path(cfg.with_absolute_paths().output_dir)
         print(f"\n[recipe] interrupted; the same `hmscale run` (this config, output_dir {run_dir}) resumes: finished "
