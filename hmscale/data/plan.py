@@ -154,12 +154,10 @@ class ShardPlan:
                 f"seq_len={self.seq_len}, per_shard={self.sequences_per_shard})")
 
 
-def shards_for_tokens(plan_hash: str, num_shards: int, sequences_per_shard: int, seq_len: int, tokens: int) -> list[int]:
+def shards_for_tokens(num_shards: int, sequences_per_shard: int, seq_len: int, tokens: int) -> list[int]:
     """The plan's shards a run over ``tokens`` tokens reads: the first ones, as many as hold ``tokens`` (at least one,
     at most all). Each shard holds rows drawn from the whole stream (``ShardPlan.row_order``), so these are a uniform
     sample of it whatever the corpus order, the same for every run of the plan whatever its seed (teacher caches are
     shared between them), and a larger budget's shards hold a smaller one's. Every way of reading a stage's rows (live
-    teacher, teacher cache, with or without top-k) draws them from these shards. (``plan_hash`` is not needed to
-    choose them; it is taken so that callers name the plan they mean.)"""
-    del plan_hash
+    teacher, teacher cache, with or without top-k) draws them from these shards."""
     return list(range(min(int(num_shards), max(1, -(-int(tokens) // (int(sequences_per_shard) * int(seq_len)))))))

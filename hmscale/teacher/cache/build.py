@@ -76,7 +76,7 @@ def requested_tokens(cfg, spec: CaptureSpec) -> int:
 
 def run_shard_ids(cfg, plan_meta: dict) -> list[int]:
     """The plan's shards a run caches: those holding its requested tokens (``requested_tokens``;
-    ``hmscale.data.plan.shards_for_tokens``). ``plan_meta``: the plan's hash, num_shards, sequences_per_shard, seq_len."""
+    ``hmscale.data.plan.shards_for_tokens``). ``plan_meta``: the plan's num_shards, sequences_per_shard, seq_len."""
     return _shards(plan_meta, requested_tokens(cfg, cfg.cache.capture))
 
 
@@ -96,13 +96,11 @@ def stage_shard_ids(cfg, plan_meta: dict, stage: str) -> list[int]:
 def _shards(plan_meta: dict, tokens: int) -> list[int]:
     from hmscale.data.plan import shards_for_tokens
 
-    return shards_for_tokens(plan_meta["hash"], plan_meta["num_shards"], plan_meta["sequences_per_shard"],
-                             plan_meta["seq_len"], tokens)
+    return shards_for_tokens(plan_meta["num_shards"], plan_meta["sequences_per_shard"], plan_meta["seq_len"], tokens)
 
 
 def plan_meta(plan) -> dict:
-    return {"hash": plan.hash, "num_shards": plan.num_shards, "sequences_per_shard": plan.sequences_per_shard,
-            "seq_len": plan.seq_len}
+    return {"num_shards": plan.num_shards, "sequences_per_shard": plan.sequences_per_shard, "seq_len": plan.seq_len}
 
 
 def open_for_run(cfg, cache_dir, stage: str | None = None) -> "CacheReader":
