@@ -357,7 +357,10 @@ def run_stage1(
     if source is None:
         if mode == "cache":
             if cache_dir is None:
-                _check_cache_tensors(cfg.cache.capture.tensors, "cache.capture.tensors")  # before a teacher pass
+                from hmscale.config import stage1_cache_problem
+
+                if problem := stage1_cache_problem(cfg):  # (before a teacher pass for a cache stage 1 cannot use)
+                    raise TrainingError(problem)
                 cache_dir = _ensure_cache(cfg, data, teacher, layout)
             from hmscale.teacher.cache import open_for_run
 
