@@ -257,6 +257,15 @@ class Stage2Config(_Section):
         if self.lora_rank and self.trainable != "all":
             raise ValueError(f"stage2.lora_rank: LoRA chooses what trains itself; set stage2.trainable=all (got "
                              f"{self.trainable!r}) or lora_rank=0")
+        # a setting its switch leaves unused (as parallel.compile_mode without compile): the user expects an effect;
+        # compared with the default, which every resolved config.yaml holds, not with what was written
+        if not self.lora_rank and self.lora_alpha != Stage2Config.model_fields["lora_alpha"].default:
+            raise ValueError(f"stage2.lora_alpha: {self.lora_alpha} scales LoRA adapters, but stage2.lora_rank=0 adds "
+                             "none; set stage2.lora_rank > 0 (e.g. 8) or remove the lora_alpha setting")
+        comp = self.components
+        if not comp.conv and comp.conv_width != ComponentsConfig.model_fields["conv_width"].default:
+            raise ValueError(f"stage2.components.conv_width: {comp.conv_width} sets the width of the conv, which "
+                             "stage2.components.conv=false leaves out; set conv=true or remove the conv_width setting")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("stage2.lora_targets: empty; name the linear layers to adapt (e.g. [in_proj, out_proj])")
         if self.lora_rank:  # now, not when stage 2 starts (after stage 1, whose run these settings also name)

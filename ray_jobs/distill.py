@@ -14,9 +14,9 @@ checkpoint=...)`; each worker reports its own DeepSpeed files, which Ray merges 
 `FailureConfig(max_failures=parallel.max_failures)` restarts the worker group after a worker dies, and
 `train_func` resumes from `ray.train.get_checkpoint()` (a finished stage is skipped).
 The run directory must be visible to all workers (one node, or a shared filesystem); on a (re)start the
-furthest of Ray's restored checkpoint and the newest complete checkpoint under the run directory wins
-(a report made just before a worker died may never reach the controller), so rerunning into the same
-run directory resumes too (use a fresh output_dir to start over).
+furthest whole checkpoint of Ray's restored one and the newest complete one under the run directory wins
+(a report made just before a worker died may never reach the controller; a damaged one is passed over), so
+rerunning into the same run directory resumes too (use a fresh output_dir to start over).
 
 Test hook: HMSCALE_FAULT_INJECT="stage2:STEP:RANK" SIGKILLs that worker once at the start of STEP.
 """
@@ -86,16 +86,29 @@ def _recorded(run_dir: Path, stage: str) -> dict:
     return {**json.loads((run_dir / stage / "summary.json").read_text()), "skipped": True}
 
 
-def pick_resume_point(run_dir: Path, restored_dir: Path | None, restored_meta: dict):
+def pick_resume_point(run_dir: Path, restored_dir: Path | None, restored_meta: dict, log=None):
     """(stage, checkpoint dir) to resume from: the furthest of Ray's restored checkpoint and the newest
-    complete checkpoint in the run directory (a report can be lost when a worker dies right after it)."""
+    complete checkpoint in the run directory (a report can be lost when a worker dies right after it).
+
+    A damaged checkpoint is passed over, with one line (``log``; default stderr) naming it: Ray's as the run
+    directory's (``Checkpointer.latest``). Ray hands exactly one checkpoint (``ray.train.get_checkpoint()``, the latest
+    reported), so Ray has none before it to offer; but it is a copy, in Ray's storage, of a checkpoint of the run
+    directory, whose checkpoints are candidates here anyway: that step's original, or the one before it. (Refusing a
+    damaged restore stopped the run, advising a rerun that never reads Ray's copy: it starts a new Ray run, which
+    restores nothing and resumes from the run directory.)"""
     from hmscale.train.engine import Checkpointer
 
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cands = []
-    if restored_dir is not None and restored_meta.get("stage") in STAGES:
-        cands.append(((STAGES.index(restored_meta["stage"]), int(restored_meta.get("step", 0))), restored_meta["stage"], restored_dir))
+    why = Checkpointer.problem(restored_dir) if restored_dir is not None else None
+    if why is not None:
+        say(f"[checkpoint] Ray's restored checkpoint {restored_dir} is damaged ({why}); not resuming from it (the run "
+            "directory's newest whole checkpoint, if any, is used)")
+    elif restored_dir is not None and restored_meta.get("stage") in STAGES:
+        cands.append(((STAGES.index(restored_meta["stage"]), int(restored_meta.get("step", 0))),
+                      restored_meta["stage"], restored_dir))
     for stage in STAGES:
-        latest = Checkpointer(run_dir / stage / "checkpoints").latest()
+        latest = Checkpointer(run_dir / stage / "checkpoints").latest(log=log)
         if latest is not None:
             m = json.loads((latest / "meta.json").read_text())
             cands.append(((STAGES.index(stage), int(m.get("step", 0))), stage, latest))
@@ -131,7 +144,11 @@ def train_func(config: dict):
         if ckpt is not None:
             ctx = ckpt.as_directory()
             restored_dir = Path(ctx.__enter__())
-            meta = json.loads((restored_dir / "meta.json").read_text()) if (restored_dir / "meta.json").exists() else {}
+            try:  # (a damaged one is named and passed over by pick_resume_point)
+                meta = json.loads((restored_dir / "meta.json").read_text())
+            except (OSError, ValueError):
+                meta = {}
+            meta = meta if isinstance(meta, dict) else {}
             print(f"[distill] rank {ray.train.get_context().get_world_rank()}: Ray restored the {meta.get('stage')} "
                   f"checkpoint of step {meta.get('step')} ({restored_dir})", flush=True)
 
@@ -161,7 +178,7 @@ def train_func(config: dict):
         # a finished stage (its summary says done) is never entered again: resuming it from its last checkpoint
         # would train nothing and write this call's empty summary (no tokens, no loss) over the one it recorded
         finished = {s for s in STAGES if _stage_done(run_dir, s)}
-        stage, resume_path = pick_resume_point(run_dir, restored_dir, meta)
+        stage, resume_path = pick_resume_point(run_dir, restored_dir, meta, log=None if rank == 0 else lambda m: None)
         if stage is not None and stage not in finished and stage in stages and rank == 0:
             print(f"[distill] resuming {stage} from {resume_path}", flush=True)
         student = None

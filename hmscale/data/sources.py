@@ -31,10 +31,13 @@ class TextSource:
         raise NotImplementedError
 
     def training_texts(self, max_chars: int | None) -> list[str]:
-        """The first train documents (sorted, deterministic) up to about max_chars characters."""
+        """The first train documents (sorted, deterministic) up to max_chars characters: the document that crosses
+        the budget is cut there (at a character, not a byte: a str slice), so one huge document cannot exceed it."""
         out, n = [], 0
         for doc in self.iter_documents("train"):  # streamed: a large split is read only as far as max_chars
-            if max_chars is not None and n >= max_chars:
+            if max_chars is not None and n + len(doc) >= max_chars:
+                if max_chars > n:
+                    out.append(doc[: max_chars - n])
                 break
             out.append(doc)
             n += len(doc)

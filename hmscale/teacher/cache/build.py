@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hmscale.atomic import exclusive_lock, writable_dir_problem
 from hmscale.teacher.cache.format import (
+    BUILDERS,
     MANIFEST,
     CacheError,
     CaptureSpec,
@@ -362,6 +363,7 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
             manifest.save()
             last_save[0] = time.perf_counter()
 
+    ran = False
     try:
         if engine == "local":
             run_local(cfg, plan, teacher, cp, pending, on_done, device=device, devices=devices, capture_fn=capture_fn,
@@ -370,18 +372,27 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
             from ray_jobs.cache_teacher import run_ray
 
             run_ray(cfg, plan, teacher, cp, pending, on_done, log=log, capture_fn=capture_fn)
+        ran = True
     except KeyboardInterrupt:
         log(f"cache: interrupted: {progress.done}/{progress.total} shards done and kept in {cache_dir}; "
-            "rerun `hmscale cache` (same config) to finish the others")
+            f"rerun {BUILDERS}, whichever was building it (same config), to finish the others")
         raise
     finally:
-        manifest.update_complete()
-        manifest.save()
+        try:  # the shards done so far recorded, after a failure too (the rerun skips them)
+            manifest.update_complete()
+            manifest.save()
+        except Exception as err:
+            if ran:
+                raise
+            # a shard failed (or the run was interrupted): that error, on its way up, is the one to see; the manifest's
+            # own (often the same full disk) would replace it. The rerun redoes the shards the manifest lacks
+            log(f"cache: the manifest could not be saved after the failure either ({type(err).__name__}: {err})")
     _clean_temporaries(cache_dir)
     left = [s for s in cp.shard_ids if s not in manifest.shards]  # this run's shards (others may ask for more)
     if left:
         raise CacheError(f"cache {cache_dir} lacks {len(left)} of this run's shards after the run (e.g. "
-                         f"{shard_name(left[0])}); rerun `hmscale cache` to finish it")
+                         f"{shard_name(left[0])}); rerun {BUILDERS}, whichever was building it (same config), "
+                         "to finish it")
     log(f"cache: done: {progress.line().removeprefix('cache: ')} -> {cache_dir}")
     return cache_dir
 

@@ -29,6 +29,12 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
 
 
+# the advice of the one-line errors: a cache is built by `hmscale cache` alone or by `hmscale run` (the whole recipe,
+# as `hmscale stage1` / `stage2` do) before its training; a rerun of either with the same config finishes the shards
+# it lacks and rebuilds a damaged one (verified on every build), so it names both, not only the first
+BUILDERS = "`hmscale cache` or `hmscale run`"
+
+
 class CacheError(RuntimeError):
     """A cache problem; the message is one line naming the cache / shard and what to do."""
 
@@ -38,7 +44,8 @@ def failure_message(err: BaseException, where: str, cache_dir) -> str:
     not as the teacher's forward; either way the shards already written are kept for the rerun."""
     if isinstance(err, OSError):
         return (f"writing {where} into {cache_dir} failed: {err.strerror or err}; the shards written so far are kept: "
-                "free space or fix the permissions (or set cache.root elsewhere), then rerun `hmscale cache`")
+                "free space or fix the permissions (or set cache.root elsewhere), then rerun "
+                f"{BUILDERS}, whichever was building it (same config)")
     return f"teacher forward failed on {where}: {type(err).__name__}: {err}"
 
 
@@ -51,7 +58,7 @@ class CacheCorruptError(CacheError):
         where = f" in {cache_dir}" if cache_dir is not None else ""
         super().__init__(
             f"cache shard {shard}{where} is corrupted: {reason}; do not train on it "
-            f"(rerun `hmscale cache` with the same config to rebuild it, or delete it)"
+            f"(rerun {BUILDERS} with the same config to rebuild it, or delete it)"
         )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hmscale.atomic import atomic_write_json
 from hmscale.teacher.cache.format import (
+    BUILDERS,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST,
@@ -207,7 +208,7 @@ class Manifest:
         problem = structure_problem(data)
         if problem:
             raise CacheError(f"{path} is damaged or was edited by hand: {problem}; rebuild the cache "
-                             "(`hmscale cache`, same config) or restore the file")
+                             f"({BUILDERS}, same config) or restore the file")
         return cls(data, path)
 
     # -------------------------------------------------------------------- access

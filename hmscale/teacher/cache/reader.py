@@ -20,7 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hmscale.teacher.cache.format import CacheCorruptError, CacheError, CaptureSpec, decode, layer_field, load_npy
+from hmscale.teacher.cache.format import (
+    BUILDERS,
+    CacheCorruptError,
+    CacheError,
+    CaptureSpec,
+    decode,
+    layer_field,
+    load_npy,
+)
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.writer import sha256_file
 
@@ -37,12 +45,12 @@ class CacheReader:
             missing = sorted(set(int(s) for s in shards) - set(self._entries))
             if missing:
                 raise CacheError(f"cache {self.dir} lacks {len(missing)} of the run's shards (e.g. shard {missing[0]}); "
-                                 "finish it with `hmscale cache` (same config)")
+                                 f"finish it with {BUILDERS} (same config)")
             self._entries = {int(s): self._entries[int(s)] for s in shards}
         elif not self.manifest.complete and not allow_incomplete:
             raise CacheError(
                 f"cache {self.dir} is incomplete ({len(m['shards'])}/{len(m['requested_shards'])} shards); "
-                f"finish it with `hmscale cache` (same config) or pass allow_incomplete=True"
+                f"finish it with {BUILDERS} (same config) or pass allow_incomplete=True"
             )
         self.spec = CaptureSpec.from_json(m["capture"])
         self.fields = m["layout"]["fields"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hmscale.teacher.cache.format import MANIFEST, CacheError, load_npy
+from hmscale.teacher.cache.format import BUILDERS, MANIFEST, CacheError, load_npy
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.writer import sha256_file
 
@@ -120,7 +120,8 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
         report.bytes += entry["bytes"]
     missing = [s for s in manifest.data.get("requested_shards", []) if s not in entries]
     if missing:
-        report.problems.append(f"{len(missing)} requested shard(s) not built yet (e.g. shard {missing[0]}); rerun `hmscale cache`")
+        report.problems.append(f"{len(missing)} requested shard(s) not built yet (e.g. shard {missing[0]}); "
+                               f"rerun {BUILDERS} (same config)")
     known = {e["file"] for e in entries.values()}
     for p in sorted(path.iterdir()):  # (a view's shards lie in its source, which holds other shards too)
         if p.name == MANIFEST or p.name.startswith("."):  # hidden: temporaries of shards and manifests being written
