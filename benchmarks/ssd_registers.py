@@ -38,7 +38,7 @@ SHAPES = {  # name: H, G, P, N, normalize (as in ssd.py's SWEEP_SHAPES)
     "mamba2": (64, 1, 64, 128, False),
 }
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-        torch.int64: "*i64"}
+        torch.int64: "*i64", torch.int8: "*i8"}
 
 
 def _signature(fn, args, kwargs):

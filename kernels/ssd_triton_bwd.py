@@ -44,10 +44,11 @@ import triton.language as tl
 from .host_math import cdiv
 from .launch import launch
 from .settings import env
-from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_state, _pow2, _state_tile,
-                             _store_state, _xdot, block_sizes, bwd_variant, dbc_state_precision, fused_pass_config,
-                             kcfg, pass_config, precisions, register_cap, state_dtype, state_precision,
-                             use_fused_pass, walk_unroll)
+from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_st_row, _load_st_tile,
+                             _load_state,
+                             _pass_store, _pow2, _state_tile, _store_st_tile, _store_state, _xdot, block_sizes,
+                             bwd_variant, dbc_state_precision, kcfg, pass_config, precisions, reader_bn,
+                             register_cap, state_exponents, state_layout, state_precision, walk_unroll)
 
 
 @triton.jit
@@ -90,21 +91,31 @@ def _chunk_dstate_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, dst_ptr, 
 
 
 @triton.jit
-def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
-                    HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr):
+def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, e_ptr, NC, PN,
+                    HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, BLOCK: tl.constexpr, GS: tl.constexpr = 0):
     """The serial backward pass: reads the chunks' fp32 local state gradients at ``dst_ptr`` and writes the gradient
-    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit."""
+    of the state leaving each chunk at ``out_ptr`` (its storage dtype; the same buffer for fp32), and dinit.
+    GS > 0: scaled fp16 storage, as in ``_state_pass_fwd``."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    if GS > 0:
+        rows = tl.arange(0, BLOCK // GS)
+        offs = blk * BLOCK + (rows[:, None] * GS + tl.arange(0, GS)[None, :])
+        erow = (blk * BLOCK) // GS + rows
+        emask = erow * GS < PN
+    else:
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        erow = offs  # unused
+        emask = offs < PN
     mask = offs < PN
     if HAS_DFINAL:
         dS = tl.load(dfinal_ptr + bh * PN + offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        dS = tl.zeros([BLOCK], dtype=tl.float32)
+        dS = (offs * 0).to(tl.float32)
     dbase = dst_ptr + bh * NC * PN + offs
     obase = out_ptr + bh * NC * PN + offs
-    ot = out_ptr.dtype.element_ty
+    ebase = e_ptr + (bh * NC * PN) // tl.maximum(GS, 1)
+    EPC = PN // tl.maximum(GS, 1)  # exponents per chunk
     gbase = gdec_ptr + bh * NC
     # four chunks per step (reversed), the next step's loads issued before this step's stores
     # (see _state_pass_fwd)
@@ -134,16 +145,16 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, NC, PN,
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        tl.store(obase + c0 * PN, dS.to(ot), mask=mask)
+        _pass_store(obase + c0 * PN, dS, mask, ebase + c0 * EPC, erow, emask, GS)
         dS = g0 * dS + d0
         if i0 + 1 < NC:
-            tl.store(obase + (c0 - 1) * PN, dS.to(ot), mask=mask)
+            _pass_store(obase + (c0 - 1) * PN, dS, mask, ebase + (c0 - 1) * EPC, erow, emask, GS)
             dS = g1 * dS + d1
         if i0 + 2 < NC:
-            tl.store(obase + (c0 - 2) * PN, dS.to(ot), mask=mask)
+            _pass_store(obase + (c0 - 2) * PN, dS, mask, ebase + (c0 - 2) * EPC, erow, emask, GS)
             dS = g2 * dS + d2
         if i0 + 3 < NC:
-            tl.store(obase + (c0 - 3) * PN, dS.to(ot), mask=mask)
+            _pass_store(obase + (c0 - 3) * PN, dS, mask, ebase + (c0 - 3) * EPC, erow, emask, GS)
             dS = g3 * dS + d3
         d0, d1, d2, d3 = e0, e1, e2, e3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -182,12 +193,12 @@ def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr,
 
 @triton.jit
 def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr, dst_ptr,
-                      dfinal_ptr, dinit_ptr, den_ptr,
+                      dfinal_ptr, dinit_ptr, den_ptr, e_ptr,
                       L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False,
-                      UNROLL: tl.constexpr = 1):
+                      UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
     and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
@@ -203,6 +214,8 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
         dSr = tl.zeros([BN], dtype=tl.float32)
     dy_base = dy_ptr + (b * L * H + h) * P
     c_base = C_ptr + (b * L * G + grp) * N
+    n0 = (blk // tl.cdiv(P, BP)) * BN  # the tile's first column
+    EPC = PN // tl.maximum(GS, 1)  # exponents per chunk (GS > 0)
     for i in range(0, NC, UNROLL):
         c = NC - 1 - i
         T, Tr, g = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c,
@@ -215,14 +228,16 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
                                           bh, c1, L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN,
                                           HAS_DOC, PREC, NORM, DY_SCALE)
         # the gradient of the state leaving chunk c
-        _store_state(dst_ptr + (bh * NC + c) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
+        _store_st_tile(dst_ptr + (bh * NC + c) * PN, e_ptr + (bh * NC + c) * EPC, dS, dSr, soff, smask, offs_p,
+                       mask_p, offs_n, rmask, n0, P, N, NORM, GS)
         dS = g * dS + T
         if NORM:
             dSr = dSr * g + Tr
         if UNROLL == 2:
             in1 = (offs_n * 0 + c) > 0  # (a vector: a scalar is not a valid mask everywhere)
-            _store_state(dst_ptr + (bh * NC + c1) * PN, dS, dSr, soff, smask & in1[None, :], offs_n, rmask & in1,
-                         P, N, NORM)
+            _store_st_tile(dst_ptr + (bh * NC + c1) * PN, e_ptr + (bh * NC + c1) * EPC, dS, dSr, soff,
+                           smask & in1[None, :], offs_p, mask_p & ((offs_p * 0 + c) > 0), offs_n, rmask & in1, n0,
+                           P, N, NORM, GS)
             dS = g1 * dS + T1
             if NORM:
                 dSr = dSr * g1 + Tr1
@@ -307,14 +322,14 @@ def _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, po, Q: tl.con
 
 
 @triton.jit
-def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
-                      ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
+def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+                      dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
                       DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                      Y_SAVED: tl.constexpr = False):
+                      Y_SAVED: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
@@ -333,19 +348,21 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     else:
         c = tl.program_id(0)
         pb = tl.program_id(2)
-    _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr, ddt_ptr,
+    _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+                 dx_ptr, ddt_ptr,
                  dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, tl.program_id(1).to(tl.int64),
-                 L, H, G, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED)
+                 L, H, G, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED,
+                 GSS, GSD)
 
 
 @triton.jit
-def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr,
+def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, dx_ptr,
                  ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, bh,
                  L, H, G, P, N, NC, NPB,
                  Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                  HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                  DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr):
+                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr, GSD: tl.constexpr):
     """One (chunk ``c``, p tile ``pb``, batch*head ``bh``) program of ``_chunk_bwd_dx_dcs`` (also run by
     ``_chunk_bwd_pair``)."""
     b = bh // H
@@ -371,16 +388,16 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
-        dSt = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = dS^T
+        dSt = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, N, GSD, 1)  # (BN, BP) = dS^T
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
         if not Y_SAVED:
-            S0t = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)  # (BN, BP) = S0^T
+            S0t = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GSS, 1)  # (BN, BP) = S0^T
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
-            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
-                S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS)
                 accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
@@ -426,10 +443,12 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
 
 
 @triton.jit
-def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, den_ptr, dg_ptr, b, h, c, nb,
+def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+              den_ptr, dg_ptr, b, h, c, nb,
               L, H, P, N, NC, NNB, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
               HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr,
-              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr):
+              NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, GSS: tl.constexpr,
+              GSD: tl.constexpr):
     """One head's part of dB/dC for one (chunk, n tile): the sums over P, dy_t . x_s [t, s], x_s^T dS [s, n] and
     dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and the
     chunk's weights. Stores this n tile's share of <dS, S0> (the gradient of the chunk's carry factor) and returns
@@ -452,9 +471,9 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
-        dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)
+        dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, nb * BN, N, GSD, 0)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
-        S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
+        S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, nb * BN, N, GSS, 0)
         dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
@@ -468,8 +487,8 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
     if NORM:  # the normaliser column: x = 1, dy = dden, state row P
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         ones = tl.where(mask_t, 1.0, 0.0)
-        dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, nb * BN, P, N, GSD)
+        S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, nb * BN, P, N, GSS)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
@@ -480,14 +499,14 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
 
 
 @triton.jit
-def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
+def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
                    dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                   ONE_HEAD: tl.constexpr = False):
+                   ONE_HEAD: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
     at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway).
     TILE_MAJOR: grid (chunks x n tiles, batch*group), the n tiles of a chunk launched together (they read the same
@@ -500,17 +519,20 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     else:
         c = tl.program_id(0)
         nb = tl.program_id(2)
-    _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dB_ptr, dC_ptr, ddt_ptr,
+    _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+              dB_ptr, dC_ptr, ddt_ptr,
               dcs_ptr, den_ptr, dg_ptr, c, nb, tl.program_id(1).to(tl.int64), L, H, G, P, N, NC, NNB, Q, BP, BN,
-              HAS_DOC, PREC, SPREC, IN_DTYPE, DCS, NORM, DY_EXACT, DY_SCALE, ONE_HEAD)
+              HAS_DOC, PREC, SPREC, IN_DTYPE, DCS, NORM, DY_EXACT, DY_SCALE, ONE_HEAD, GSS, GSD)
 
 
 @triton.jit
-def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dB_ptr, dC_ptr,
+def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+              dB_ptr, dC_ptr,
               ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, nb, bg, L, H, G, P, N, NC, NNB,
               Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
               SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, DCS: tl.constexpr, NORM: tl.constexpr,
-              DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, ONE_HEAD: tl.constexpr):
+              DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, ONE_HEAD: tl.constexpr, GSS: tl.constexpr = 0,
+              GSD: tl.constexpr = 0):
     """One (chunk ``c``, n tile ``nb``, batch*group ``bg``) program of ``_chunk_bwd_dbc`` (also run by
     ``_chunk_bwd_pair``)."""
     b = bg // G
@@ -525,9 +547,9 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
     bc_mask = mask_tt[:, None] & mask_n[None, :]
     if ONE_HEAD:
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
-                                                     den_ptr, dg_ptr, b, grp, c, nb, L, H, P, N, NC, NNB, offs_n,
-                                                     mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
-                                                     DY_EXACT, DY_SCALE)
+                                                     se_ptr, de_ptr, den_ptr, dg_ptr, b, grp, c, nb, L, H, P, N, NC,
+                                                     NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
+                                                     NORM, DY_EXACT, DY_SCALE, GSS, GSD)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
@@ -545,9 +567,9 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
     for hh in range(HPG):
         h = grp * HPG + hh
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
-                                                     den_ptr, dg_ptr, b, h, c, nb, L, H, P, N, NC, NNB, offs_n,
-                                                     mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, NORM,
-                                                     DY_EXACT, DY_SCALE)
+                                                     se_ptr, de_ptr, den_ptr, dg_ptr, b, h, c, nb, L, H, P, N, NC,
+                                                     NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
+                                                     NORM, DY_EXACT, DY_SCALE, GSS, GSD)
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
@@ -569,13 +591,13 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
 
 
 @triton.jit
-def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
+def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
                     dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                     L, H, P, N, NC, NPB, NNB,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BPD: tl.constexpr, BND: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                     IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr):
+                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """``_chunk_bwd_dbc`` (one head per group) and ``_chunk_bwd_dx_dcs`` in one launch, their programs interleaved by
     chunk: grid (chunks x (NNB + NPB), batch*head); program k of chunk c is dB/dC's n tile k for k < NNB, else dx's
     p tile k - NNB. The NNB + NPB programs of a chunk run at about the same time and read the same dS, x, dy, B and
@@ -586,23 +608,25 @@ def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_pt
     k = tl.program_id(0) % per
     bh = tl.program_id(1).to(tl.int64)
     if k < NNB:
-        _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dB_ptr, dC_ptr,
+        _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+                  dB_ptr, dC_ptr,
                   ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, k, bh, L, H, H, P, N, NC, NNB, Q, BPD, BND,
-                  HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True)
+                  HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True, GSS, GSD)
     else:
-        _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, dx_ptr, ddt_ptr,
+        _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+                     dx_ptr, ddt_ptr,
                      dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, k - NNB, bh, L, H, H, P, N, NC, NPB,
-                     Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED)
+                     Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD)
 
 
 @triton.jit
-def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr,
+def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
                      dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                      L, H, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                      IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                     DY_SCALE: tl.constexpr):
+                     DY_SCALE: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """``_chunk_bwd_dx_dcs`` (with the saved numerator) and the one-head ``_chunk_bwd_dbc`` in one program per
     (chunk, batch*head), for one head per B/C group and all of P in one tile (BP >= P): each (P x BN) tile of
     the leaving state's gradient dS and of the entering state S0 is read once and serves dx's B dS^T, dB's x dS,
@@ -651,8 +675,8 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
-        dS = tl.load(dst_ptr + s_base + so, mask=sm, other=0.0)  # (BP, BN)
-        S0 = tl.load(st_ptr + s_base + so, mask=sm, other=0.0)
+        dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, N, GSD, 0)  # (BP, BN)
+        S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GSS, 0)
         accZ = _xdot(Bt, tl.trans(dS), accZ, XPREC, "a")
         dgv += tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=0)
         # x and dy are read again per n tile (L1 / L2 hits) rather than held across the loop: registers
@@ -666,8 +690,8 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         if DY_SCALE:
             accDYS = accDYS * rden[:, None]
         if NORM:
-            dSr = tl.load(dst_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            S0r = tl.load(st_ptr + s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD)
+            S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             accXS += ones[:, None] * dSr[None, :]
             accDYS += dr[:, None] * S0r[None, :]
@@ -831,7 +855,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
-            dy_den=None, ysaved=None, den=None):
+            dy_den=None, ysaved=None, den=None, sexp=None):
     """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
     when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
     the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
@@ -839,7 +863,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     ``den``, (b, l, h) fp32; v2 only): ``dy`` is the output's gradient and the numerator's is ``dy / den``, applied
     inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots).
     ``ysaved`` (v2 only): the forward's fp32 numerator y (b, l, h, p), and ``den`` its normaliser when normalised:
-    the dx kernel reads them instead of recomputing y from the entering states."""
+    the dx kernel reads them instead of recomputing y from the entering states. ``sexp``: the states' exponents
+    from ``ssd_fwd`` (scaled fp16 storage; None or empty otherwise)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
@@ -861,7 +886,10 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     if ysaved is not None and (bwd_variant() != "v2" or (norm and den is None)):
         raise ValueError("the saved numerator (ysaved) needs the v2 backward, and den when normalised")
     den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
+    gss = n // sexp.shape[-1] if sexp is not None and sexp.numel() else 0
+    dst_dtype, gsd, walk = state_layout(b, h, p, n, x.dtype, dev, Q, grad=True)
     BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n, x.dtype, Q)
+    BN_dbc = reader_bn(BN_dbc, gss, gsd)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
     # dots run at about fp32 accuracy (state_precision)
     sprec_dbc = state_precision(x.dtype)
@@ -869,18 +897,20 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
-    dst = torch.empty(states.shape, device=dev, dtype=state_dtype(x.dtype, grad=True))  # dS leaving each chunk
+    dst = torch.empty(states.shape, device=dev, dtype=dst_dtype)  # dS leaving each chunk
+    dexp = state_exponents(dst, gsd)
+    se_arg, de_arg = (sexp if gss else gdec), (dexp if gsd else gdec)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
-    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass_b", Q):
-        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass_b", Q, b * h, dev)
+    if walk is not None:
+        BP, BN, nw, nst = walk
         nblk = cdiv(p, BP) * cdiv(n, BN)
         launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
-               dinit if need_dinit else dst, den_arg, l, h, g, p, n, nc,
+               dinit if need_dinit else dst, den_arg, de_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, UNROLL=walk_unroll(x.dtype), num_warps=nw, num_stages=nst,
+               DY_SCALE=dy_scale, UNROLL=walk_unroll(x.dtype), GS=gsd, num_warps=nw, num_stages=nst,
                **register_cap("fpass_b", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
@@ -893,24 +923,27 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         PN = states.shape[3] * n
         BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
         launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), local, dst, gdec, dfinal_arg,
-               dinit if need_dinit else dst, nc, PN,
-               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nw)
+               dinit if need_dinit else dst, de_arg, nc, PN,
+               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, GS=gsd, num_warps=nw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
     has_d = D is not None
     if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
         BNf, nwf, stf = fused_bwd_config(p, n, x.dtype)
+        BNf = reader_bn(BNf, gss, gsd)
         nnb = 1
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
-        launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, dB, dC,
+        launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
+               dx, dB, dC,
                ddt_part, dcs_part,
                dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
                dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
                Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
                XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
                IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
-               DY_SCALE=dy_scale, num_warps=nwf, num_stages=stf, **register_cap("fbwd", x.dtype, Q))
+               DY_SCALE=dy_scale, GSS=gss, GSD=gsd, num_warps=nwf, num_stages=stf,
+               **register_cap("fbwd", x.dtype, Q))
         ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
         return dx, ddt, dA, dB, dC, dinit, dD
     nnb = cdiv(n, BN_dbc)
@@ -920,36 +953,39 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         one_head = g == h and dbc_one_head()
         pair = use_bwd_pair(p, one_head, x.dtype)
         bp2, bn2, nw2, st2 = kcfg("pair", x.dtype, Q, p) if pair else kcfg("dx", x.dtype, Q)
-        BP2, BN2 = min(bp2, _pow2(p)), min(bn2, _pow2(n))
+        BP2, BN2 = min(bp2, _pow2(p)), reader_bn(min(bn2, _pow2(n)), gss, gsd)
         npb = cdiv(p, BP2)
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, nnb, npb, nc, Q, p if has_d else 0, dev)
         extra = dict(num_stages=st2) if st2 else {}
         dyo_arg = dyo.contiguous() if has_d else dy
         if pair:
             launch(_chunk_bwd_pair, (nc * (npb + nnb), b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst,
-                   dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg, D if has_d else dt, dD_part if has_d else dt,
+                   se_arg, de_arg, dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg,
+                   D if has_d else dt, dD_part if has_d else dt,
                    den_arg, ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb,
                    Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec,
                    XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype), IN_DTYPE=in_dtype,
                    DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale, Y_SAVED=ysaved is not None,
-                   num_warps=nw2, **extra, **register_cap("pair", x.dtype, Q, p))
+                   GSS=gss, GSD=gsd, num_warps=nw2, **extra, **register_cap("pair", x.dtype, Q, p))
             ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
             return dx, ddt, dA, dB, dC, dinit, dD
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
-        launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dx, ddt_part, dcs_part,
+        launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
+               ddt_part, dcs_part,
                dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                ysaved if ysaved is not None else dt,
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=BN2,
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, num_warps=nw2, **extra,
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, GSS=gss, GSD=gsd, num_warps=nw2, **extra,
                **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
-        launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, dB, dC, ddt_part, dcs_part,
+        launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dB, dC,
+               ddt_part, dcs_part,
                den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
-               DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
+               DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, GSS=gss, GSD=gsd,
                ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
     else:
         dD_part = None
@@ -959,8 +995,8 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
                SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
         dg, ddt_part, dcs_part, dA_part, _ = _partials(b * h, nnb, nnb, nc, Q, 0, dev)
-        launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, dB, dC,
-               ddt_part, dcs_part,
+        launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
+               dB, dC, ddt_part, dcs_part,
                dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD

@@ -24,8 +24,9 @@ one extra row (row P of a (P + 1) x N state), built and consumed with vector ops
 programs, and the scan writes it as a separate output ``den`` (b, l, h).
 
 Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
-B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in ``state_dtype``
-(fp32 unless ``HMSCALE_SSD_STATES`` asks 16 bits for bf16 inputs); gdecay (b*h, nc) fp32.
+B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in the dtype of
+``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 64 columns wide, else fp32; scaled
+fp16 comes with int8 exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row); gdecay (b*h, nc) fp32.
 
 Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
 into two bf16 parts (hi + lo, about 16 mantissa bits) and multiplied on the bf16 tensor cores against the
@@ -173,21 +174,31 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
 
 
 @triton.jit
-def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
-                    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr):
+def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, e_ptr, NC, PN,
+                    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, GS: tl.constexpr = 0):
     """The serial pass: reads the chunks' fp32 local states at ``st_ptr`` and writes the state entering each chunk
-    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state."""
+    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state.
+    GS > 0 (scaled fp16 storage): the block is (BLOCK // GS) x GS, one exponent a row, at ``e_ptr``."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    if GS > 0:
+        rows = tl.arange(0, BLOCK // GS)
+        offs = blk * BLOCK + (rows[:, None] * GS + tl.arange(0, GS)[None, :])
+        erow = (blk * BLOCK) // GS + rows
+        emask = erow * GS < PN
+    else:
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        erow = offs  # unused
+        emask = offs < PN
     mask = offs < PN
     if HAS_INIT:
         S = tl.load(init_ptr + bh * PN + offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        S = tl.zeros([BLOCK], dtype=tl.float32)
+        S = (offs * 0).to(tl.float32)
     base = st_ptr + bh * NC * PN + offs
     obase = out_ptr + bh * NC * PN + offs
-    ot = out_ptr.dtype.element_ty
+    ebase = e_ptr + (bh * NC * PN) // tl.maximum(GS, 1)
+    EPC = PN // tl.maximum(GS, 1)  # exponents per chunk
     gbase = gdec_ptr + bh * NC
     # four chunks per step, and the next step's four loads are issued before this step's stores
     # (they read other chunks), so the serial chain waits on memory about once per 8 chunks, not per 4
@@ -212,16 +223,16 @@ def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, NC, PN,
         h1 = tl.load(gbase + n1)
         h2 = tl.load(gbase + n2)
         h3 = tl.load(gbase + n3)
-        tl.store(obase + c0 * PN, S.to(ot), mask=mask)
+        _pass_store(obase + c0 * PN, S, mask, ebase + c0 * EPC, erow, emask, GS)
         S = g0 * S + l0
         if c0 + 1 < NC:
-            tl.store(obase + (c0 + 1) * PN, S.to(ot), mask=mask)
+            _pass_store(obase + (c0 + 1) * PN, S, mask, ebase + (c0 + 1) * EPC, erow, emask, GS)
             S = g1 * S + l1
         if c0 + 2 < NC:
-            tl.store(obase + (c0 + 2) * PN, S.to(ot), mask=mask)
+            _pass_store(obase + (c0 + 2) * PN, S, mask, ebase + (c0 + 2) * EPC, erow, emask, GS)
             S = g2 * S + l2
         if c0 + 3 < NC:
-            tl.store(obase + (c0 + 3) * PN, S.to(ot), mask=mask)
+            _pass_store(obase + (c0 + 3) * PN, S, mask, ebase + (c0 + 3) * EPC, erow, emask, GS)
             S = g3 * S + l3
         l0, l1, l2, l3 = m0, m1, m2, m3
         g0, g1, g2, g3 = h0, h1, h2, h3
@@ -277,6 +288,77 @@ def _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM: tl.constexp
 
 
 @triton.jit
+def _pow2f(k):
+    """2^k in fp32 for int32 k in [-126, 127], built from the exponent bits (exact)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_exp(m):
+    """The exponent k (int32, in [-126, 126]) stored for a group of state values whose largest magnitude is m (fp32,
+    >= 0): the group is stored as fp16 values times 2^-k, the largest in [2^14, 2^15), so fp16's normal range covers
+    ~29 binary orders below it (NaN / inf stay NaN / inf)."""
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(e - 141, -126), 126)
+
+
+@triton.jit
+def _load_st_tile(ptr, base, soff, smask, e_ptr, offs_p, mask_p, n0, N, GS: tl.constexpr, P_AXIS: tl.constexpr):
+    """A reader's tile of stored chunk states (or state gradients), ``ptr + base + soff`` with ``soff`` = p N + n over
+    the columns n0 .. n0 + BN - 1 (p along axis ``P_AXIS``): as stored when ``GS`` is 0, else (scaled fp16,
+    ``state_layout``) in fp32, each row times 2^k of its group: the host keeps the readers' BN <= GS, so a tile row
+    lies in one group and its exponent is one int8 load per row (``e_ptr + (base + p N + n0) // GS``)."""
+    v = tl.load(ptr + base + soff, mask=smask, other=0.0)
+    if GS > 0:
+        k = tl.load(e_ptr + (base + offs_p * N + n0) // GS, mask=mask_p, other=0).to(tl.int32)
+        if P_AXIS == 1:
+            v = v.to(tl.float32) * _pow2f(k)[None, :]
+        else:
+            v = v.to(tl.float32) * _pow2f(k)[:, None]
+    return v
+
+
+@triton.jit
+def _load_st_row(ptr, base, offs_n, mask_n, e_ptr, n0, P, N, GS: tl.constexpr):
+    """The normaliser row's entries n0 .. n0 + BN - 1 of a stored state (row P at ``ptr + base``), in fp32 (scaled
+    fp16: one exponent for them, as in ``_load_st_tile``)."""
+    v = tl.load(ptr + base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if GS > 0:
+        v = v * _pow2f(tl.load(e_ptr + (base + P * N + n0) // GS).to(tl.int32))
+    return v
+
+
+@triton.jit
+def _store_st_tile(ptr, e_ptr, S, Sr, soff, smask, offs_p, emask, offs_n, rmask, n0, P, N, NORM: tl.constexpr,
+                   GS: tl.constexpr):
+    """Store a walk's state tile (and its normaliser row) at ``ptr`` in its storage dtype. ``GS`` > 0 (scaled fp16,
+    GS = the tile's BN): each tile row, and the normaliser row's BN entries, is one group; its exponent goes to
+    ``e_ptr + (p N + n0) // GS`` (``emask``: the rows stored). ``GS`` 0: ``_store_state``."""
+    if GS > 0:
+        k = _group_exp(tl.max(tl.abs(S), axis=1))
+        tl.store(ptr + soff, (S * _pow2f(-k)[:, None]).to(ptr.dtype.element_ty), mask=smask)
+        tl.store(e_ptr + (offs_p * N + n0) // GS, k.to(tl.int8), mask=emask)
+        if NORM:
+            kr = _group_exp(tl.max(tl.abs(Sr), axis=0))
+            tl.store(ptr + P * N + offs_n, (Sr * _pow2f(-kr)).to(ptr.dtype.element_ty), mask=rmask)
+            tl.store(e_ptr + (P * N + offs_n) // GS, (offs_n * 0 + kr).to(tl.int8), mask=rmask & (offs_n == n0))
+    else:
+        _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
+
+
+@triton.jit
+def _pass_store(ptr, S, mask, e_ptr, erow, emask, GS: tl.constexpr):
+    """Store a split pass's block of states (``S`` (BLOCK,), or (BLOCK // GS, GS) with GS > 0: one group a row, its
+    exponent to ``e_ptr + erow``) in the storage dtype."""
+    if GS > 0:
+        k = _group_exp(tl.max(tl.abs(S), axis=1))
+        tl.store(ptr, (S * _pow2f(-k)[:, None]).to(ptr.dtype.element_ty), mask=mask)
+        tl.store(e_ptr + erow, k.to(tl.int8), mask=emask)
+    else:
+        tl.store(ptr, S.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P, N, offs_p, mask_p, offs_n, mask_n,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
                     NORM: tl.constexpr):
@@ -306,11 +388,11 @@ def _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P,
 
 
 @triton.jit
-def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr,
+def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr, e_ptr,
                      L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr,
-                     UNROLL: tl.constexpr = 1):
+                     UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0):
     """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
     the running state, so the local states never go through memory (2 of the forward's 4 state sweeps).
@@ -327,6 +409,8 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
         Sr = tl.zeros([BN], dtype=tl.float32)
     x_base = x_ptr + (b * L * H + h) * P
     b_base = B_ptr + (b * L * G + grp) * N
+    n0 = (pn // tl.cdiv(P, BP)) * BN  # the tile's first column
+    EPC = PN // tl.maximum(GS, 1)  # exponents per chunk (GS > 0)
     for c in range(0, NC, UNROLL):
         T, Tr, g = _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P, N,
                                    offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM)
@@ -334,7 +418,8 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
             c1 = c + 1  # past the end (a lone last chunk): masked loads give T1 = 0, g1 = 1, and nothing is stored
             T1, Tr1, g1 = _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c1, L, H, G, P, N,
                                           offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM)
-        _store_state(st_ptr + (bh * NC + c) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)  # entering c
+        _store_st_tile(st_ptr + (bh * NC + c) * PN, e_ptr + (bh * NC + c) * EPC, S, Sr, soff, smask, offs_p, mask_p,
+                       offs_n, rmask, n0, P, N, NORM, GS)  # entering c
         if pn == 0:
             tl.store(gdec_ptr + bh * NC + c, g)
         S = g * S + T
@@ -342,8 +427,9 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
             Sr = Sr * g + Tr
         if UNROLL == 2:
             in1 = (offs_n * 0 + c1) < NC  # (a vector: a scalar is not a valid mask everywhere)
-            _store_state(st_ptr + (bh * NC + c1) * PN, S, Sr, soff, smask & in1[None, :], offs_n, rmask & in1,
-                         P, N, NORM)
+            _store_st_tile(st_ptr + (bh * NC + c1) * PN, e_ptr + (bh * NC + c1) * EPC, S, Sr, soff,
+                           smask & in1[None, :], offs_p, mask_p & ((offs_p * 0 + c1) < NC), offs_n, rmask & in1, n0,
+                           P, N, NORM, GS)
             if pn == 0:  # (past the end: chunk c's g again, at its own place; no scalar masks, for the interpreter)
                 tl.store(gdec_ptr + bh * NC + tl.minimum(c1, NC - 1), tl.where(c1 < NC, g1, g))
             S = g1 * S + T1
@@ -353,13 +439,15 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
 
 
 @triton.jit
-def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr,
+def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr, se_ptr,
                     L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
-                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee"):
+                    SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee",
+                    GS: tl.constexpr = 0):
     """y of one (chunk, p tile). SAVE_YNUM: also keep the fp32 numerator for the backward, whose decay gradient
-    (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``)."""
+    (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``).
+    GS > 0: the states are stored scaled (``_load_st``, exponents at ``se_ptr``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -371,7 +459,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
     offs_p = pb * BP + tl.arange(0, BP)
     mask_p = offs_p < P
     bc_base = (b * L * G + grp) * N
-    s_base = st_ptr + (bh * NC + c) * (P + NORM) * N
+    s_base = (bh * NC + c) * (P + NORM) * N
     accG = tl.zeros([Q, Q], dtype=tl.float32)
     accS = tl.zeros([Q, BP], dtype=tl.float32)
     accR = tl.zeros([Q], dtype=tl.float32)  # normaliser: C_t . S0[P, :]
@@ -383,14 +471,14 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
         Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
-        Sp = tl.load(s_base + (offs_p[None, :] * N + offs_n[:, None]),
-                     mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # (BN, BP) = S_prev^T
+        Sp = _load_st_tile(st_ptr, s_base, offs_p[None, :] * N + offs_n[:, None], mask_p[None, :] & mask_n[:, None],
+                           se_ptr, offs_p, mask_p, n0, N, GS, 1)  # (BN, BP) = S_prev^T
         if SAVE_YNUM:
             accS = _xdot(Ct, Sp, accS, YPREC, "a")
         else:
             accS = _xdot(Ct, Sp, accS, SPREC, "a")
         if NORM and not NORM_APART:
-            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     if NORM and NORM_APART:
         # 16-bit states: the normaliser row in a loop of its own (C's tiles again, from L2). Inside the loop above,
@@ -401,7 +489,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             mask_n = offs_n < N
             Ct = tl.load(C_ptr + bc_base + offs_t[:, None] * (G * N) + offs_n[None, :],
                          mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-            Sr = tl.load(s_base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
@@ -487,23 +575,28 @@ _STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def state_storage() -> tuple:
-    """``HMSCALE_SSD_STATES=S[,dS]``: the storage dtypes, for bf16 inputs, of the chunk-boundary states S that one
-    kernel writes and later kernels read, and of the backward's state gradients dS (``fp32`` (default), ``bf16`` or
-    ``fp16`` for each; dS defaults to S's dtype, fp32 for fp16 S). fp16 dS is for measurements only: stored
-    unscaled, gradients under fp16's normal range (6.1e-5), as in real training, lose bits or flush to zero. Only
-    the stored copies are rounded: the running state is carried in fp32 registers along the walk (the split passes'
-    per-chunk local states stay fp32 too) and every consumer accumulates in fp32. 16-bit storage halves the state
-    sweeps' bytes (and with bf16 both dot operands are bf16: one exact-product dot), at a cost in the decay
-    gradients (dt, A), which sum state terms that cancel (kernels/NOTES.md, 2026-12-04). fp16 and fp32 inputs always
-    keep fp32."""
-    v = env("HMSCALE_SSD_STATES", "fp32").lower()
+    """``HMSCALE_SSD_STATES=auto|S[,dS]``: the storage dtypes, for bf16 inputs, of the chunk-boundary states S that
+    one kernel writes and later kernels read, and of the backward's state gradients dS, and whether the choice is
+    ``auto``. Each of ``fp32``, ``bf16``, ``fp16``; dS defaults to S's dtype, fp32 for fp16 S. ``fp16`` is stored
+    scaled: fp16 values with one power of two (an int8 exponent) per group of 16-64 columns of a state row, chosen by
+    the writer from the group's largest magnitude (``_group_exp``), so neither the states' range (an undecayed state
+    grows with the length) nor the gradients' (a mean loss's sit near fp16's smallest normal) is lost: range-safe,
+    11 bits of each group's largest values. ``auto`` (default): fp16 for both where the groups are at least 64
+    columns wide (``state_layout``), else fp32 (narrower groups make the readers' n tiles narrower, which cost more
+    than the halved bytes gave: H100, 2026-12-05, 1.4b L=16384 at b = 1). Only the stored copies are rounded: the
+    running state is carried in fp32 registers along the walk (the split passes' per-chunk local states stay fp32
+    too) and every consumer accumulates in fp32. bf16 storage (unscaled: bf16 has fp32's range) misses dA's 1e-2
+    on the grid (kernels/NOTES.md, 2026-12-04). fp16 and fp32 inputs always keep fp32."""
+    v = env("HMSCALE_SSD_STATES", "auto").lower()
+    if v == "auto":
+        return torch.float16, torch.float16, True
     parts = [t.strip() for t in v.split(",")]
     s_name = parts[0]
     ds_name = parts[1] if len(parts) > 1 else ("bf16" if s_name == "bf16" else "fp32")
     if len(parts) > 2 or s_name not in _STATE_DTYPES or ds_name not in _STATE_DTYPES:
-        raise ValueError(f"HMSCALE_SSD_STATES must be S or S,dS with each one of fp32, bf16, fp16 (e.g. bf16,fp32), "
-                         f"got {v!r}")
-    return _STATE_DTYPES[s_name], _STATE_DTYPES[ds_name]
+        raise ValueError(f"HMSCALE_SSD_STATES must be auto, S or S,dS with each one of fp32, bf16, fp16 (e.g. "
+                         f"fp16,fp32), got {v!r}")
+    return _STATE_DTYPES[s_name], _STATE_DTYPES[ds_name], False
 
 
 def state_dtype(dtype: torch.dtype, grad: bool = False) -> torch.dtype:
@@ -688,6 +781,47 @@ def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q
     return bp, bn, nw, st
 
 
+def scale_group(n: int, walk_bn: int | None) -> int:
+    """The group size GS of scaled fp16 state storage (one exponent per GS consecutive columns of a state row) for
+    states of ``n`` columns written by a fused walk of ``walk_bn``-column tiles (each tile row is a group) or, with
+    None, by the split pass (the largest of 64, 32, 16 dividing n); 0 where none divides n (the call then stores
+    fp32)."""
+    if walk_bn is not None:
+        return walk_bn if n % walk_bn == 0 else 0
+    return next((gs for gs in (64, 32, 16) if n % gs == 0), 0)
+
+
+def state_layout(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: torch.device, Q: int = 64,
+                 grad: bool = False):
+    """(storage dtype, GS, fused walk config or None) of one call's chunk states (``grad``: state gradients):
+    ``state_dtype``, and for fp16 the scale group of ``scale_group`` (fp32 where no group fits, where ``auto`` finds
+    it under 64 columns, and under the v1 backward, whose kernels read unscaled states), and the walk's (BP, BN, warps,
+    stages) when the pass is fused."""
+    name = "fpass_b" if grad else "fpass"
+    st = state_dtype(dtype, grad)
+    cfg = fused_pass_config(p, n, dtype, name, Q, b * h, device) if use_fused_pass(b, h, p, n, dtype, device, name,
+                                                                                    Q) else None
+    gs = 0
+    if st == torch.float16:
+        gs = scale_group(n, cfg[1] if cfg else None) if bwd_variant() == "v2" else 0
+        if gs < (64 if state_storage()[2] else 1):
+            st, gs = torch.float32, 0
+    return st, gs, cfg
+
+
+def reader_bn(bn: int, *gs: int) -> int:
+    """A reader kernel's n tile under scaled fp16 storage: at most the scale groups (``gs``, 0 for unscaled
+    tensors), so that each tile row has one exponent (``_load_st_tile``)."""
+    return min([bn] + [g for g in gs if g])
+
+
+def state_exponents(states: torch.Tensor, gs: int) -> torch.Tensor:
+    """The int8 exponents of scaled fp16 states (one per ``gs`` columns of each state row), or an empty tensor."""
+    if not gs:
+        return states.new_empty(0, dtype=torch.int8)
+    return states.new_empty(*states.shape[:-1], states.shape[-1] // gs, dtype=torch.int8)
+
+
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
     block, nw = kcfg(name, dtype)
     return min(block, _pow2(pn)), nw
@@ -722,16 +856,18 @@ def keeps_ynum(norm: bool, save_ynum: bool) -> bool:
 
 def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
             save_ynum: bool = False):
-    """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, p + norm rows, in
-    ``state_dtype``),
-    gdecay. With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and ynum, the fp32
-    numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x`` to y."""
+    """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, p + norm rows, in the
+    storage dtype of ``state_layout``), gdecay, and the states' exponents (``state_exponents``: int8, empty unless
+    the states are scaled fp16). With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and
+    ynum, the fp32 numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x``."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cdiv(l, Q)
     dev = x.device
     ps = p + int(norm)
-    states = torch.empty(b, h, nc, ps, n, device=dev, dtype=state_dtype(x.dtype))
+    st_dtype, gs, walk = state_layout(b, h, p, n, x.dtype, dev, Q)
+    states = torch.empty(b, h, nc, ps, n, device=dev, dtype=st_dtype)
+    sexp = state_exponents(states, gs)
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
@@ -741,13 +877,14 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     has_doc = doc is not None
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
-    if use_fused_pass(b, h, p, n, x.dtype, dev, "fpass", Q):
-        BP, BN, nw, nst = fused_pass_config(p, n, x.dtype, "fpass", Q, b * h, dev)
+    e_arg = sexp if gs else gdec
+    if walk is not None:
+        BP, BN, nw, nst = walk
         grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
-               l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
+               e_arg, l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
                PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, UNROLL=walk_unroll(x.dtype),
-               num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
+               GS=gs, num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
@@ -760,19 +897,19 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         PN = ps * n
         BLOCK, nw = pass_config(PN, x.dtype)
         grid2 = (b * h, cdiv(PN, BLOCK))
-        launch(_state_pass_fwd, grid2, local, states, gdec, initial_state if has_init else final, final, nc, PN,
-               HAS_INIT=has_init, BLOCK=BLOCK, num_warps=nw)
+        launch(_state_pass_fwd, grid2, local, states, gdec, initial_state if has_init else final, final, e_arg,
+               nc, PN, HAS_INIT=has_init, BLOCK=BLOCK, GS=gs, num_warps=nw)
     bp, bn, nw, nst = kcfg("scan", x.dtype, Q, p)
     bp = min(bp, _pow2(p))
     extra = dict(num_stages=nst) if nst else {}
     grid3 = (nc, b * h, cdiv(p, bp))
     launch(_chunk_scan_fwd, grid3, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
            ynum if ynum is not None else y,
-           D if D is not None else dt, l, h, g, p, n, nc,
-           Q=Q, BP=bp, BN=min(bn, _pow2(n)), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
+           D if D is not None else dt, e_arg, l, h, g, p, n, nc,
+           Q=Q, BP=bp, BN=reader_bn(min(bn, _pow2(n)), gs), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
            NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-           YPREC=state_precision(x.dtype), num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
-    return y, ynum, den, final, states, gdec
+           YPREC=state_precision(x.dtype), GS=gs, num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
+    return y, ynum, den, final, states, gdec, sexp
 
 
 @triton.jit

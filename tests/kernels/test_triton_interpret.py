@@ -163,7 +163,7 @@ def test_normalize_many_tiles(norm, state_pass, monkeypatch):
     ("off", "split", "rowscale", "tf32", "fp32"), ("state", "fused", "rowscale", "bf16", "fp32"),
     ("state", "split", "fp32", "bf16x2", "fp32"), ("state", "split", "rowscale", "bf16", "bf16"),
     ("state", "fused", "rowscale", "bf16", "bf16"), ("state", "fused", "rowscale", "bf16", "fp16,fp32"),
-    ("state", "split", "rowscale", "bf16", "fp16,fp16")])
+    ("state", "split", "rowscale", "bf16", "fp16,fp16"), ("state", "fused", "rowscale", "bf16", "fp16,fp16")])
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
 def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opts, monkeypatch):
     """bf16 inputs: the dots against fp32 states use the bf16 hi/lo split (HMSCALE_SSD_SPLIT; tests/kernels/conftest.py
@@ -194,6 +194,61 @@ def test_bf16_state_precision(split, state_pass, norm_bwd, dbc_prec, states, opt
     if not opts:
         tol = 1e-4 if states == "fp32" else 5e-3
         assert rel(g["dt"], gr["dt"]) < tol and rel(g["A"], gr["A"]) < tol
+
+
+@pytest.mark.parametrize("state_pass", ["split", "fused"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_scaled_fp16_states_hold_the_stored_values(state_pass, norm, monkeypatch):
+    """Scaled fp16 storage (HMSCALE_SSD_STATES=fp16,...): the states are fp16 values and one int8 exponent per group of
+    a row (the walk's tile width, or 16-64 columns for the split pass); value x 2^exponent is the fp32 storage's state
+    to fp16's rounding, the largest of each group in [2^14, 2^15)."""
+    from kernels.reference import doc_ids_from_seq_idx
+    from kernels.ssd_triton_fwd import ssd_fwd
+
+    monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
+    opts = dict(normalize=True, init=True, seq=True) if norm else {}
+    ins, seq = on_triton_device(*make_inputs(1, 150, 2, 1, 16, 64, dtype=torch.bfloat16, **opts))
+    ins["x"] = ins["x"] * 2.0 ** 20  # states past fp16's largest value (65504) unless scaled
+    doc = doc_ids_from_seq_idx(seq, 1, 150, seq.device).contiguous() if seq is not None else None
+    args = (ins["x"], ins["dt"].float(), ins["A"].float(), ins["B"], ins["C"],
+            ins["initial_state"].float() if norm else None, doc, 32)
+    out = {}
+    for storage in ("fp32", "fp16,fp16"):
+        monkeypatch.setenv("HMSCALE_SSD_STATES", storage)
+        out[storage] = ssd_fwd(*args, norm=norm)
+    ref, states, sexp = out["fp32"][4], out["fp16,fp16"][4], out["fp16,fp16"][6]
+    assert ref.dtype == torch.float32 and out["fp32"][6].numel() == 0
+    assert states.dtype == torch.float16 and sexp.dtype == torch.int8
+    gs = states.shape[-1] // sexp.shape[-1]
+    assert sexp.shape == (*states.shape[:-1], 64 // gs) and gs in (16, 32, 64)
+    got = states.float() * torch.exp2(sexp.float()).repeat_interleave(gs, dim=-1)
+    assert torch.isfinite(got).all() and ref.abs().max() > 65504
+    assert rel(got, ref) < 1e-3
+    top = states.float().abs().view(*sexp.shape, gs).amax(-1)
+    assert ((top >= 2.0 ** 14) & (top <= 2.0 ** 15) | (top == 0)).all()
+    assert torch.equal(out["fp16,fp16"][0], out["fp32"][0]) or rel(out["fp16,fp16"][0], out["fp32"][0]) < 1e-2
+
+
+@pytest.mark.parametrize("state_pass", ["split", "fused"])
+def test_scaled_fp16_states_are_range_safe(state_pass, monkeypatch):
+    """Scaled fp16 storage of the states and state gradients (HMSCALE_SSD_STATES=fp16,fp16): x scaled by 2^14 (states
+    far above fp16's largest value) and the output's gradient by 2^-24 (state gradients at fp16's smallest subnormal)
+    give outputs and gradients exactly those of the unscaled inputs times the same powers of two: every stored group
+    keeps its own exponent, so nothing overflows, underflows or loses bits (unscaled fp16 storage gives inf / 0)."""
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16,fp16")
+    monkeypatch.setenv("HMSCALE_SSD_PASS", state_pass)
+    ins, seq = make_inputs(1, 70, 2, 1, 16, 32, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(1, 70, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double()
+    gs = torch.randn(1, 2, 16, 32, generator=gen, dtype=torch.float64)
+    kx, ky = 2.0 ** 14, 2.0 ** -24
+    y, s, g, _, _ = _run(_triton, ins, seq, {}, 32, gy, gs, device=TRITON_DEVICE)
+    y2, s2, g2, _, _ = _run(_triton, dict(ins, x=ins["x"] * kx), seq, {}, 32, gy * ky, gs * ky, device=TRITON_DEVICE)
+    assert torch.equal(y2, y * kx) and torch.equal(s2, s * kx)
+    scale = dict(x=ky, dt=kx * ky, A=kx * ky, B=kx * ky, C=kx * ky)
+    for k in g:
+        assert torch.isfinite(g2[k]).all() and g2[k].abs().max() > 0, k
+        assert torch.equal(g2[k], g[k] * scale[k]), (k, rel(g2[k], g[k] * scale[k]))
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
@@ -512,13 +567,17 @@ def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
 
 
 def test_state_storage_setting(monkeypatch):
-    """HMSCALE_SSD_STATES: fp32 by default; S[,dS] for bf16 inputs (dS follows a bf16 S, else fp32); fp16 and fp32
-    inputs keep fp32 whatever it says; an unknown name is a one-line error naming the variable."""
-    from kernels.ssd_triton_fwd import state_dtype
+    """HMSCALE_SSD_STATES: auto by default (fp16 S and dS for bf16 inputs, scaled); S[,dS] for bf16 inputs (dS
+    follows a bf16 S, else fp32); fp16 and fp32 inputs keep fp32 whatever it says; an unknown name is a one-line error
+    naming the variable."""
+    from kernels.ssd_triton_fwd import state_dtype, state_storage
 
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     monkeypatch.delenv("HMSCALE_SSD_STATES", raising=False)
-    assert state_dtype(bf16) == f32 and state_dtype(bf16, grad=True) == f32
+    assert state_dtype(bf16) == f16 and state_dtype(bf16, grad=True) == f16 and state_storage()[2]
+    assert state_dtype(f16) == f32 and state_dtype(torch.float32, grad=True) == f32
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "fp32")
+    assert state_dtype(bf16) == f32 and state_dtype(bf16, grad=True) == f32 and not state_storage()[2]
     monkeypatch.setenv("HMSCALE_SSD_STATES", "bf16")
     assert state_dtype(bf16) == bf16 and state_dtype(bf16, grad=True) == bf16
     assert state_dtype(f16) == f32 and state_dtype(f32, grad=True) == f32
@@ -532,6 +591,32 @@ def test_state_storage_setting(monkeypatch):
         monkeypatch.setenv("HMSCALE_SSD_STATES", bad)
         with pytest.raises(ValueError, match="HMSCALE_SSD_STATES must be"):
             state_dtype(bf16)
+
+
+def test_state_layout_scale_groups(monkeypatch):
+    """Where scaled fp16 storage applies: its group is the fused walk's tile width (it must divide N) or, for the
+    split pass, the widest of 64 / 32 / 16 dividing N; no group: fp32. ``auto`` keeps fp16 only for groups of 64+
+    columns (narrower ones narrow the readers' tiles), an explicit fp16 takes any group; the v1 backward stores
+    fp32; the readers' n tiles never exceed a group (reader_bn)."""
+    from kernels.ssd_triton_fwd import reader_bn, scale_group, state_layout
+
+    assert scale_group(256, 32) == 32 and scale_group(80, 64) == 0 and scale_group(128, None) == 64
+    assert scale_group(96, None) == 32 and scale_group(80, None) == 16 and scale_group(40, None) == 0
+    assert reader_bn(64, 32, 0) == 32 and reader_bn(32, 0, 0) == 32 and reader_bn(64, 64, 16) == 16
+    bf16, cpu = torch.bfloat16, torch.device("cpu")  # the CPU: the split passes
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "split")
+    monkeypatch.delenv("HMSCALE_SSD_STATES", raising=False)
+    assert state_layout(2, 4, 64, 128, bf16, cpu)[:2] == (torch.float16, 64)
+    assert state_layout(2, 4, 64, 32, bf16, cpu)[:2] == (torch.float32, 0)  # auto: a 32-column group
+    assert state_layout(2, 4, 64, 128, torch.float32, cpu)[:2] == (torch.float32, 0)
+    monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16,fp16")
+    assert state_layout(2, 4, 64, 32, bf16, cpu, grad=True)[:2] == (torch.float16, 32)
+    assert state_layout(2, 4, 64, 40, bf16, cpu)[:2] == (torch.float32, 0)
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=64,16")
+    assert state_layout(2, 4, 64, 128, bf16, cpu)[:3] == (torch.float16, 16, (64, 16, 4, 3))
+    monkeypatch.setenv("HMSCALE_SSD_BWD", "v1")
+    assert state_layout(2, 4, 64, 128, bf16, cpu)[:2] == (torch.float32, 0)
 
 
 def test_register_caps(monkeypatch):
