@@ -5,7 +5,8 @@
 #                             machine provides it (set TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere)
 #   make demo TORCH=cuda      installs the CUDA build of torch from PyPI (several GB); add
 #                             ARGS="-s parallel.use_gpu=true -s parallel.bf16=true" to train on the GPU
-# ARGS passes overrides to `hmscale run`, e.g.  make demo ARGS="-s budget.total_tokens=200000"
+# ARGS passes overrides to `hmscale run`, e.g.  make demo ARGS="-s budget.total_tokens=200000 -s output_dir=runs/demo-200k"
+# (runs/demo holds one run: other training settings go to another output_dir)
 # (the demo also scores 2048-token rows, 8x its training rows, by position: eval.context_length)
 PYTHON        ?= python3
 VENV          ?= .venv

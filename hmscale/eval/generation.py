@@ -18,6 +18,8 @@ def resolve_device(device: str = "auto") -> torch.device:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"--device: {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):  # (mps, xpu, meta: torch names them, but the model would fail on the copy)
+        raise ValueError(f"--device: {device!r} is not a device generate runs on; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device: {device!r}, but this torch ({torch.__version__}) sees no GPU; use cpu or auto")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
