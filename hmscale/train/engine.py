@@ -325,9 +325,10 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
         optimizer = fused_adam(params, conf, spec.lr)
         del conf["optimizer"]  # DeepSpeed wraps the optimizer given instead of building one
     use_mpu(mpu)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=params, optimizer=optimizer, config=conf, mpu=mpu, lr_scheduler=scheduler
-    )
+    with _no_warmup_optimizer_step():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=params, optimizer=optimizer, config=conf, mpu=mpu, lr_scheduler=scheduler
+        )
     _record_fp32_grad_norm(engine)
     if mpu is not None:  # ZeRO-0 bf16 under tp: the clipping norm counts every rank's shards (hmscale.parallel.mpu)
         from hmscale.parallel.mpu import count_tp_shards_in_grad_norm
@@ -338,6 +339,33 @@ def build_engine(model: torch.nn.Module, spec: OptimSpec, *, dp_world: int, mpu=
     if grad_buckets:
         install_buckets(engine.optimizer)
     return engine
+
+
+@contextlib.contextmanager
+def _no_warmup_optimizer_step():
+    """Build DeepSpeed's bf16/fp16 wrappers of ZeRO 0 without the optimizer step they take at construction.
+
+    ZeRO 0 with bf16 gets DeepSpeed's ``FP16_UnfusedOptimizer`` (``FP16_Optimizer`` with DeepSpeed's FusedAdam), whose
+    ``__init__`` calls ``initialize_optimizer_states``: every gradient set to zero and one full ``optimizer.step()``
+    (deepspeed/runtime/fp16/unfused_optimizer.py, fused_optimizer.py), to allocate Adam's state eagerly. That step
+    counts: Adam's step counter is at 1 before training, so every later bias correction is one step late (with betas
+    0.9/0.95 the first update is 0.735 times ZeRO 1's and fp32's: another loss from step 1 on), and with
+    weight decay the fp32 master weights are decayed once, at the full lr, before training. ZeRO 1/2/3 and fp32 ZeRO 0
+    create the state at the first real step. Without the warm-up step the state is created there too (torch's and
+    DeepSpeed's Adams create it lazily): ZeRO 0 bf16 then steps as ZeRO 1 does
+    (tests/train/test_walk_bf16_zero0.py)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    classes = [c for c in (FP16_UnfusedOptimizer, FP16_Optimizer) if "initialize_optimizer_states" in vars(c)]
+    saved = {c: vars(c)["initialize_optimizer_states"] for c in classes}
+    for c in classes:
+        c.initialize_optimizer_states = lambda self: None
+    try:
+        yield
+    finally:
+        for c, f in saved.items():
+            c.initialize_optimizer_states = f
 
 
 def _record_fp32_grad_norm(engine) -> None:
