@@ -45,8 +45,8 @@ from .host_math import cdiv
 from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_st_row, _load_st_tile,
-                             _load_state, _seg_fix,
-                             _pass_store, _pow2, _state_tile, _store_st_tile, _store_state, _xdot, block_sizes,
+                             _load_state, _pass_store, _pow2, _seg_fix, _state_tile, _store_st_tile, _store_state,
+                             _walk_span, _xdot, block_sizes,
                              bwd_variant, dbc_state_precision, kcfg, pass_config, precisions, reader_bn,
                              register_cap, segment_fix, state_exponents, state_layout, state_precision, walk_unroll)
 
@@ -204,17 +204,7 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
     and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
     UNROLL 2: two chunks per step, as in ``_state_fused_fwd``. SEG: one program per (batch*head, segment, tile), each
     walking its segment backwards from a zero gradient (the last from dfinal), as the forward's segments."""
-    if SEG:
-        K = tl.cdiv(NC, NCS)
-        bh = (tl.program_id(0) // K).to(tl.int64)
-        k = tl.program_id(0) % K
-        c_lo = k * NCS
-        c_hi = tl.minimum(c_lo + NCS, NC)
-    else:
-        bh = tl.program_id(0).to(tl.int64)
-        k = 0
-        c_lo = 0
-        c_hi = NC
+    bh, k, c_lo, c_hi = _walk_span(NC, NCS, SEG)
     blk = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N

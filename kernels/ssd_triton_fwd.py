@@ -359,6 +359,24 @@ def _pass_store(ptr, S, mask, e_ptr, erow, emask, GS: tl.constexpr):
 
 
 @triton.jit
+def _walk_span(NC, NCS, SEG: tl.constexpr):
+    """(batch*head, segment, first chunk, end chunk) of a walk program: grid axis 0 is batch*head, times the segments
+    of NCS chunks with SEG (``HMSCALE_SSD_SEGMENTS``), each program walking its segment's chunks."""
+    if SEG:
+        K = tl.cdiv(NC, NCS)
+        bh = (tl.program_id(0) // K).to(tl.int64)
+        k = tl.program_id(0) % K
+        c_lo = k * NCS
+        c_hi = tl.minimum(c_lo + NCS, NC)
+    else:
+        bh = tl.program_id(0).to(tl.int64)
+        k = 0
+        c_lo = 0
+        c_hi = NC
+    return bh, k, c_lo, c_hi
+
+
+@triton.jit
 def _segment_fix_fwd(send_ptr, gseg_ptr, fix_ptr, final_ptr, K, PN, NC, BLOCK: tl.constexpr):
     """Segments (``HMSCALE_SSD_SEGMENTS``): the state entering each segment, walked over the K segments' end states
     and decays (S_0 = 0: the first segment's walk started from initial_state), into ``fix_ptr`` (``segment_fix``'s
@@ -433,17 +451,7 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
     segment from a zero state (the first from initial_state): it stores the partial states, the decay since the
     segment's start before each chunk (``fix_ptr``'s tail, ``segment_fix``'s layout), and its end state and decay
     (``send_ptr``, ``gseg_ptr``) for ``_segment_fix_fwd``."""
-    if SEG:
-        K = tl.cdiv(NC, NCS)
-        bh = (tl.program_id(0) // K).to(tl.int64)
-        k = tl.program_id(0) % K
-        c_lo = k * NCS
-        c_hi = tl.minimum(c_lo + NCS, NC)
-    else:
-        bh = tl.program_id(0).to(tl.int64)
-        k = 0
-        c_lo = 0
-        c_hi = NC
+    bh, k, c_lo, c_hi = _walk_span(NC, NCS, SEG)
     pn = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N
