@@ -45,8 +45,8 @@ from .host_math import cdiv
 from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_st_row, _load_st_tile,
-                             _load_state, _pass_store, _pow2, _seg_fix, _state_tile, _store_st_tile, _store_state,
-                             _walk_span, _xdot, block_sizes,
+                             _load_state, _pass_block, _pass_store, _pow2, _seg_fix, _state_tile, _store_st_tile,
+                             _store_state, _walk_span, _xdot, block_sizes,
                              bwd_variant, dbc_state_precision, kcfg, pass_config, precisions, reader_bn,
                              register_cap, segment_fix, state_exponents, state_layout, state_precision, walk_unroll)
 
@@ -98,16 +98,7 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, e_ptr, NC
     GS > 0: scaled fp16 storage, as in ``_state_pass_fwd``."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    if GS > 0:
-        rows = tl.arange(0, BLOCK // GS)
-        offs = blk * BLOCK + (rows[:, None] * GS + tl.arange(0, GS)[None, :])
-        erow = (blk * BLOCK) // GS + rows
-        emask = erow * GS < PN
-    else:
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
-        erow = offs  # unused
-        emask = offs < PN
-    mask = offs < PN
+    offs, mask, erow, emask = _pass_block(blk, PN, BLOCK, GS)
     if HAS_DFINAL:
         dS = tl.load(dfinal_ptr + bh * PN + offs, mask=mask, other=0.0).to(tl.float32)
     else:

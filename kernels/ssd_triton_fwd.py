@@ -174,13 +174,9 @@ def _chunk_state_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr,
 
 
 @triton.jit
-def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, e_ptr, NC, PN,
-                    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, GS: tl.constexpr = 0):
-    """The serial pass: reads the chunks' fp32 local states at ``st_ptr`` and writes the state entering each chunk
-    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state.
-    GS > 0 (scaled fp16 storage): the block is (BLOCK // GS) x GS, one exponent a row, at ``e_ptr``."""
-    bh = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
+def _pass_block(blk, PN, BLOCK: tl.constexpr, GS: tl.constexpr):
+    """Offsets and mask of a split pass's block of BLOCK state elements, and (GS > 0: the block as (BLOCK // GS) x GS,
+    one scale group a row) its exponents' offsets and mask."""
     if GS > 0:
         rows = tl.arange(0, BLOCK // GS)
         offs = blk * BLOCK + (rows[:, None] * GS + tl.arange(0, GS)[None, :])
@@ -190,7 +186,18 @@ def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, e_ptr, NC, P
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         erow = offs  # unused
         emask = offs < PN
-    mask = offs < PN
+    return offs, offs < PN, erow, emask
+
+
+@triton.jit
+def _state_pass_fwd(st_ptr, out_ptr, gdec_ptr, init_ptr, final_ptr, e_ptr, NC, PN,
+                    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, GS: tl.constexpr = 0):
+    """The serial pass: reads the chunks' fp32 local states at ``st_ptr`` and writes the state entering each chunk
+    at ``out_ptr`` (in its storage dtype; the same buffer when states are stored in fp32), and the final state.
+    GS > 0 (scaled fp16 storage): the block is (BLOCK // GS) x GS, one exponent a row, at ``e_ptr``."""
+    bh = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs, mask, erow, emask = _pass_block(blk, PN, BLOCK, GS)
     if HAS_INIT:
         S = tl.load(init_ptr + bh * PN + offs, mask=mask, other=0.0).to(tl.float32)
     else:
