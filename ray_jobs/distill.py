@@ -12,7 +12,8 @@ spawned processes on this machine (`engine=local`, several workers: torchrun-sty
 Fault tolerance: every stage checkpoint is reported to Ray Train (`ray.train.report(metrics,
 checkpoint=...)`; each worker reports its own DeepSpeed files, which Ray merges into one checkpoint);
 `FailureConfig(max_failures=parallel.max_failures)` restarts the worker group after a worker dies, and
-`train_func` resumes from `ray.train.get_checkpoint()` (a finished stage is skipped).
+`train_func` resumes from `ray.train.get_checkpoint()` (a finished stage is skipped); once those restarts are used
+up, the driver stops with a one-line `TrainingError` (`workers_failed_line`) instead of Ray's WorkerGroupError.
 The run directory must be visible to all workers (one node, or a shared filesystem); on a (re)start the
 furthest whole checkpoint of Ray's restored one and the newest complete one under the run directory wins
 (a report made just before a worker died may never reach the controller; a damaged one is passed over), so
@@ -338,12 +339,30 @@ def _run_local_workers(cfg, config: dict, run_dir: Path, *, log=print) -> dict:
     return _stage_summaries(run_dir, config["stages"])
 
 
+def workers_failed_line(err: BaseException, max_failures: int) -> str:
+    """One line for a Ray Train run whose workers failed past ``parallel.max_failures`` restarts: what Ray says first
+    (its error's first lines, less the ``[Rank N Error Snippet]:`` headers), then what to do."""
+    text: list[str] = []
+    for ln in str(err).splitlines():
+        ln = ln.strip().rstrip(":")
+        if ln and not ln.startswith("[Rank ") and ln not in text:
+            text.append(ln)
+    what = ": ".join(text[:2]) if text else "no message"
+    if len(what) > 300:
+        what = what[:297] + "..."
+    return (f"the Ray Train workers failed past the restarts parallel.max_failures={max_failures} allows "
+            f"({type(err).__name__}: {what}); the checkpoints written so far are kept: rerun into the same output_dir "
+            "to resume from the last one (once the cluster has the workers' resources again), or raise "
+            "parallel.max_failures")
+
+
 def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) -> dict:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from hmscale.ray_cluster import connect
+    from hmscale.train.engine import TrainingError
 
     connect(cfg.parallel.ray_address, log=log)
     _check_ray_workers(cfg, log)
@@ -363,9 +382,16 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
         ),
     )
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
-    result = trainer.fit()
-    if result.error is not None:
-        raise result.error
+    try:
+        result = trainer.fit()
+        failure = result.error
+    except TrainingFailedError as err:  # (Ray Train's fit() raises its result's error itself)
+        result, failure = None, err
+    if failure is not None:
+        _raise_recorded_error(run_dir)  # a deterministic worker error, recorded by the worker, wins
+        # workers that died (a node lost, a killed process) once the restarts FailureConfig allows are used up: Ray
+        # Train raises its multi-line WorkerGroupError; the run stops with one line, as the local engine's does
+        raise TrainingError(workers_failed_line(failure, par.max_failures)) from None
     _raise_recorded_error(run_dir)
     return {"ray_metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None,
             **_stage_summaries(run_dir, config["stages"])}
