@@ -551,7 +551,7 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
                    ONE_HEAD: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                      SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                   SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
     """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
     at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway).
     TILE_MAJOR: grid (chunks x n tiles, batch*group), the n tiles of a chunk launched together (they read the same
@@ -565,16 +565,14 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
         c = tl.program_id(0)
         nb = tl.program_id(2)
     _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, sf_ptr,
-              df_ptr, NCS,
-              dB_ptr, dC_ptr, ddt_ptr,
+              df_ptr, NCS, dB_ptr, dC_ptr, ddt_ptr,
               dcs_ptr, den_ptr, dg_ptr, c, nb, tl.program_id(1).to(tl.int64), L, H, G, P, N, NC, NNB, Q, BP, BN,
               HAS_DOC, PREC, SPREC, IN_DTYPE, DCS, NORM, DY_EXACT, DY_SCALE, ONE_HEAD, GSS, GSD, SSEG, DSEG)
 
 
 @triton.jit
 def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, sf_ptr,
-              df_ptr, NCS,
-              dB_ptr, dC_ptr,
+              df_ptr, NCS, dB_ptr, dC_ptr,
               ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, nb, bg, L, H, G, P, N, NC, NNB,
               Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
               SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, DCS: tl.constexpr, NORM: tl.constexpr,
@@ -595,9 +593,8 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
     if ONE_HEAD:
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
                                                      se_ptr, de_ptr, sf_ptr, df_ptr, NCS, den_ptr, dg_ptr, b, grp, c,
-                                                         nb, L, H, P, N, NC,
-                                                     NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
-                                                     NORM, DY_EXACT, DY_SCALE, GSS, GSD, SSEG, DSEG)
+                                                     nb, L, H, P, N, NC, NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC,
+                                                     SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE, GSS, GSD, SSEG, DSEG)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
@@ -616,9 +613,8 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
         h = grp * HPG + hh
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
                                                      se_ptr, de_ptr, sf_ptr, df_ptr, NCS, den_ptr, dg_ptr, b, h, c,
-                                                         nb, L, H, P, N, NC,
-                                                     NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
-                                                     NORM, DY_EXACT, DY_SCALE, GSS, GSD, SSEG, DSEG)
+                                                     nb, L, H, P, N, NC, NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC,
+                                                     SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE, GSS, GSD, SSEG, DSEG)
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
@@ -648,7 +644,7 @@ def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_pt
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                     IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
                     DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                      SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                    SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
     """``_chunk_bwd_dbc`` (one head per group) and ``_chunk_bwd_dx_dcs`` in one launch, their programs interleaved by
     chunk: grid (chunks x (NNB + NPB), batch*head); program k of chunk c is dB/dC's n tile k for k < NNB, else dx's
     p tile k - NNB. The NNB + NPB programs of a chunk run at about the same time and read the same dS, x, dy, B and
@@ -660,14 +656,12 @@ def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_pt
     bh = tl.program_id(1).to(tl.int64)
     if k < NNB:
         _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                  sf_ptr, df_ptr, NCS,
-                  dB_ptr, dC_ptr,
+                  sf_ptr, df_ptr, NCS, dB_ptr, dC_ptr,
                   ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, k, bh, L, H, H, P, N, NC, NNB, Q, BPD, BND,
                   HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True, GSS, GSD, SSEG, DSEG)
     else:
         _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                     sf_ptr, df_ptr, NCS,
-                     dx_ptr, ddt_ptr,
+                     sf_ptr, df_ptr, NCS, dx_ptr, ddt_ptr,
                      dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, k - NNB, bh, L, H, H, P, N, NC, NPB,
                      Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD, SSEG, DSEG)
 
@@ -681,7 +675,7 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                      IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
                      DY_SCALE: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                      SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                     SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
     """``_chunk_bwd_dx_dcs`` (with the saved numerator) and the one-head ``_chunk_bwd_dbc`` in one program per
     (chunk, batch*head), for one head per B/C group and all of P in one tile (BP >= P): each (P x BN) tile of
     the leaving state's gradient dS and of the entering state S0 is read once and serves dx's B dS^T, dB's x dS,
@@ -1008,8 +1002,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
         launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, sf_arg,
                df_arg, ncs,
-               dx, dB, dC,
-               ddt_part, dcs_part,
+               dx, dB, dC, ddt_part, dcs_part,
                dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
                dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
                Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
@@ -1039,28 +1032,25 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                    Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec,
                    XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype), IN_DTYPE=in_dtype,
                    DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale, Y_SAVED=ysaved is not None,
-                   GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg, num_warps=nw2, **extra, **register_cap("pair", x.dtype, Q,
-                       p))
+                   GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg, num_warps=nw2, **extra,
+                   **register_cap("pair", x.dtype, Q, p))
             ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
             return dx, ddt, dA, dB, dC, dinit, dD
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
         launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, sf_arg,
-               df_arg, ncs, dx,
-               ddt_part, dcs_part,
+               df_arg, ncs, dx, ddt_part, dcs_part,
                dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                ysaved if ysaved is not None else dt,
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=BN2,
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
                TILE_MAJOR=tm, Y_SAVED=ysaved is not None, GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg, num_warps=nw2,
-                   **extra,
-               **register_cap("dx", x.dtype, Q))
+               **extra, **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
         launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, sf_arg,
-               df_arg, ncs, dB, dC,
-               ddt_part, dcs_part,
+               df_arg, ncs, dB, dC, ddt_part, dcs_part,
                den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
                DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg,
                ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))

@@ -526,7 +526,8 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
                     GS: tl.constexpr = 0, SEG: tl.constexpr = False):
     """y of one (chunk, p tile). SAVE_YNUM: also keep the fp32 numerator for the backward, whose decay gradient
     (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``).
-    GS > 0: the states are stored scaled (``_load_st``, exponents at ``se_ptr``)."""
+    GS > 0: the states are stored scaled (``_load_st_tile``, exponents at ``se_ptr``); SEG: they are segments'
+    partial states (``_seg_fix``, from ``fix_ptr``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
