@@ -301,19 +301,10 @@ def run(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Over
 
 
 def print_results(res: dict) -> None:
-    if "teacher_ppl" not in res:
-        return
-    t = res["teacher_ppl"]
-    typer.echo("")
-    typer.echo(f"{'model':<24}{'val ppl':>10}{'/ teacher':>12}")
-    from hmscale.recipe import long_context_lines, model_labels
+    from hmscale.recipe import results_lines
 
-    for name, label in model_labels(res, teacher="teacher").items():
-        typer.echo(f"{label:<24}{res[name + '_ppl']:>10.3f}{res[name + '_ppl'] / t:>12.3f}")
-    if "long_context" in res:
-        typer.echo("")
-        for line in long_context_lines(res, teacher="teacher"):
-            typer.echo(line)
+    for line in results_lines(res):
+        typer.echo(line)
 
 
 @app.command()

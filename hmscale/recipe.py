@@ -286,6 +286,21 @@ def long_context_lines(results: dict, teacher: str = "teacher (GPT-NeoX)") -> li
             f"* past the training rows' {lc['train_seq_len']} tokens:", ""] + long_context_table(lc, model_labels(results, teacher))
 
 
+def results_lines(results: dict, teacher: str = "teacher") -> list[str]:
+    """The table a finished run prints (`hmscale run`, and a submitted job's log): validation perplexity of each
+    model and its ratio to the teacher, then the long-context table when the run has one. Empty without results."""
+    if "teacher_ppl" not in results:
+        return []
+    t = results["teacher_ppl"]
+    lines = ["", f"{'model':<24}{'val ppl':>10}{'/ teacher':>12}"]
+    for name, label in model_labels(results, teacher=teacher).items():
+        if name + "_ppl" in results:
+            lines.append(f"{label:<24}{results[name + '_ppl']:>10.3f}{results[name + '_ppl'] / t:>12.3f}")
+    if "long_context" in results:
+        lines += [""] + long_context_lines(results, teacher=teacher)
+    return lines
+
+
 def _plain(d: dict) -> dict:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
 

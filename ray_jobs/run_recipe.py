@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         print(f"hmscale: error: {err}", file=sys.stderr)
         return 1
-    print({k: results[k] for k in ("teacher_ppl", "hedgehog_ppl", "hedgemamba_ppl") if k in results})
+    from hmscale.recipe import results_lines
+
+    for line in results_lines(results):  # the table `hmscale run` prints, in the job's log
+        print(line)
     return 0
 
 

@@ -39,3 +39,19 @@ def test_long_context_table_in_report_and_printout(tmp_path, capsys):
     assert "| teacher | 40.00 | 50.00 | 60.00 |" in out
     rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "model" not in line and "---" not in line]
     assert rows == ["| teacher", "| Hedgehog (stage 1)", "| HedgeMamba (stage 2)"]  # not JSON's sorted key order
+
+
+def test_a_submitted_job_prints_the_same_table_as_hmscale_run(monkeypatch, capsys):
+    # the Ray job `hmscale submit` starts ends its log with the table `hmscale run` prints, not a dict
+    import hmscale.recipe
+    from hmscale.cli import print_results
+    from ray_jobs import run_recipe
+
+    results = {"teacher_ppl": 10.0, "hedgehog_ppl": 20.0, "hedgemamba_ppl": 10.5, "stage1_transfer": "attention"}
+    monkeypatch.setattr(hmscale.recipe, "run_recipe", lambda cfg, **kw: results)
+    assert run_recipe.main(["-s", "output_dir=/tmp/hmscale-table-test"]) == 0
+    job = capsys.readouterr().out
+    print_results(results)
+    assert job == capsys.readouterr().out
+    assert any(line.startswith("HedgeMamba (stage 2)") and line.split()[-2:] == ["10.500", "1.050"]
+               for line in job.splitlines())
