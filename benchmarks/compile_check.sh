@@ -21,12 +21,11 @@ if [ ! -d "$dir/triton" ]; then
 fi
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
-for run in auto:1 fused:1 fused:2; do  # HMSCALE_SSD_PASS:HMSCALE_SSD_SEGMENTS
-  pass="${run%:*}" segments="${run#*:}"
+for pass in auto fused; do
   for shape in 1.4b 410m_norm 160m_norm mamba2; do
     for dtype in bf16 fp16 fp32; do
-      echo "== $shape $dtype (HMSCALE_SSD_PASS=$pass HMSCALE_SSD_SEGMENTS=$segments)"
-      HMSCALE_SSD_PASS="$pass" HMSCALE_SSD_SEGMENTS="$segments" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+      echo "== $shape $dtype (HMSCALE_SSD_PASS=$pass)"
+      HMSCALE_SSD_PASS="$pass" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
         "$python" benchmarks/ssd_registers.py --shape "$shape" --dtype "$dtype" | grep '^| _' \
         | tee -a "$out"
     done

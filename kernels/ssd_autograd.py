@@ -28,24 +28,23 @@ __all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_
 
 
 def _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum):
-    """(y, final, states, gdec, ynum, den, sexp, sfix) of the Triton forward; ynum and den are None when not kept,
-    sexp (the states' exponents) empty unless they are stored as scaled fp16, sfix (the segments' completion) empty
-    with one segment."""
-    y, ynum, den, final, states, gdec, sexp, sfix = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size,
-                                                            out_dtype, norm, Dhp, save_ynum=save_ynum)
-    return y, final, states, gdec, ynum, den, sexp, sfix
+    """(y, final, states, gdec, ynum, den, sexp) of the Triton forward; ynum and den are None when not kept, sexp
+    (the states' exponents) empty unless they are stored as scaled fp16."""
+    y, ynum, den, final, states, gdec, sexp = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                      norm, Dhp, save_ynum=save_ynum)
+    return y, final, states, gdec, ynum, den, sexp
 
 
 def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm,
-                   sexp, sfix):
+                   sexp):
     """(dx, ddt, dA, dB, dC, dinit, dD) of the Triton backward (dinit, dD None when absent)."""
     with env_frozen():
         return _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
-                                            chunk_size, has_init, norm, sexp, sfix)
+                                            chunk_size, has_init, norm, sexp)
 
 
 def _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size,
-                                 has_init, norm, sexp, sfix):
+                                 has_init, norm, sexp):
     if dy is None:
         dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
     dden = None
@@ -54,11 +53,11 @@ def _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, 
     if norm and norm_bwd_mode() == "rowscale" and x.dtype == torch.bfloat16 and dy.dtype == torch.bfloat16:
         _, dden = norm_bwd_prologue(dy, ynum, den, write_dyn=False)
         return ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy,
-                       dy_den=den, sexp=sexp, sfix=sfix, **ys)
+                       dy_den=den, sexp=sexp, **ys)
     if norm:
         dyn, dden = norm_bwd_prologue(dy, ynum, den)
     return ssd_bwd(dyn, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy,
-                   sexp=sexp, sfix=sfix, **ys)
+                   sexp=sexp, **ys)
 
 
 def norm_bwd_mode() -> str:
@@ -83,9 +82,9 @@ class SSDCoreFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm=False, Dhp=None):
-        y, final, states, gdec, ynum, den, sexp, sfix = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size,
-                                                                      out_dtype, norm, Dhp, any(ctx.needs_input_grad))
-        ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, sfix)
+        y, final, states, gdec, ynum, den, sexp = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size,
+                                                                out_dtype, norm, Dhp, any(ctx.needs_input_grad))
+        ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp)
         ctx.chunk_size = chunk_size
         ctx.has_init = initial_state is not None
         ctx.norm = norm
@@ -94,9 +93,9 @@ class SSDCoreFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the Triton backward is not differentiable: a second derivative raises, not silently 0
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, sfix = ctx.saved_tensors
+        x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp = ctx.saved_tensors
         dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
-                                                        ctx.chunk_size, ctx.has_init, ctx.norm, sexp, sfix)
+                                                        ctx.chunk_size, ctx.has_init, ctx.norm, sexp)
         return dx, ddt, dA, dB, dC, dinit, None, None, None, None, dD
 
 
@@ -104,8 +103,6 @@ class SSDCoreFunction(torch.autograd.Function):
 # fake functions give its output shapes) instead of breaking the graph around the scan, and AOTAutograd puts
 # the backward op in the backward graph. Absent optional outputs are empty tensors (an op returns tensors).
 _Opt = Optional[torch.Tensor]
-_OUT8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-              torch.Tensor]
 _OUT7 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -120,10 +117,10 @@ def _none_if_empty(t):
 @torch.library.custom_op("hmscale::ssd_core_fwd", mutates_args=())
 def core_fwd_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 initial_state: _Opt, doc: _Opt, chunk_size: int, out_dtype: torch.dtype, norm: bool, Dhp: _Opt,
-                save_ynum: bool) -> _OUT8:
-    y, final, states, gdec, ynum, den, sexp, sfix = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size,
-                                                                  out_dtype, norm, Dhp, save_ynum)
-    return y, final, states, gdec, _or_empty(ynum, x), _or_empty(den, x), sexp, sfix
+                save_ynum: bool) -> _OUT7:
+    y, final, states, gdec, ynum, den, sexp = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                            norm, Dhp, save_ynum)
+    return y, final, states, gdec, _or_empty(ynum, x), _or_empty(den, x), sexp
 
 
 @core_fwd_op.register_fake
@@ -133,29 +130,27 @@ def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save
     nc = -(-l // chunk_size)
     ps = p + int(norm)
     f32 = torch.float32
-    st_dtype, gs, _, ncs = state_layout(b, h, p, n, x.dtype, x.device, chunk_size, nc=nc)
-    k = -(-nc // ncs)
+    st_dtype, gs, _ = state_layout(b, h, p, n, x.dtype, x.device, chunk_size)
     return (x.new_empty(b, l, h, p, dtype=out_dtype), x.new_empty(b, h, ps, n, dtype=f32),
             x.new_empty(b, h, nc, ps, n, dtype=st_dtype), x.new_empty(b * h, nc, dtype=f32),
             x.new_empty((b, l, h, p) if keeps_ynum(norm, save_ynum) else (0,), dtype=f32),
             x.new_empty((b, l, h) if norm else (0,), dtype=f32),
-            x.new_empty((b, h, nc, ps, n // gs) if gs else (0,), dtype=torch.int8),
-            x.new_empty((b * h, k * ps * n + nc) if k > 1 else (0,), dtype=f32))
+            x.new_empty((b, h, nc, ps, n // gs) if gs else (0,), dtype=torch.int8))
 
 
 @torch.library.custom_op("hmscale::ssd_core_bwd", mutates_args=())
 def core_bwd_op(dy: _Opt, dfinal: _Opt, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, doc: _Opt, states: torch.Tensor, gdec: torch.Tensor, ynum: torch.Tensor,
                 den: torch.Tensor, Dhp: _Opt, chunk_size: int, has_init: bool, norm: bool,
-                sexp: torch.Tensor, sfix: torch.Tensor) -> _OUT7:
+                sexp: torch.Tensor) -> _OUT7:
     dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec,
                                                     _none_if_empty(ynum), _none_if_empty(den), Dhp, chunk_size,
-                                                    has_init, norm, sexp, sfix)
+                                                    has_init, norm, sexp)
     return dx, ddt, dA, dB, dC, _or_empty(dinit, x), _or_empty(dD, x)
 
 
 @core_bwd_op.register_fake
-def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm, sexp, sfix):
+def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm, sexp):
     b, l, h, p = x.shape
     f32 = torch.float32
     return (torch.empty_like(x), x.new_empty(b, l, h, dtype=f32), x.new_empty(h, dtype=f32), torch.empty_like(B),
@@ -165,15 +160,15 @@ def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size,
 
 def _op_setup_context(ctx, inputs, output):
     x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum = inputs
-    _, _, states, gdec, ynum, den, sexp, sfix = output
-    ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, sfix)
+    _, _, states, gdec, ynum, den, sexp = output
+    ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp)
     ctx.chunk_size, ctx.has_init, ctx.norm = chunk_size, initial_state is not None, norm
 
 
 def _op_backward(ctx, dy, dfinal, *_unused):
-    x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, sfix = ctx.saved_tensors
+    x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp = ctx.saved_tensors
     dx, ddt, dA, dB, dC, dinit, dD = core_bwd_op(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
-                                                 ctx.chunk_size, ctx.has_init, ctx.norm, sexp, sfix)
+                                                 ctx.chunk_size, ctx.has_init, ctx.norm, sexp)
     return (dx, ddt, dA, dB, dC, dinit if ctx.has_init else None, None, None, None, None,
             dD if Dhp is not None else None, None)
 

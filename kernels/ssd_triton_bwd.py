@@ -45,10 +45,9 @@ from .host_math import cdiv
 from .launch import launch
 from .settings import env
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_st_row, _load_st_tile,
-                             _load_state, _pass_block, _pass_store, _pow2, _seg_fix, _state_tile, _store_st_tile,
-                             _store_state, _walk_span, _xdot, block_sizes,
-                             bwd_variant, dbc_state_precision, kcfg, pass_config, precisions, reader_bn,
-                             register_cap, segment_fix, state_exponents, state_layout, state_precision, walk_unroll)
+                             _load_state, _pass_block, _pass_store, _pow2, _state_tile, _store_st_tile, _store_state,
+                             _xdot, block_sizes, bwd_variant, dbc_state_precision, kcfg, pass_config, precisions,
+                             reader_bn, register_cap, state_exponents, state_layout, state_precision, walk_unroll)
 
 
 @triton.jit
@@ -184,26 +183,22 @@ def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr,
 
 @triton.jit
 def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr, dst_ptr,
-                      dfinal_ptr, dinit_ptr, den_ptr, e_ptr, fix_ptr, send_ptr, gseg_ptr,
-                      L, H, G, P, N, NC, NCS,
+                      dfinal_ptr, dinit_ptr, den_ptr, e_ptr,
+                      L, H, G, P, N, NC,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False,
-                      UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0, SEG: tl.constexpr = False):
+                      UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
     and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
-    UNROLL 2: two chunks per step, as in ``_state_fused_fwd``. SEG: one program per (batch*head, segment, tile), each
-    walking its segment backwards from a zero gradient (the last from dfinal), as the forward's segments."""
-    bh, k, c_lo, c_hi = _walk_span(NC, NCS, SEG)
+    UNROLL 2: two chunks per step, as in ``_state_fused_fwd``."""
+    bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, blk, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N
     if HAS_DFINAL:
         dS, dSr = _load_state(dfinal_ptr + bh * PN, soff, smask, offs_n, rmask, P, N, NORM)
-        if SEG:  # only the last segment starts from it
-            dS = tl.where(k == tl.cdiv(NC, NCS) - 1, dS, 0.0)
-            dSr = tl.where(k == tl.cdiv(NC, NCS) - 1, dSr, 0.0)
     else:
         dS = tl.zeros([BP, BN], dtype=tl.float32)
         dSr = tl.zeros([BN], dtype=tl.float32)
@@ -211,68 +206,33 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
     c_base = C_ptr + (b * L * G + grp) * N
     n0 = (blk // tl.cdiv(P, BP)) * BN  # the tile's first column
     EPC = PN // tl.maximum(GS, 1)  # exponents per chunk (GS > 0)
-    gc_base = fix_ptr + bh * (tl.cdiv(NC, NCS) * PN + NC) + tl.cdiv(NC, NCS) * PN  # (SEG) decay to the segment's end
-    Gc = tl.exp(tl.sum(tl.zeros([2], dtype=tl.float32), axis=0))  # 1.0, as a float32 scalar tensor
-    for i in range(0, c_hi - c_lo, UNROLL):
-        c = c_hi - 1 - i
+    for i in range(0, NC, UNROLL):
+        c = NC - 1 - i
         T, Tr, g = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c,
                                    L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM,
                                    DY_SCALE)
         if UNROLL == 2:
-            # a lone first chunk (of the sequence or of a segment) pairs with the chunk past the end: masked loads
-            # give T1 = 0, g1 = 1, nothing stored
-            c1 = tl.where(c > c_lo, c - 1, NC)
+            # a lone first chunk pairs with the chunk past the end: masked loads give T1 = 0, g1 = 1, nothing stored
+            c1 = tl.where(c > 0, c - 1, NC)
             T1, Tr1, g1 = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h,
                                           bh, c1, L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN,
                                           HAS_DOC, PREC, NORM, DY_SCALE)
         # the gradient of the state leaving chunk c
         _store_st_tile(dst_ptr + (bh * NC + c) * PN, e_ptr + (bh * NC + c) * EPC, dS, dSr, soff, smask, offs_p,
                        mask_p, offs_n, rmask, n0, P, N, NORM, GS)
-        if SEG:
-            if blk == 0:
-                tl.store(gc_base + c, Gc)
         dS = g * dS + T
         if NORM:
             dSr = dSr * g + Tr
-        G0 = Gc
-        Gc = Gc * g
         if UNROLL == 2:
-            in1 = (offs_n * 0 + c) > c_lo  # (a vector: a scalar is not a valid mask everywhere)
+            in1 = (offs_n * 0 + c) > 0  # (a vector: a scalar is not a valid mask everywhere)
             _store_st_tile(dst_ptr + (bh * NC + c1) * PN, e_ptr + (bh * NC + c1) * EPC, dS, dSr, soff,
-                           smask & in1[None, :], offs_p, mask_p & ((offs_p * 0 + c) > c_lo), offs_n, rmask & in1, n0,
+                           smask & in1[None, :], offs_p, mask_p & ((offs_p * 0 + c) > 0), offs_n, rmask & in1, n0,
                            P, N, NORM, GS)
-            if SEG:
-                if blk == 0:  # (a pad: chunk c's value again, at its own place)
-                    tl.store(gc_base + tl.where(c1 < NC, c1, c), tl.where(c1 < NC, Gc, G0))
             dS = g1 * dS + T1
             if NORM:
                 dSr = dSr * g1 + Tr1
-            Gc = Gc * g1
-    if SEG:
-        _store_state(send_ptr + (bh * tl.cdiv(NC, NCS) + k) * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
-        if blk == 0:
-            tl.store(gseg_ptr + bh * tl.cdiv(NC, NCS) + k, Gc)
-    elif HAS_DINIT:
-        _store_state(dinit_ptr + bh * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
-
-
-@triton.jit
-def _segment_fix_bwd(send_ptr, gseg_ptr, fix_ptr, dinit_ptr, K, PN, NC, HAS_DINIT: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """Segments: the gradient leaving each segment's last chunk, walked backwards over the K segments' partial
-    gradients at their starts and decays (the last segment's is 0: its walk started from dfinal), into ``fix_ptr``
-    (``segment_fix``'s layout), and d initial_state."""
-    bh = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < PN
-    dR = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, K):
-        k = K - 1 - i
-        tl.store(fix_ptr + bh * (K * PN + NC) + k * PN + offs, dR, mask=mask)
-        E = tl.load(send_ptr + (bh * K + k) * PN + offs, mask=mask, other=0.0)
-        dR = tl.load(gseg_ptr + bh * K + k) * dR + E
     if HAS_DINIT:
-        tl.store(dinit_ptr + bh * PN + offs, dR, mask=mask)
+        _store_state(dinit_ptr + bh * PN, dS, dSr, soff, smask, offs_n, rmask, P, N, NORM)
 
 
 @triton.jit
@@ -353,15 +313,13 @@ def _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, po, Q: tl.con
 
 @triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                      sf_ptr, df_ptr, NCS,
                       dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
                       DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                      Y_SAVED: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                      SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                      Y_SAVED: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
@@ -381,23 +339,19 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         c = tl.program_id(0)
         pb = tl.program_id(2)
     _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                 sf_ptr, df_ptr, NCS,
-                 dx_ptr, ddt_ptr,
-                 dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, tl.program_id(1).to(tl.int64),
-                 L, H, G, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED,
-                 GSS, GSD, SSEG, DSEG)
+                 dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb,
+                 tl.program_id(1).to(tl.int64), L, H, G, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT,
+                 NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD)
 
 
 @triton.jit
-def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                 sf_ptr, df_ptr, NCS, dx_ptr,
+def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, dx_ptr,
                  ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, bh,
                  L, H, G, P, N, NC, NPB,
                  Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                  HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                  DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr, GSD: tl.constexpr,
-                 SSEG: tl.constexpr, DSEG: tl.constexpr):
+                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr, GSD: tl.constexpr):
     """One (chunk ``c``, p tile ``pb``, batch*head ``bh``) program of ``_chunk_bwd_dx_dcs`` (also run by
     ``_chunk_bwd_pair``)."""
     b = bh // H
@@ -424,19 +378,15 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
         dSt = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, N, GSD, 1)  # (BN, BP) = dS^T
-        dSt = _seg_fix(dSt, df_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, DSEG)
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
         if not Y_SAVED:
             S0t = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GSS, 1)  # (BN, BP) = S0^T
-            S0t = _seg_fix(S0t, sf_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, SSEG)
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
             dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD)
-            dSr = _seg_fix(dSr, df_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, DSEG)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
                 S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS)
-                S0r = _seg_fix(S0r, sf_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, SSEG)
                 accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
@@ -482,12 +432,12 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
 
 
 @triton.jit
-def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, sf_ptr, df_ptr, NCS,
+def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
               den_ptr, dg_ptr, b, h, c, nb,
               L, H, P, N, NC, NNB, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
               HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, IN_DTYPE: tl.constexpr,
               NORM: tl.constexpr, DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, GSS: tl.constexpr,
-              GSD: tl.constexpr, SSEG: tl.constexpr, DSEG: tl.constexpr):
+              GSD: tl.constexpr):
     """One head's part of dB/dC for one (chunk, n tile): the sums over P, dy_t . x_s [t, s], x_s^T dS [s, n] and
     dy_t^T S0 [t, n] (the numerator's dy / den with DY_SCALE; the normaliser column's terms with NORM), and the
     chunk's weights. Stores this n tile's share of <dS, S0> (the gradient of the chunk's carry factor) and returns
@@ -511,10 +461,8 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
         dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, nb * BN, N, GSD, 0)
-        dS = _seg_fix(dS, df_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, DSEG)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
         S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, nb * BN, N, GSS, 0)
-        S0 = _seg_fix(S0, sf_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, SSEG)
         dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
@@ -529,9 +477,7 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         ones = tl.where(mask_t, 1.0, 0.0)
         dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, nb * BN, P, N, GSD)
-        dSr = _seg_fix(dSr, df_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, DSEG)
         S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, nb * BN, P, N, GSS)
-        S0r = _seg_fix(S0r, sf_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, SSEG)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
@@ -543,15 +489,13 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
 
 @triton.jit
 def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                   sf_ptr, df_ptr, NCS,
                    dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr,
                    L, H, G, P, N, NC, NNB,
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
                    IN_DTYPE: tl.constexpr, DCS: tl.constexpr = True, NORM: tl.constexpr = 0,
                    DY_EXACT: tl.constexpr = True, DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                   ONE_HEAD: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                   SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                   ONE_HEAD: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """dB, dC (and with DCS the decay-gradient partials), and per (batch*head, n tile, chunk) the partial <dS, S0>
     at ``dg_ptr`` (the gradient of the chunk's carry factor: dB/dC reads both states anyway).
     TILE_MAJOR: grid (chunks x n tiles, batch*group), the n tiles of a chunk launched together (they read the same
@@ -564,20 +508,18 @@ def _chunk_bwd_dbc(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr
     else:
         c = tl.program_id(0)
         nb = tl.program_id(2)
-    _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, sf_ptr,
-              df_ptr, NCS, dB_ptr, dC_ptr, ddt_ptr,
-              dcs_ptr, den_ptr, dg_ptr, c, nb, tl.program_id(1).to(tl.int64), L, H, G, P, N, NC, NNB, Q, BP, BN,
-              HAS_DOC, PREC, SPREC, IN_DTYPE, DCS, NORM, DY_EXACT, DY_SCALE, ONE_HEAD, GSS, GSD, SSEG, DSEG)
+    _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+              dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, nb, tl.program_id(1).to(tl.int64), L, H, G, P, N,
+              NC, NNB, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE, DCS, NORM, DY_EXACT, DY_SCALE, ONE_HEAD, GSS, GSD)
 
 
 @triton.jit
-def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, sf_ptr,
-              df_ptr, NCS, dB_ptr, dC_ptr,
-              ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, nb, bg, L, H, G, P, N, NC, NNB,
+def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
+              dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, nb, bg, L, H, G, P, N, NC, NNB,
               Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
               SPREC: tl.constexpr, IN_DTYPE: tl.constexpr, DCS: tl.constexpr, NORM: tl.constexpr,
               DY_EXACT: tl.constexpr, DY_SCALE: tl.constexpr, ONE_HEAD: tl.constexpr, GSS: tl.constexpr = 0,
-              GSD: tl.constexpr = 0, SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+              GSD: tl.constexpr = 0):
     """One (chunk ``c``, n tile ``nb``, batch*group ``bg``) program of ``_chunk_bwd_dbc`` (also run by
     ``_chunk_bwd_pair``)."""
     b = bg // G
@@ -592,9 +534,9 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
     bc_mask = mask_tt[:, None] & mask_n[None, :]
     if ONE_HEAD:
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
-                                                     se_ptr, de_ptr, sf_ptr, df_ptr, NCS, den_ptr, dg_ptr, b, grp, c,
-                                                     nb, L, H, P, N, NC, NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC,
-                                                     SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE, GSS, GSD, SSEG, DSEG)
+                                                     se_ptr, de_ptr, den_ptr, dg_ptr, b, grp, c, nb, L, H, P, N, NC,
+                                                     NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
+                                                     NORM, DY_EXACT, DY_SCALE, GSS, GSD)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
@@ -612,9 +554,9 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
     for hh in range(HPG):
         h = grp * HPG + hh
         dt, Pm, win, wend, accXS, accDYS = _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr,
-                                                     se_ptr, de_ptr, sf_ptr, df_ptr, NCS, den_ptr, dg_ptr, b, h, c,
-                                                     nb, L, H, P, N, NC, NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC,
-                                                     SPREC, IN_DTYPE, NORM, DY_EXACT, DY_SCALE, GSS, GSD, SSEG, DSEG)
+                                                     se_ptr, de_ptr, den_ptr, dg_ptr, b, h, c, nb, L, H, P, N, NC,
+                                                     NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
+                                                     NORM, DY_EXACT, DY_SCALE, GSS, GSD)
         dC += tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), input_precision=PREC) + win[:, None] * accDYS
         dB += dt[:, None] * (tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), input_precision=PREC)
                              + wend[:, None] * accXS)
@@ -637,14 +579,12 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
 
 @triton.jit
 def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                    sf_ptr, df_ptr, NCS,
                     dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                     L, H, P, N, NC, NPB, NNB,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BPD: tl.constexpr, BND: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                     IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                    SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """``_chunk_bwd_dbc`` (one head per group) and ``_chunk_bwd_dx_dcs`` in one launch, their programs interleaved by
     chunk: grid (chunks x (NNB + NPB), batch*head); program k of chunk c is dB/dC's n tile k for k < NNB, else dx's
     p tile k - NNB. The NNB + NPB programs of a chunk run at about the same time and read the same dS, x, dy, B and
@@ -656,26 +596,22 @@ def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_pt
     bh = tl.program_id(1).to(tl.int64)
     if k < NNB:
         _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                  sf_ptr, df_ptr, NCS, dB_ptr, dC_ptr,
-                  ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, k, bh, L, H, H, P, N, NC, NNB, Q, BPD, BND,
-                  HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True, GSS, GSD, SSEG, DSEG)
+                  dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, den_ptr, dg_ptr, c, k, bh, L, H, H, P, N, NC, NNB, Q, BPD, BND,
+                  HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True, GSS, GSD)
     else:
         _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                     sf_ptr, df_ptr, NCS, dx_ptr, ddt_ptr,
-                     dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, k - NNB, bh, L, H, H, P, N, NC, NPB,
-                     Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD, SSEG, DSEG)
+                     dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, k - NNB, bh, L, H, H, P, N,
+                     NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD)
 
 
 @triton.jit
 def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                     sf_ptr, df_ptr, NCS,
                      dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                      L, H, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                      IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                     DY_SCALE: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                     SSEG: tl.constexpr = False, DSEG: tl.constexpr = False):
+                     DY_SCALE: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """``_chunk_bwd_dx_dcs`` (with the saved numerator) and the one-head ``_chunk_bwd_dbc`` in one program per
     (chunk, batch*head), for one head per B/C group and all of P in one tile (BP >= P): each (P x BN) tile of
     the leaving state's gradient dS and of the entering state S0 is read once and serves dx's B dS^T, dB's x dS,
@@ -725,9 +661,7 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
         dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, N, GSD, 0)  # (BP, BN)
-        dS = _seg_fix(dS, df_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, DSEG)
         S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GSS, 0)
-        S0 = _seg_fix(S0, sf_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, SSEG)
         accZ = _xdot(Bt, tl.trans(dS), accZ, XPREC, "a")
         dgv += tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=0)
         # x and dy are read again per n tile (L1 / L2 hits) rather than held across the loop: registers
@@ -742,9 +676,7 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
             accDYS = accDYS * rden[:, None]
         if NORM:
             dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD)
-            dSr = _seg_fix(dSr, df_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, DSEG)
             S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS)
-            S0r = _seg_fix(S0r, sf_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, SSEG)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             accXS += ones[:, None] * dSr[None, :]
             accDYS += dr[:, None] * S0r[None, :]
@@ -908,7 +840,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
-            dy_den=None, ysaved=None, den=None, sexp=None, sfix=None):
+            dy_den=None, ysaved=None, den=None, sexp=None):
     """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
     when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
     the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
@@ -917,8 +849,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots).
     ``ysaved`` (v2 only): the forward's fp32 numerator y (b, l, h, p), and ``den`` its normaliser when normalised:
     the dx kernel reads them instead of recomputing y from the entering states. ``sexp``: the states' exponents
-    from ``ssd_fwd`` (scaled fp16 storage; None or empty otherwise); ``sfix``: the forward's segment completion
-    (``segment_fix``; None or empty with one segment)."""
+    from ``ssd_fwd`` (scaled fp16 storage; None or empty otherwise)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
@@ -941,7 +872,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         raise ValueError("the saved numerator (ysaved) needs the v2 backward, and den when normalised")
     den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
     gss = n // sexp.shape[-1] if sexp is not None and sexp.numel() else 0
-    dst_dtype, gsd, walk, ncs_b = state_layout(b, h, p, n, x.dtype, dev, Q, grad=True, nc=nc)
+    dst_dtype, gsd, walk = state_layout(b, h, p, n, x.dtype, dev, Q, grad=True)
     BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n, x.dtype, Q)
     BN_dbc = reader_bn(BN_dbc, gss, gsd)
     # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
@@ -954,30 +885,18 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dst = torch.empty(states.shape, device=dev, dtype=dst_dtype)  # dS leaving each chunk
     dexp = state_exponents(dst, gsd)
     se_arg, de_arg = (sexp if gss else gdec), (dexp if gsd else gdec)
-    ps = states.shape[3]
-    dfix = segment_fix(b, h, ps, n, nc, ncs_b, dev)
-    sseg, dseg = sfix is not None and sfix.numel() > 0, dfix.numel() > 0
-    ncs = ncs_b if dseg else (cdiv(nc, (sfix.shape[1] - nc) // (ps * n)) if sseg else nc)  # the same when both
-    sf_arg, df_arg = (sfix if sseg else gdec), (dfix if dseg else gdec)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
     if walk is not None:
         BP, BN, nw, nst = walk
         nblk = cdiv(p, BP) * cdiv(n, BN)
-        K = cdiv(nc, ncs_b)
-        send = torch.empty(b * h * K, ps * n, device=dev, dtype=torch.float32) if dseg else gdec
-        gseg = torch.empty(b * h * K, device=dev, dtype=torch.float32) if dseg else gdec
-        launch(_dstate_fused_bwd, (b * h * K, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
-               dinit if need_dinit else dst, den_arg, de_arg, df_arg, send, gseg, l, h, g, p, n, nc, ncs_b,
+        launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
+               dinit if need_dinit else dst, den_arg, de_arg, l, h, g, p, n, nc,
                Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
                NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, UNROLL=walk_unroll(x.dtype), GS=gsd, SEG=dseg, num_warps=nw, num_stages=nst,
+               DY_SCALE=dy_scale, UNROLL=walk_unroll(x.dtype), GS=gsd, num_warps=nw, num_stages=nst,
                **register_cap("fpass_b", x.dtype, Q))
-        if dseg:
-            BLOCK, nwp = pass_config(ps * n, x.dtype, "pass_b")
-            launch(_segment_fix_bwd, (b * h, cdiv(ps * n, BLOCK)), send, gseg, dfix, dinit if need_dinit else dst,
-                   K, ps * n, nc, HAS_DINIT=need_dinit, BLOCK=BLOCK, num_warps=nwp)
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
@@ -1000,15 +919,14 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         BNf = reader_bn(BNf, gss, gsd)
         nnb = 1
         dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
-        launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, sf_arg,
-               df_arg, ncs,
+        launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
                dx, dB, dC, ddt_part, dcs_part,
                dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
                dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
                Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
                XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
                IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
-               DY_SCALE=dy_scale, GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg, num_warps=nwf, num_stages=stf,
+               DY_SCALE=dy_scale, GSS=gss, GSD=gsd, num_warps=nwf, num_stages=stf,
                **register_cap("fbwd", x.dtype, Q))
         ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
         return dx, ddt, dA, dB, dC, dinit, dD
@@ -1026,33 +944,30 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         dyo_arg = dyo.contiguous() if has_d else dy
         if pair:
             launch(_chunk_bwd_pair, (nc * (npb + nnb), b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst,
-                   se_arg, de_arg, sf_arg, df_arg, ncs, dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg,
+                   se_arg, de_arg, dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg,
                    D if has_d else dt, dD_part if has_d else dt,
                    den_arg, ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb,
                    Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec,
                    XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype), IN_DTYPE=in_dtype,
                    DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale, Y_SAVED=ysaved is not None,
-                   GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg, num_warps=nw2, **extra,
-                   **register_cap("pair", x.dtype, Q, p))
+                   GSS=gss, GSD=gsd, num_warps=nw2, **extra, **register_cap("pair", x.dtype, Q, p))
             ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
             return dx, ddt, dA, dB, dC, dinit, dD
         tm = tile_major("dx", npb)
         grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
-        launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, sf_arg,
-               df_arg, ncs, dx, ddt_part, dcs_part,
-               dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
+        launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
+               ddt_part, dcs_part, dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
                ysaved if ysaved is not None else dt,
                l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=BN2,
                HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
                DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg, num_warps=nw2,
-               **extra, **register_cap("dx", x.dtype, Q))
+               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, GSS=gss, GSD=gsd, num_warps=nw2, **extra,
+               **register_cap("dx", x.dtype, Q))
         tmb = tile_major("dbc", nnb)
         grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
-        launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, sf_arg,
-               df_arg, ncs, dB, dC, ddt_part, dcs_part,
-               den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
-               DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, GSS=gss, GSD=gsd, SSEG=sseg, DSEG=dseg,
+        launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dB, dC,
+               ddt_part, dcs_part, den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
+               DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, GSS=gss, GSD=gsd,
                ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
     else:
         dD_part = None
@@ -1063,9 +978,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
                SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
         dg, ddt_part, dcs_part, dA_part, _ = _partials(b * h, nnb, nnb, nc, Q, 0, dev)
         launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
-               sf_arg, df_arg, ncs,
-               dB, dC, ddt_part, dcs_part,
-               dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+               dB, dC, ddt_part, dcs_part, dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
     ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD
 

@@ -366,54 +366,6 @@ def _pass_store(ptr, S, mask, e_ptr, erow, emask, GS: tl.constexpr):
 
 
 @triton.jit
-def _walk_span(NC, NCS, SEG: tl.constexpr):
-    """(batch*head, segment, first chunk, end chunk) of a walk program: grid axis 0 is batch*head, times the segments
-    of NCS chunks with SEG (``HMSCALE_SSD_SEGMENTS``), each program walking its segment's chunks."""
-    if SEG:
-        K = tl.cdiv(NC, NCS)
-        bh = (tl.program_id(0) // K).to(tl.int64)
-        k = tl.program_id(0) % K
-        c_lo = k * NCS
-        c_hi = tl.minimum(c_lo + NCS, NC)
-    else:
-        bh = tl.program_id(0).to(tl.int64)
-        k = 0
-        c_lo = 0
-        c_hi = NC
-    return bh, k, c_lo, c_hi
-
-
-@triton.jit
-def _segment_fix_fwd(send_ptr, gseg_ptr, fix_ptr, final_ptr, K, PN, NC, BLOCK: tl.constexpr):
-    """Segments (``HMSCALE_SSD_SEGMENTS``): the state entering each segment, walked over the K segments' end states
-    and decays (S_0 = 0: the first segment's walk started from initial_state), into ``fix_ptr`` (``segment_fix``'s
-    layout), and the final state."""
-    bh = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < PN
-    S = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, K):
-        tl.store(fix_ptr + bh * (K * PN + NC) + k * PN + offs, S, mask=mask)
-        E = tl.load(send_ptr + (bh * K + k) * PN + offs, mask=mask, other=0.0)
-        S = tl.load(gseg_ptr + bh * K + k) * S + E
-    tl.store(final_ptr + bh * PN + offs, S, mask=mask)
-
-
-@triton.jit
-def _seg_fix(v, fix_ptr, bh, c, soff, smask, P, N, NC, NCS, NORM: tl.constexpr, SEG: tl.constexpr):
-    """A reader's tile ``v`` of partial states (or state gradients) of chunk c at offsets ``soff`` within one state,
-    completed with segments (``SEG``): plus the decay between the chunk and its segment's boundary times the state
-    entering (gradient leaving) the segment, from ``fix_ptr`` (``segment_fix``'s layout); as is otherwise."""
-    if SEG:
-        K = tl.cdiv(NC, NCS)
-        PN = (P + NORM) * N
-        base = fix_ptr + bh * (K * PN + NC)
-        gc = tl.load(base + K * PN + c)
-        v = v.to(tl.float32) + gc * tl.load(base + (c // NCS) * PN + soff, mask=smask, other=0.0)
-    return v
-
-
-@triton.jit
 def _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P, N, offs_p, mask_p, offs_n, mask_n,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
                     NORM: tl.constexpr):
@@ -444,29 +396,21 @@ def _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P,
 
 @triton.jit
 def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, init_ptr, final_ptr, e_ptr,
-                     fix_ptr, send_ptr, gseg_ptr,
-                     L, H, G, P, N, NC, NCS,
+                     L, H, G, P, N, NC,
                      Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr,
-                     UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0, SEG: tl.constexpr = False):
+                     UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0):
     """``_chunk_state_fwd`` and ``_state_pass_fwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks in order, builds each chunk's local state in registers and carries
     the running state, so the local states never go through memory (2 of the forward's 4 state sweeps).
     UNROLL 2 (``HMSCALE_SSD_WALK_UNROLL``): two chunks per step, both chunks' loads and dots issued before the
-    carry (a walk is a chain of per-chunk latencies; a lone last chunk pairs with a pad chunk past the end).
-    SEG (``HMSCALE_SSD_SEGMENTS``): one program per (batch*head, segment of NCS chunks, state tile), each walking its
-    segment from a zero state (the first from initial_state): it stores the partial states, the decay since the
-    segment's start before each chunk (``fix_ptr``'s tail, ``segment_fix``'s layout), and its end state and decay
-    (``send_ptr``, ``gseg_ptr``) for ``_segment_fix_fwd``."""
-    bh, k, c_lo, c_hi = _walk_span(NC, NCS, SEG)
+    carry (a walk is a chain of per-chunk latencies; a lone last chunk pairs with a pad chunk past the end)."""
+    bh = tl.program_id(0).to(tl.int64)
     pn = tl.program_id(1)
     b, h, grp, offs_p, offs_n, mask_p, mask_n, soff, smask, rmask = _state_tile(bh, pn, H, G, P, N, BP, BN, NORM)
     PN = (P + NORM) * N
     if HAS_INIT:
         S, Sr = _load_state(init_ptr + bh * PN, soff, smask, offs_n, rmask, P, N, NORM)
-        if SEG:  # only the first segment starts from it
-            S = tl.where(k == 0, S, 0.0)
-            Sr = tl.where(k == 0, Sr, 0.0)
     else:
         S = tl.zeros([BP, BN], dtype=tl.float32)
         Sr = tl.zeros([BN], dtype=tl.float32)
@@ -474,60 +418,43 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
     b_base = B_ptr + (b * L * G + grp) * N
     n0 = (pn // tl.cdiv(P, BP)) * BN  # the tile's first column
     EPC = PN // tl.maximum(GS, 1)  # exponents per chunk (GS > 0)
-    gc_base = fix_ptr + bh * (tl.cdiv(NC, NCS) * PN + NC) + tl.cdiv(NC, NCS) * PN  # (SEG) decay since the start
-    Gc = tl.exp(tl.sum(tl.zeros([2], dtype=tl.float32), axis=0))  # 1.0, as a float32 scalar tensor
-    for c in range(c_lo, c_hi, UNROLL):
+    for c in range(0, NC, UNROLL):
         T, Tr, g = _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c, L, H, G, P, N,
                                    offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM)
         if UNROLL == 2:
-            # a lone last chunk (of the sequence or of a segment) pairs with a pad chunk past the sequence's end:
-            # masked loads give T1 = 0, g1 = 1, and nothing is stored
-            c1 = tl.where(c + 1 < c_hi, c + 1, NC)
+            c1 = c + 1  # past the end (a lone last chunk): masked loads give T1 = 0, g1 = 1, and nothing is stored
             T1, Tr1, g1 = _fwd_chunk_term(x_base, b_base, dt_ptr, A_ptr, doc_ptr, b, h, c1, L, H, G, P, N,
                                           offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM)
         _store_st_tile(st_ptr + (bh * NC + c) * PN, e_ptr + (bh * NC + c) * EPC, S, Sr, soff, smask, offs_p, mask_p,
                        offs_n, rmask, n0, P, N, NORM, GS)  # entering c
         if pn == 0:
             tl.store(gdec_ptr + bh * NC + c, g)
-            if SEG:
-                tl.store(gc_base + c, Gc)
         S = g * S + T
         if NORM:
             Sr = Sr * g + Tr
-        G0 = Gc
-        Gc = Gc * g
         if UNROLL == 2:
             in1 = (offs_n * 0 + c1) < NC  # (a vector: a scalar is not a valid mask everywhere)
             _store_st_tile(st_ptr + (bh * NC + c1) * PN, e_ptr + (bh * NC + c1) * EPC, S, Sr, soff,
                            smask & in1[None, :], offs_p, mask_p & ((offs_p * 0 + c1) < NC), offs_n, rmask & in1, n0,
                            P, N, NORM, GS)
-            if pn == 0:  # (a pad: chunk c's values again, at its own place; no scalar masks, for the interpreter)
-                tl.store(gdec_ptr + bh * NC + tl.where(c1 < NC, c1, c), tl.where(c1 < NC, g1, g))
-                if SEG:
-                    tl.store(gc_base + tl.where(c1 < NC, c1, c), tl.where(c1 < NC, Gc, G0))
+            if pn == 0:  # (past the end: chunk c's g again, at its own place; no scalar masks, for the interpreter)
+                tl.store(gdec_ptr + bh * NC + tl.minimum(c1, NC - 1), tl.where(c1 < NC, g1, g))
             S = g1 * S + T1
             if NORM:
                 Sr = Sr * g1 + Tr1
-            Gc = Gc * g1
-    if SEG:
-        _store_state(send_ptr + (bh * tl.cdiv(NC, NCS) + k) * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
-        if pn == 0:
-            tl.store(gseg_ptr + bh * tl.cdiv(NC, NCS) + k, Gc)
-    else:
-        _store_state(final_ptr + bh * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
+    _store_state(final_ptr + bh * PN, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
 
 
 @triton.jit
 def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr, se_ptr,
-                    fix_ptr, L, H, G, P, N, NC, NCS,
+                    L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
                     SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee",
-                    GS: tl.constexpr = 0, SEG: tl.constexpr = False):
+                    GS: tl.constexpr = 0):
     """y of one (chunk, p tile). SAVE_YNUM: also keep the fp32 numerator for the backward, whose decay gradient
     (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``).
-    GS > 0: the states are stored scaled (``_load_st_tile``, exponents at ``se_ptr``); SEG: they are segments'
-    partial states (``_seg_fix``, from ``fix_ptr``)."""
+    GS > 0: the states are stored scaled (``_load_st_tile``, exponents at ``se_ptr``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -551,17 +478,14 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
         Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
-        so = offs_p[None, :] * N + offs_n[:, None]
-        sm = mask_p[None, :] & mask_n[:, None]
-        Sp = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GS, 1)  # (BN, BP) = S_prev^T
-        Sp = _seg_fix(Sp, fix_ptr, bh, c, so, sm, P, N, NC, NCS, NORM, SEG)
+        Sp = _load_st_tile(st_ptr, s_base, offs_p[None, :] * N + offs_n[:, None], mask_p[None, :] & mask_n[:, None],
+                           se_ptr, offs_p, mask_p, n0, N, GS, 1)  # (BN, BP) = S_prev^T
         if SAVE_YNUM:
             accS = _xdot(Ct, Sp, accS, YPREC, "a")
         else:
             accS = _xdot(Ct, Sp, accS, SPREC, "a")
         if NORM and not NORM_APART:
             Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS)
-            Sr = _seg_fix(Sr, fix_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, SEG)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     if NORM and NORM_APART:
         # 16-bit states: the normaliser row in a loop of its own (C's tiles again, from L2). Inside the loop above,
@@ -573,7 +497,6 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             Ct = tl.load(C_ptr + bc_base + offs_t[:, None] * (G * N) + offs_n[None, :],
                          mask=mask_t[:, None] & mask_n[None, :], other=0.0)
             Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS)
-            Sr = _seg_fix(Sr, fix_ptr, bh, c, P * N + offs_n, mask_n, P, N, NC, NCS, NORM, SEG)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
@@ -875,52 +798,22 @@ def scale_group(n: int, walk_bn: int | None) -> int:
     return next((gs for gs in (64, 32, 16) if n % gs == 0), 0)
 
 
-def segment_count() -> int:
-    """``HMSCALE_SSD_SEGMENTS=K`` (default 1): walk each sequence's chunks in K segments in parallel, each from a zero
-    state, where the state passes are fused; a small pass then walks the K segment boundaries and the readers add
-    each chunk's decay since its segment's start times the state entering the segment (``_seg_fix``). K times the
-    walks' programs for chains K times shorter: for long single sequences, whose walks leave multiprocessors idle
-    (kernels/NOTES.md, next step 0). Opt-in: tested under the interpreter, not yet timed on a GPU."""
-    v = env("HMSCALE_SSD_SEGMENTS", "1").strip()
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"HMSCALE_SSD_SEGMENTS must be a whole number >= 1 (segments per sequence), got {v!r}")
-    return int(v)
-
-
 def state_layout(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: torch.device, Q: int = 64,
-                 grad: bool = False, nc: int = 1):
-    """(storage dtype, GS, fused walk config or None, chunks per segment) of one call's chunk states (``grad``: state
-    gradients) over ``nc`` chunks: ``state_dtype``, and for fp16 the scale group of ``scale_group`` (fp32 where no
-    group fits, where ``auto`` finds it under 64 columns, and under the v1 backward, whose kernels read unscaled
-    states), the walk's (BP, BN, warps, stages) when the pass is fused, and the walks' segment length
-    (``segment_count``: segments need the fused walks and the v2 backward; ``nc`` when there is one segment)."""
+                 grad: bool = False):
+    """(storage dtype, GS, fused walk config or None) of one call's chunk states (``grad``: state gradients):
+    ``state_dtype``, and for fp16 the scale group of ``scale_group`` (fp32 where no group fits, where ``auto`` finds
+    it under 64 columns, and under the v1 backward, whose kernels read unscaled states), and the walk's (BP, BN, warps,
+    stages) when the pass is fused."""
     name = "fpass_b" if grad else "fpass"
     st = state_dtype(dtype, grad)
-    k = min(segment_count(), nc) if bwd_variant() == "v2" else 1
-    cfg = None
-    if k > 1 and use_fused_pass(b * k, h, p, n, dtype, device, name, Q):
-        cfg = fused_pass_config(p, n, dtype, name, Q, b * h * k, device)
-    else:
-        k = 1
-        if use_fused_pass(b, h, p, n, dtype, device, name, Q):
-            cfg = fused_pass_config(p, n, dtype, name, Q, b * h, device)
-    ncs = cdiv(nc, k)
+    cfg = fused_pass_config(p, n, dtype, name, Q, b * h, device) if use_fused_pass(b, h, p, n, dtype, device, name,
+                                                                                    Q) else None
     gs = 0
     if st == torch.float16:
         gs = scale_group(n, cfg[1] if cfg else None) if bwd_variant() == "v2" else 0
         if gs < (64 if state_storage()[2] else 1):
             st, gs = torch.float32, 0
-    return st, gs, cfg, ncs
-
-
-def segment_fix(b: int, h: int, ps: int, n: int, nc: int, ncs: int, device) -> torch.Tensor:
-    """The buffer the segmented walks complete the states from (empty with one segment): per batch*head, the state
-    entering (gradient leaving) each of the K segments, K x (ps x n), then each chunk's decay since (to) its segment's
-    boundary, nc: fp32 (b*h, K ps n + nc)."""
-    k = cdiv(nc, ncs)
-    if k == 1:
-        return torch.empty(0, device=device, dtype=torch.float32)
-    return torch.empty(b * h, k * ps * n + nc, device=device, dtype=torch.float32)
+    return st, gs, cfg
 
 
 def reader_bn(bn: int, *gs: int) -> int:
@@ -971,22 +864,17 @@ def keeps_ynum(norm: bool, save_ynum: bool) -> bool:
 def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
             save_ynum: bool = False):
     """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, p + norm rows, in the
-    storage dtype of ``state_layout``; with segments each segment's partial states), gdecay, the states' exponents
-    (``state_exponents``: int8, empty unless the states are scaled fp16) and the segments' completion
-    (``segment_fix``: empty with one segment). With ``norm`` (the fused normaliser) y is already divided by den (b,
-     l, h) fp32, and
+    storage dtype of ``state_layout``), gdecay, and the states' exponents (``state_exponents``: int8, empty unless
+    the states are scaled fp16). With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and
     ynum, the fp32 numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x``."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cdiv(l, Q)
     dev = x.device
     ps = p + int(norm)
-    st_dtype, gs, walk, ncs = state_layout(b, h, p, n, x.dtype, dev, Q, nc=nc)
+    st_dtype, gs, walk = state_layout(b, h, p, n, x.dtype, dev, Q)
     states = torch.empty(b, h, nc, ps, n, device=dev, dtype=st_dtype)
     sexp = state_exponents(states, gs)
-    sfix = segment_fix(b, h, ps, n, nc, ncs, dev)
-    seg = sfix.numel() > 0
-    K = cdiv(nc, ncs)
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
@@ -997,20 +885,13 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     doc_arg = doc if has_doc else dt
     has_init = initial_state is not None
     e_arg = sexp if gs else gdec
-    fix_arg = sfix if seg else gdec
     if walk is not None:
         BP, BN, nw, nst = walk
-        grid = (b * h * K, cdiv(p, BP) * cdiv(n, BN))
-        send = torch.empty(b * h * K, ps * n, device=dev, dtype=torch.float32) if seg else gdec
-        gseg = torch.empty(b * h * K, device=dev, dtype=torch.float32) if seg else gdec
+        grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
         launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
-               e_arg, fix_arg, send, gseg, l, h, g, p, n, nc, ncs, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
+               e_arg, l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
                PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, UNROLL=walk_unroll(x.dtype),
-               GS=gs, SEG=seg, num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
-        if seg:
-            BLOCK, nwp = pass_config(ps * n, x.dtype)
-            launch(_segment_fix_fwd, (b * h, cdiv(ps * n, BLOCK)), send, gseg, sfix, final, K, ps * n, nc,
-                   BLOCK=BLOCK, num_warps=nwp)
+               GS=gs, num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
     else:
         BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
         grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
@@ -1031,12 +912,11 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     grid3 = (nc, b * h, cdiv(p, bp))
     launch(_chunk_scan_fwd, grid3, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
            ynum if ynum is not None else y,
-           D if D is not None else dt, e_arg, fix_arg, l, h, g, p, n, nc, ncs,
+           D if D is not None else dt, e_arg, l, h, g, p, n, nc,
            Q=Q, BP=bp, BN=reader_bn(min(bn, _pow2(n)), gs), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
            NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-           YPREC=state_precision(x.dtype), GS=gs, SEG=seg, num_warps=nw, **extra,
-           **register_cap("scan", x.dtype, Q, p))
-    return y, ynum, den, final, states, gdec, sexp, sfix
+           YPREC=state_precision(x.dtype), GS=gs, num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
+    return y, ynum, den, final, states, gdec, sexp
 
 
 @triton.jit

@@ -251,69 +251,6 @@ def test_scaled_fp16_states_are_range_safe(state_pass, monkeypatch):
         assert torch.equal(g2[k], g[k] * scale[k]), (k, rel(g2[k], g[k] * scale[k]))
 
 
-@pytest.mark.parametrize("segments,unroll", [("2", "1"), ("3", "2"), ("4", "2"), ("50", "1")])
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[7], (dict(b=1, l=170, h=2, g=2, p=16, n=32), 16,
-                                                                 dict(normalize=True, D=True, init=True))])
-def test_segmented_walks_match_the_reference(case, segments, unroll, monkeypatch):
-    """HMSCALE_SSD_SEGMENTS=K: the fused walks run K segments of each sequence from zero states (the first from
-    initial_state, the last backwards from the final state's gradient), a pass over the segment boundaries and the
-    readers complete them; the outputs, final state and every gradient equal the reference's (fp32, 1e-5), with
-    documents crossing segment boundaries, the normaliser, odd segment lengths (pad chunks inside the sequence) and
-    more segments than chunks (one chunk each)."""
-    shape, chunk, opts = case
-    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
-    monkeypatch.setenv("HMSCALE_SSD_SEGMENTS", segments)
-    monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", unroll)
-    ins, seq = make_inputs(**shape, **opts, dtype=torch.float32)
-    y, s, g, gy, gs = _run(_triton, ins, seq, opts, chunk, device=TRITON_DEVICE)
-    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, gy, gs)
-    assert rel(y, yr) < TOL and rel(s, sr) < TOL
-    for k in g:
-        assert rel(g[k], gr[k]) < TOL, (k, rel(g[k], gr[k]))
-
-
-def test_segmented_walks_with_scaled_fp16_states(monkeypatch):
-    """Segments with bf16 inputs and scaled fp16 storage (the partial states are what is stored and scaled; the
-    readers complete them in fp32): within the bf16 limits of the unsegmented kernels."""
-    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
-    monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16,fp16")
-    opts = dict(normalize=True, init=True, seq=True)
-    ins, seq = make_inputs(1, 200, 2, 2, 16, 64, dtype=torch.bfloat16, **opts)
-    gen = torch.Generator().manual_seed(1)
-    gy = torch.randn(1, 200, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double()
-    gs = torch.randn(1, 2, 17, 64, generator=gen, dtype=torch.float64)
-    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 32, gy, gs)
-    for segments in ("1", "3"):
-        monkeypatch.setenv("HMSCALE_SSD_SEGMENTS", segments)
-        y, s, g, _, _ = _run(_triton, ins, seq, opts, 32, gy, gs, device=TRITON_DEVICE)
-        assert rel(y, yr) < 1e-2 and rel(s, sr) < 1e-4, segments
-        for k in g:
-            assert rel(g[k], gr[k]) < 1e-2, (segments, k, rel(g[k], gr[k]))
-
-
-def test_segment_setting(monkeypatch):
-    """HMSCALE_SSD_SEGMENTS: 1 by default; segments need the fused walks (the split passes ignore it) and the v2
-    backward; a bad value is a one-line error naming the variable."""
-    from kernels.ssd_triton_fwd import segment_count, state_layout
-
-    bf16, cpu = torch.bfloat16, torch.device("cpu")
-    monkeypatch.delenv("HMSCALE_SSD_SEGMENTS", raising=False)
-    assert segment_count() == 1
-    monkeypatch.setenv("HMSCALE_SSD_SEGMENTS", "4")
-    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
-    assert state_layout(1, 2, 64, 128, bf16, cpu, nc=10)[3] == 3  # 10 chunks in 4 segments of at most 3
-    assert state_layout(1, 2, 64, 128, bf16, cpu, nc=2)[3] == 1
-    monkeypatch.setenv("HMSCALE_SSD_PASS", "split")
-    assert state_layout(1, 2, 64, 128, bf16, cpu, nc=10)[3] == 10
-    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
-    monkeypatch.setenv("HMSCALE_SSD_BWD", "v1")
-    assert state_layout(1, 2, 64, 128, bf16, cpu, nc=10)[3] == 10
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv("HMSCALE_SSD_SEGMENTS", bad)
-        with pytest.raises(ValueError, match="HMSCALE_SSD_SEGMENTS must be"):
-            segment_count()
-
-
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
 def test_custom_ops_pass_opcheck(opts):
     """The core as torch.library custom ops (what a torch.compile graph holds): schema, fake shapes and dtypes,
