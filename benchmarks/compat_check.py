@@ -2,6 +2,7 @@
 (outputs, final state, every gradient) and ``selective_state_update`` (one decode step: output and updated state).
 
     python benchmarks/compat_check.py                 # on a GPU (mamba_ssm from /tmp/anchors, as .whl/preamble.sh unpacks it)
+    python benchmarks/compat_check.py --parts g=h     # one scan case (others: g=1, 1<g<h, decode, varlen)
     python benchmarks/compat_check.py --cpu           # on the CPU: both sides' Triton kernels under TRITON_INTERPRET=1
                                                       # (mamba_ssm from .anchors/mamba_ssm-*.tar.gz, `make gpu-wheels`)
 
@@ -183,7 +184,15 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="both sides under TRITON_INTERPRET=1 on the CPU (fp32 only)")
     ap.add_argument("--dtypes", default=None, help="bf16,fp32 (default: both on a GPU, fp32 on the CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default=",".join([c[0] for c in CASES] + ["decode", "varlen"]),
+                    help="what to check, comma-separated, of the scan cases " + ", ".join(c[0] for c in CASES)
+                    + ", decode (the step) and varlen (cu_seqlens states); default all (on a GPU each scan case first "
+                    "autotunes mamba_ssm's kernels, ~100 s: parts can run as parallel processes)")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    known = [c[0] for c in CASES] + ["decode", "varlen"]
+    if [q for q in parts if q not in known]:
+        sys.exit(f"--parts: unknown {[q for q in parts if q not in known]}; choose from {', '.join(known)}")
     if DEV == "cuda" and not torch.cuda.is_available():
         sys.exit("no GPU here: pass --cpu to run both sides under the Triton interpreter")
     names = (args.dtypes or ("fp32" if DEV == "cpu" else "bf16,fp32")).split(",")
@@ -200,9 +209,10 @@ def main() -> int:
           flush=True)
     print(f"device: {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu (TRITON_INTERPRET=1)'}, torch "
           f"{torch.__version__}")
-    print("case            dtype  D      | worst ours vs mamba_ssm (field) | ours vs fp64 | mamba_ssm vs fp64 | s")
+    if any(c[0] in parts for c in CASES):
+        print("case            dtype  D      | worst ours vs mamba_ssm (field) | ours vs fp64 | mamba_ssm vs fp64 | s")
     fails = 0
-    for (name, b, l, h, g, p, n, chunk), dname in [(c, d) for c in CASES for d in names]:
+    for (name, b, l, h, g, p, n, chunk), dname in [(c, d) for c in CASES if c[0] in parts for d in names]:
         for d_per_channel in (False, True):
             t0 = time.time()
             t, seq_idx = inputs(b, l, h, g, p, n, dtypes[dname], d_per_channel, args.seed)
@@ -222,9 +232,10 @@ def main() -> int:
             fails += not ok
             print(f"{name:<15} {dname:<6} {'(h,p)' if d_per_channel else '(h,)':<6} | {vs[worst]:.2e} ({worst:<15}) "
                   f"{'ok' if ok else 'FAIL'} | {ours_ref:.2e}    | {them_ref:.2e}         | {time.time() - t0:.0f}")
-    print()
-    print("decode step      dtype  form         | ours vs mamba_ssm: out, state | ok")
-    for dname, tied in [(d, t) for d in names for t in (True, False)]:
+    if "decode" in parts:
+        print()
+        print("decode step      dtype  form         | ours vs mamba_ssm: out, state | ok")
+    for dname, tied in [(d, t) for d in names for t in (True, False) if "decode" in parts]:
         b, h, g, p, n, pool = 3, 8, 2, 32, 64, 5
         gen = torch.Generator().manual_seed(args.seed + 2)
         rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -249,8 +260,9 @@ def main() -> int:
         fails += not ok
         print(f"{'b3 h8 g2 p32 n64':<16} {dname:<6} {'tied (Mamba-2)' if tied else 'per-channel':<12} | {e_y:.2e}, {e_s:.2e}"
               f"              | {'ok' if ok else 'FAIL'}")
-    print()
-    fails += varlen_cases(theirs, names, dtypes, args.seed)
+    if "varlen" in parts:
+        print()
+        fails += varlen_cases(theirs, names, dtypes, args.seed)
     print("PASS" if not fails else f"FAIL: {fails} case(s) over the limit")
     return 1 if fails else 0
 
