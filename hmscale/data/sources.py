@@ -212,6 +212,7 @@ class HFSource(_TableSource):
 class FileSource(_TableSource):
     """Local files through `datasets`: .txt (one document per file), .jsonl/.json and .parquet (one per row)."""
 
+    JSON_BLOCK = 1 << 24  # bytes of JSON Lines parsed at a time (more where one row is longer)
     BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
     def __init__(self, paths: list[str], text_field: str = "text", val_fraction: float = 0.05, max_documents: int | None = None):
@@ -233,7 +234,11 @@ class FileSource(_TableSource):
                 raise FileNotFoundError(f"data.paths: {p!r} holds no .txt, .jsonl or .parquet file; fix the path or "
                                         "remove it")
             files.extend(found)
-        self.files = sorted(dict.fromkeys(files))
+        # one file reached twice (a folder and a file in it, `./x` and `x`, relative and absolute) is read once
+        kept: dict[str, str] = {}
+        for f in sorted(set(files)):
+            kept.setdefault(os.path.realpath(f), f)
+        self.files = list(kept.values())  # sorted, as before
         for f in self.files:
             if Path(f).suffix.lower() not in self.BUILDERS:
                 raise ValueError(f"data.paths: {f!r} has an unsupported extension; use .txt, .jsonl or .parquet")
@@ -265,6 +270,9 @@ class FileSource(_TableSource):
                 if _holds_no_rows(f, builder):  # an empty file is no documents, as an empty .txt is none (`datasets`
                     yield _NO_ROWS, self.text_field  # stops on one: "StopIteration", "corresponds to no data")
                     continue
+                if builder == "json" and _has_open_json() and (first := _json_lines_first_row(f)) is not None:
+                    yield _JSON_LINES, first  # its first row's fields; `_json_lines_texts` reads the text field alone
+                    continue
                 try:
                     ds = datasets.load_dataset(builder, data_files=[f], split="train")
                 except Exception as err:  # noqa: BLE001 - datasets wraps the parser's error; named with the file
@@ -279,6 +287,9 @@ class FileSource(_TableSource):
         for (ds, column), ds_name in zip(self._tables(), self._table_files()):
             if ds is _NO_ROWS:
                 continue
+            if ds is _JSON_LINES:
+                yield from self._json_lines_texts(ds_name, column)
+                continue
             if ds is None:
                 with open(column, encoding="utf-8") as fh:
                     try:
@@ -290,6 +301,48 @@ class FileSource(_TableSource):
             else:
                 yield from self._column(ds, column, ds_name)
 
+    def _json_lines_texts(self, path: str, first_row: list[str]):
+        """The ``text_field`` of each row of a JSON Lines file, in order (None where a row lacks it), streamed with
+        Arrow's JSON reader told to parse that field alone: the file's other fields, whatever they hold, do not matter.
+        (`datasets` fixes a file's schema from its first 10 MB and stopped on valid files whose other fields appear,
+        vanish or change type later: an optional field null at first, ints then a float, a struct's keys.)"""
+        import pyarrow as pa
+        import pyarrow.json as paj
+
+        column = self.text_field
+        parse = paj.ParseOptions(explicit_schema=pa.schema([pa.field(column, pa.string())]),
+                                 unexpected_field_behavior="ignore")
+        block, done, seen = self.JSON_BLOCK, 0, False
+        while True:
+            skip = done  # rows handed out before a restart with larger blocks
+            try:
+                for batch in paj.open_json(path, read_options=paj.ReadOptions(block_size=block), parse_options=parse):
+                    col = batch.column(0)
+                    for at in range(min(skip, len(col)), len(col), self.BATCH):  # ``BATCH`` Python strings at a time
+                        try:
+                            texts = col.slice(at, self.BATCH).to_pylist()
+                        except UnicodeDecodeError as err:  # Arrow's json reader keeps invalid UTF-8 in string columns
+                            raise ValueError(f"data.paths: {path!r} holds text in {column!r} that is not UTF-8 "
+                                             f"({err.reason}); convert it to UTF-8 or remove it") from None
+                        seen = seen or any(t is not None for t in texts)
+                        done += len(texts)
+                        yield from texts
+                    skip = max(0, skip - len(col))
+                break
+            except pa.ArrowInvalid as err:
+                msg = str(err).strip()
+                if "straddling" in msg and block < os.path.getsize(path) + 1:  # a row longer than a block
+                    block *= 4
+                    continue
+                if f"Column(/{column}) changed from" in msg:
+                    _raise_non_text(path, column)
+                first = msg.splitlines()[0].rstrip(".") if msg else type(err).__name__
+                raise ValueError(f"data.paths: {path!r} is not readable as {Path(path).suffix.lower()[1:]}: {first}; "
+                                 "fix or remove the file") from None
+        if not seen and column not in first_row:  # no row has the field: a wrong data.text_field, not null texts
+            raise ValueError(f"data.text_field: {column!r} is not a column of {path!r}; choose one of "
+                             f"{', '.join(first_row)}")
+
     def _table_files(self) -> list[str]:
         """The file behind each of ``_tables()``, in the same order."""
         return [f for b in sorted({self.BUILDERS[Path(f).suffix.lower()] for f in self.files})
@@ -300,6 +353,51 @@ class FileSource(_TableSource):
 
 
 _NO_ROWS = object()  # a table file holding no rows
+_JSON_LINES = object()  # a JSON Lines file, read by `FileSource._json_lines_texts`
+
+
+def _has_open_json() -> bool:  # Arrow's streaming JSON reader (pyarrow >= 20); before it, `datasets` reads
+    import pyarrow.json as paj
+
+    return hasattr(paj, "open_json")
+
+
+def _json_lines_first_row(path: str) -> list[str] | None:
+    """The fields of the first row of a JSON Lines file (an object, whole on its line, after blanks and a byte-order
+    mark), or None where the file is something else (a JSON list, an object over several lines: `datasets` reads it)."""
+    import json
+
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        start = 3 if head.startswith(b"\xef\xbb\xbf") else 0
+        while start < len(head) and head[start] in b" \t\r\n":
+            start += 1
+        if start >= len(head) or head[start : start + 1] != b"{":  # a list (or blanks alone): read by `datasets`
+            return None
+        f.seek(start)
+        line = f.readline()  # (one row: read before it is tokenised anyway)
+    try:
+        row = json.loads(line)
+    except ValueError:  # not UTF-8, not whole on its line, or not JSON: `datasets` says which
+        return None
+    return list(row) if isinstance(row, dict) else None
+
+
+def _raise_non_text(path: str, column: str):
+    """Stop with one line naming the first value of ``column`` in a JSON Lines file that is neither text nor null."""
+    import json
+
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    t = json.loads(line).get(column)
+                except (ValueError, AttributeError):
+                    continue
+                if t is not None and not isinstance(t, str):
+                    raise ValueError(f"data.text_field: {column!r} of {path!r} holds {type(t).__name__} values "
+                                     f"({str(t)[:40]!r}), not text; choose a text column")
+    raise ValueError(f"data.text_field: {column!r} of {path!r} holds values that are not text; choose a text column")
 
 
 def _saved_dataset_dir(name: str | None) -> Path | None:
@@ -325,6 +423,8 @@ def _holds_no_rows(path: str, builder: str) -> bool:
     seen = b""
     with open(path, "rb") as f:
         while chunk := f.read(1 << 16):
+            if not seen and f.tell() == len(chunk) and chunk.startswith(b"\xef\xbb\xbf"):  # a byte-order mark
+                chunk = chunk[3:]
             seen += bytes(chunk.translate(None, b" \t\r\n"))
             if len(seen) > 2 or not b"[]".startswith(seen):
                 return False
