@@ -28,7 +28,7 @@ from collections import deque
 import ray
 
 from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
-from hmscale.teacher.cache.worker import FAULT_ENV, WRITERS_ENV
+from hmscale.teacher.cache.worker import FAULT_ENV, WRITERS_ENV, NonFiniteCapture
 
 
 @ray.remote
@@ -157,6 +157,8 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
             except ray.exceptions.RayTaskError as err:
                 if (fatal := unretryable(err)) is not None:  # a full disk, a read-only or forbidden directory
                     raise CacheError(failure_message(fatal, f"{shard_name(sid)} (worker {a})", cp.cache_dir)) from None
+                if isinstance(getattr(err, "cause", None), NonFiniteCapture):  # the teacher's NaN / inf: any worker
+                    raise CacheError(str(err.cause)) from None  # computes the same, so no retry
                 failures[sid] = failures.get(sid, 0) + 1
                 cause = str(err).strip().splitlines()[-1]
                 log(f"cache: {shard_name(sid)} failed on worker {a} ({cause}); retry {failures[sid]}/{cfg.cache.max_retries}")

@@ -8,8 +8,14 @@ temporary shard files (a worker killed mid-shard; the next build of that cache r
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no file locks, so no way to tell a build at work
+    fcntl = None
 
 from hmscale.teacher.cache.format import MANIFEST, CacheError, human_bytes
 from hmscale.teacher.cache.manifest import Manifest
@@ -130,9 +136,48 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
     return "\n".join(lines)
 
 
+def _held_by_another(f) -> bool:
+    """Take ``f``'s flock without waiting: False when taken (it stays held until ``f`` closes), True when another
+    open file holds it (a live build: locks die with their process). Without file locks, False."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a filesystem without locks: nothing to tell
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def _not_being_built(dirs):
+    """Refuse (CacheError) while a build writes one of ``dirs``: it holds the cache's lock under the root's ``.locks/``
+    (``build_cache``) or a shard temporary locked (``ShardWriter``). The build locks stay taken until the block ends,
+    so a build starting meanwhile waits for the removal instead of writing into a directory being deleted."""
+    with contextlib.ExitStack() as stack:
+        for d in dirs:
+            lock = d.parent / ".locks" / f"{d.name}.lock"
+            held = [lock] if lock.is_file() and _held_by_another(stack.enter_context(open(lock, "rb"))) else []
+            for tmp in [] if held else sorted(d.glob(".shard-*.tmp")):
+                try:
+                    with open(tmp, "rb") as f:
+                        if _held_by_another(f):
+                            held = [tmp]
+                            break
+                except OSError:  # renamed or removed meanwhile: not being written any more
+                    pass
+            if held:
+                raise CacheError(f"{d.name} is being built (a running build holds {held[0]}); wait for that build to "
+                                 "finish, or stop it, then rerun `hmscale cache rm`")
+        yield
+
+
 def remove_cache(path, force: bool = False) -> list[Path]:
     """Delete a cache directory (one with a manifest, never anything else), and with ``force`` the views that read
-    it; without ``force`` a cache that views read is refused, naming them. Returns what was removed."""
+    it; without ``force`` a cache that views read is refused, naming them. A cache (or view) a running build is
+    writing is refused, ``force`` or not: deleting it under the build broke the build and left a manifest naming
+    the deleted shards. Returns what was removed."""
     import shutil
 
     if Path(path).is_symlink():
@@ -145,6 +190,7 @@ def remove_cache(path, force: bool = False) -> list[Path]:
     if views and not force:
         raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "
                          "pass --force to remove them too (their runs would otherwise rebuild them with a teacher pass)")
-    for d in [*views, path]:
-        shutil.rmtree(d)
+    with _not_being_built([*views, path]):
+        for d in [*views, path]:
+            shutil.rmtree(d)
     return [*views, path]

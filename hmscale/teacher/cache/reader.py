@@ -4,9 +4,10 @@
   process; a mismatch raises `CacheCorruptError` naming the shard (nothing from it is returned).
 - Only the requested members are read (a worker training layers {i} reads those layers only).
 - Sample order: shards in a seeded permutation, samples within a shard permuted, per epoch; the
-  list is cut to a multiple of `world_size` and rank r takes every world_size-th sample from r,
-  so all ranks get the same number of batches. Inside a torch DataLoader worker the batches are
-  further dealt round-robin to the loader workers.
+  list is cut to a multiple of `world_size x batch_size` and rank r takes every world_size-th sample
+  from r, so all ranks get the same number of batches. A loader over fewer rows than one batch per
+  rank is refused (`CacheError`): its epochs would all be empty. Inside a torch DataLoader worker the
+  batches are further dealt round-robin to the loader workers.
 - Resumable: `loader.state_dict()` / `load_state_dict()` (epoch and batches consumed), or `start=`.
 - Never unpickles: every member goes through `format.load_npy` (plain numeric arrays only).
 """
@@ -199,6 +200,12 @@ class CacheReader:
             raise ValueError(f"kind {kind!r}: choose 'stage1' or 'stage2'")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size {batch_size}: must be at least 1")
+        if self.num_samples < world_size * int(batch_size):  # (every rank's epoch would be empty, forever)
+            raise CacheError(f"cache {self.dir} holds {self.num_samples} rows over {len(self.shard_ids)} shard(s), fewer "
+                             f"than one batch per rank (world_size {world_size} x batch_size {batch_size}): no rank "
+                             "would get a batch; use a smaller batch, fewer workers or more shards (cache.max_tokens)")
         return CacheLoader(self, batch_size, kind=kind, layers=layers, tensors=tensors, rank=rank, world_size=world_size,
                            seed=seed, shuffle=shuffle, epoch=epoch, start=start, dtype=dtype)
 

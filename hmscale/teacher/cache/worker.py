@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from hmscale.teacher.cache.format import (
+    BUILDERS,
     STORAGE_TORCH,
+    CacheError,
     CaptureSpec,
     ShardInfo,
     TeacherShape,
@@ -42,6 +44,11 @@ from hmscale.teacher.cache.format import (
 )
 from hmscale.teacher.cache.writer import ShardWriter
 
+class NonFiniteCapture(CacheError):
+    """The teacher computed NaN or inf values for a shard: the same on any worker, so not worth a retry."""
+
+
+_NONFINITE = "__nonfinite__"  # the pinned buffer of a batch's NaN / inf flags (not a stored field)
 FAULT_ENV = "HMSCALE_CACHE_FAULT"  # "SHARD:MARKER": die (os._exit) mid-way through SHARD once (tests)
 WRITERS_ENV = "HMSCALE_CACHE_WRITERS"  # shards in flight per worker (default: default_writer_threads)
 
@@ -154,6 +161,7 @@ class _Batch:
     ready: object = None  # torch.cuda.Event: the device->host copies are done
     hold: list = field(default_factory=list)  # device tensors kept alive until `ready`
     bufs: dict | None = None  # the pinned buffer set (goes back to the pool after writing + hashing)
+    nonfinite: tuple = ()  # (field names, (b, fields) bool host tensor): which rows of which field hold NaN / inf
 
 
 class ShardWorker:
@@ -184,8 +192,11 @@ class ShardWorker:
         # staged: the stored bytes are copied into a pool of (pinned) host buffers; always on a GPU, on
         # request on the CPU (tests exercise the buffer path there)
         self.staged = self.cuda if staged is None else bool(staged)
+        # the float fields checked for NaN / inf before anything is stored (`_check_finite`), in layout order
+        self.checked = tuple(k for k in self.dev_fields if k != "topk_indices" and not k.endswith("_scale"))
         if self.staged:
             shapes = {k: ((self.batch_size, *f.shape), self._torch_dtype(k)) for k, f in self.dev_fields.items()}
+            shapes[_NONFINITE] = ((self.batch_size, len(self.checked)), torch.bool)
             # one set per shard being written, +2 so the device can run ahead (the host is the slower side)
             self._pool = _BufferPool(shapes, max_buffers or self.writer_threads + 2, pin=self.cuda)
         if self.cuda:
@@ -256,8 +267,11 @@ class ShardWorker:
         return out
 
     @torch.no_grad()
-    def encode_device(self, dev: dict, positions: list) -> dict[str, torch.Tensor]:
-        """Captures -> the stored bits of every device field (layout order), computed where they are."""
+    def encode_device(self, dev: dict, positions: list, nonfinite: dict | None = None) -> dict[str, torch.Tensor]:
+        """Captures -> the stored bits of every device field (layout order), computed where they are.
+
+        ``nonfinite``, when given, receives per checked field a (b,) bool tensor on the device: the rows whose stored
+        values would be NaN or inf (the kept positions only; a top-k log-prob of -inf, a zero probability, is kept)."""
         enc = {}
         idx = None
         if positions[0] is not None:
@@ -265,6 +279,8 @@ class ShardWorker:
             idx = (rows, torch.from_numpy(np.stack(positions)).long().to(self.device))
         for name, x in dev.items():
             if name == "topk_logprobs":
+                if nonfinite is not None:
+                    nonfinite[name] = (torch.isnan(x) | torch.isposinf(x)).flatten(1).any(1)
                 enc[name] = encode_tensor(x, self.spec.topk_dtype)[0]
             elif name == "topk_indices":
                 if self.shape.vocab_size <= 65536:  # uint16 bits in an int16 tensor
@@ -274,6 +290,8 @@ class ShardWorker:
             else:
                 if name.endswith("attn_output") and idx is not None:
                     x = x[idx]  # (b, m, h, p): the kept positions of each row
+                if nonfinite is not None:
+                    nonfinite[name] = ~torch.isfinite(x).flatten(1).all(1)
                 q, scale = encode_tensor(x, self.spec.dtype)
                 enc[name] = q
                 if scale is not None:
@@ -287,32 +305,57 @@ class ShardWorker:
         pos = [positions_for(self.spec, k, L) for k in keys]
         b = len(keys)
         bufs = self._pool.acquire() if self._pool is not None else None
+        bad: dict = {}
         try:
             with self._lock:
                 ready = None
                 if not self.cuda:
-                    enc = self.encode_device(self.forward_batch(tokens), pos)
+                    enc = self.encode_device(self.forward_batch(tokens), pos, bad)
+                    flags = self._flags(bad, b)
                     if not self.staged:
                         arrays = {k: self._host(t, k) for k, t in enc.items()}
-                        return _Batch(keys, tokens, seq_idx, pos, arrays)
+                        return _Batch(keys, tokens, seq_idx, pos, arrays, nonfinite=(self.checked, flags))
                     for k, t in enc.items():
                         bufs[k][:b].copy_(t)
+                    bufs[_NONFINITE][:b].copy_(flags)
                 else:
                     with torch.cuda.device(self.device):
-                        enc = self.encode_device(self.forward_batch(tokens), pos)
+                        enc = self.encode_device(self.forward_batch(tokens), pos, bad)
+                        flags = self._flags(bad, b)
                         compute = torch.cuda.current_stream(self.device)
                         self._copy_stream.wait_stream(compute)
                         with torch.cuda.stream(self._copy_stream):
                             for k, t in enc.items():
                                 bufs[k][:b].copy_(t, non_blocking=True)
+                            bufs[_NONFINITE][:b].copy_(flags, non_blocking=True)
                             ready = torch.cuda.Event(blocking=True)  # the waiting writer sleeps, not spins
                             ready.record(self._copy_stream)
             arrays = {k: self._host(bufs[k][:b], k) for k in enc}
-            return _Batch(keys, tokens, seq_idx, pos, arrays, ready=ready, hold=list(enc.values()), bufs=bufs)
+            return _Batch(keys, tokens, seq_idx, pos, arrays, ready=ready, hold=[*enc.values(), flags], bufs=bufs,
+                          nonfinite=(self.checked, bufs[_NONFINITE][:b]))
         except BaseException:
             if bufs is not None:
                 self._pool.release(bufs)
             raise
+
+    def _flags(self, bad: dict, b: int) -> torch.Tensor:
+        """(b, checked fields) bool on the device: which rows of which field hold NaN / inf."""
+        if not self.checked:
+            return torch.zeros((b, 0), dtype=torch.bool, device=self.device)
+        return torch.stack([bad[k] for k in self.checked], dim=1)
+
+    @staticmethod
+    def _check_finite(batch: _Batch, shard_id: int) -> None:
+        """Refuse a batch whose stored values would hold NaN or inf (a damaged teacher, an overflow): every run reusing
+        the cache would train on them (in fp8 an inf turns its whole row into NaN)."""
+        names, flags = batch.nonfinite or ((), None)
+        if flags is None or not names or not bool(flags.any()):
+            return
+        row, col = (int(i) for i in flags.nonzero()[0])
+        raise NonFiniteCapture(
+            f"the teacher computed NaN or inf values in {names[col]} of sample {batch.keys[row]} ({shard_name(shard_id)}); "
+            "the cache stores no shard holding them: check the teacher (its weights; teacher.dtype=float32 if bfloat16 "
+            f"overflows), then rerun {BUILDERS} (the shards written so far are kept)")
 
     def _release(self, batch: _Batch) -> None:
         if batch is not None and batch.bufs is not None:
@@ -326,6 +369,7 @@ class ShardWorker:
             batch.ready.synchronize()
             stats["d2h_wait_s"] = stats.get("d2h_wait_s", 0.0) + time.perf_counter() - t
         batch.hold = []
+        self._check_finite(batch, writer.shard_id)
         for j, key in enumerate(batch.keys):
             arrays = {"tokens": np.ascontiguousarray(batch.tokens[j], dtype=np.int32),
                       "seq_idx": np.ascontiguousarray(batch.seq_idx[j], dtype=np.int32)}

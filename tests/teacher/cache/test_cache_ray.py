@@ -89,3 +89,24 @@ def test_a_full_disk_on_an_actor_is_not_retried():
     assert unretryable(TaskError(OSError(errno.ECONNRESET, "reset"))) is None  # a transient error: retried
     assert unretryable(TaskError(RuntimeError("CUDA error"))) is None
     assert unretryable(RuntimeError("no cause")) is None
+
+
+def _nan_everywhere(teacher, ids, layers=None):
+    from hmscale.teacher.cache.worker import _default_capture
+
+    out = _default_capture(teacher, ids, layers)
+    out[0].attn_output.view(-1)[0] = float("nan")
+    return out
+
+
+def test_a_teacher_computing_nan_on_an_actor_is_not_retried(ray_cluster, tmp_path, teacher, data, tools):
+    """The teacher's NaN / inf is the same on every actor: the build stops at the first shard holding one, in one
+    line naming it, without the cache.max_retries retries elsewhere (each a teacher forward and the same refusal)."""
+    from hmscale.teacher.cache import CacheError
+
+    logs = []
+    cfg = tools.make_cfg(tmp_path, **{"cache.max_retries": 3})
+    with pytest.raises(CacheError, match=r"the teacher computed NaN or inf values in l000_attn_output") as err:
+        build_cache(cfg, data, teacher, engine="ray", capture_fn=_nan_everywhere, log=logs.append)
+    assert "\n" not in str(err.value)
+    assert not any("retry" in line for line in logs), logs
