@@ -572,7 +572,9 @@ def checkpoint_layout(path: str | os.PathLike) -> dict | None:
 
     names = [p.name for p in (Path(path) / TAG).glob("*.pt")]
     model = {m[1] for n in names if (m := re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", n))}
-    zero = [m for n in names if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt", n))]
+    # (with bf16 on, DeepSpeed prefixes the optimizer partitions of ZeRO 1/2/3 with "bf16_": engine._get_zero_ckpt_prefix)
+    zero = [m for n in names
+            if (m := re.fullmatch(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt", n))]
     if zero:
         return {"zero": 3 if any(m[3] == "model" for m in zero) else 1, "dp": len({m[1] for m in zero}),
                 "mp": len({m[2] for m in zero})}
@@ -745,6 +747,24 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
+def _nonfinite_counts(loss: torch.Tensor) -> torch.Tensor:
+    """Over every rank: [ranks whose loss is not finite, of them NaN, +inf, -inf] (one all-reduce)."""
+    x = loss.detach().float().reshape(-1)
+    local = torch.stack([(~torch.isfinite(x)).any(), torch.isnan(x).any(), torch.isposinf(x).any(),
+                         torch.isneginf(x).any()]).float()  # (on the loss's device: one host read, after the reduce)
+    return all_reduce_sum(local).cpu()
+
+
+def _nonfinite_value(loss: torch.Tensor, counts: torch.Tensor) -> str:
+    """The non-finite loss to name: this rank's own when it is one, else the kind another rank had."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return str(loss.detach().float().item()) if loss.numel() == 1 else "nan" if torch.isnan(loss).any() else "inf"
+    for count, kind in zip(counts[1:].tolist(), ("nan", "inf", "-inf")):
+        if count > 0:
+            return kind
+    return "not finite"
+
+
 def _weights_finite(engine) -> bool:
     """Whether every trainable weight of every rank is finite (ZeRO-3: each rank's partition); every rank calls it, at
     the same step (before each checkpoint). One host read per rank."""
@@ -809,15 +829,19 @@ def train_loop(
             extra_sum: dict[str, torch.Tensor] = {}
             for micro in range(grad_accum):
                 loss, extras = micro_step(step, micro)
-                # all ranks agree on finiteness before touching the weights
-                flag = all_reduce_sum(torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device))
-                if flag.item() > 0:
+                # all ranks agree on finiteness before touching the weights; with the kinds of value that stopped
+                # them, so that every rank's line (rank 0's is the one the driver shows) names the non-finite loss,
+                # not its own finite one
+                bad = _nonfinite_counts(loss)
+                if bad[0].item() > 0:
                     where = (f"last checkpoint {res.last_checkpoint} (the weights before this step; a loss that "
                              "grew to this may diverge again from there)" if res.last_checkpoint
                              else "no checkpoint was written yet")
+                    world = dist.get_world_size() if dist.is_initialized() else 1
+                    on = f", on {int(bad[0].item())} of {world} workers" if world > 1 else ""
                     raise NonFiniteLoss(
-                        f"{name}: loss is {loss.item()} at step {step} (micro batch {micro}); stopped, {where}; "
-                        "lower the learning rate (a new output_dir: it is a training setting)"
+                        f"{name}: loss is {_nonfinite_value(loss, bad)} at step {step} (micro batch {micro}{on}); "
+                        f"stopped, {where}; lower the learning rate (a new output_dir: it is a training setting)"
                     )
                 engine.backward(loss)
                 engine.step()
