@@ -28,7 +28,8 @@ parameters (``ssm=False``: ``dt = 1``, ``A = 0``, no ``D``).
 ``conv_width - 1`` inputs) and the SSD state ``(b, h, P[+1], N)``: O(1) memory per token. The prompt
 goes through the chunked kernel (``return_final_state=True``), each new token through ``ssd_step``.
 Left padding (``attention_mask`` zeros) is supported: padded tokens get ``dt = 0`` and zero inputs,
-so they are invisible to the state.
+so they are invisible to the state; with the normaliser, the scan sees each row's leading padding moved to its end
+(a position before any real token would divide 0 by 0, and the backward's NaN would reach every gradient).
 """
 
 from __future__ import annotations
@@ -269,6 +270,13 @@ def _ssd_scan_outside_graph(*args, **kwargs):
     return kernels.ssd(*args, **kwargs)
 
 
+def _rotate_rows(t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """t (b, l, ...) with row i rotated left by shift[i] along dim 1 (position j takes position j + shift[i])."""
+    b, l = t.shape[:2]
+    idx = (torch.arange(l, device=t.device)[None, :] + shift[:, None]) % l
+    return t.gather(1, idx.view(b, l, *([1] * (t.dim() - 2))).expand_as(t))
+
+
 class _ReluStraightThrough(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a):
@@ -388,6 +396,17 @@ class HedgeMambaMixer(nn.Module):
         if token_mask is not None:
             dt = dt * token_mask.unsqueeze(-1).to(dt.dtype)
         norm = self.config.normalize
+        lead = None
+        if token_mask is not None and norm and seq_idx is None and l > 1:
+            # a position before its row's first real token has a normaliser of 0 (dt = 0 so far): its output is
+            # masked, but the backward's 0 / 0 through the kernel's division made every gradient NaN. The scan
+            # takes each row rotated so that its leading padding comes last, where dt = 0 keeps it out of the state
+            # and its normaliser is the real tokens' (the state after the last token is unchanged)
+            lead = (token_mask.long().cumsum(1) == 0).sum(1)
+            if bool(((lead > 0) & (lead < l)).any()):
+                v, dt, Bf, Cf = (_rotate_rows(t, lead) for t in (v, dt, Bf, Cf))
+            else:
+                lead = None
         if cache is not None and ssm_state is not None and l == 1 and seq_idx is None:
             y, ssm_state = kernels.ssd_step(ssm_state, v[:, 0], dt[:, 0], A, Bf[:, 0], Cf[:, 0], D=D, normalize=norm)
             y = y.unsqueeze(1)
@@ -400,6 +419,8 @@ class HedgeMambaMixer(nn.Module):
                             normalize=norm)
         if cache is not None:
             cache.ssm_states[i] = ssm_state
+        if lead is not None:
+            y = _rotate_rows(y, -lead)
         if token_mask is not None:
             y = torch.where(token_mask[:, :, None, None], y, torch.zeros_like(y))
         if self.z_proj is not None:
