@@ -17,8 +17,10 @@ Memory per GPU (bytes; bf16 mixed precision with Adam, the ZeRO paper's accounti
     parameters 2 B/param, gradients 2 B/trainable param, optimizer 12 B/trainable param (fp32 master,
     Adam m and v). Tensor parallelism divides all three by tp. ZeRO-1 divides the optimizer states by
     dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Stage 2 trains everything except the
-    input embedding (frozen: parameters only); with LoRA (``lora_rank``) only the adapters, ``r (in + out)`` per
-    adapted layer, and HedgeMamba's added parts (the FLOP model still counts a full backward: an upper bound).
+    input embedding (frozen: parameters only); with ``stage2.trainable=mixers`` (``trainable``) only the blocks'
+    sequence mixers (in_proj, out_proj and HedgeMamba's added parts); with LoRA (``lora_rank``) only the adapters,
+    ``r (in + out)`` per adapted layer, and HedgeMamba's added parts (in both cases the FLOP model still counts a
+    full backward: an upper bound).
     Activations per token per HedgeMamba block (saved for backward, bf16): LN1 in/out 2d, qkv 3d,
     conv out 3d, rotary q,k 2d, feature-map pre-activations 2 H F, phi(q), phi(k) 2 H 2F, SSD output d,
     gate z, silu(z), gated output 3d, LN2 in/out 2d, MLP 4d + 4d; plus the SSD chunk states in fp32,
@@ -109,6 +111,9 @@ class PlanSettings:
     conv_width: int = 4
     chunk_size: int = 64
     freeze_embed_out: bool = False
+    # what stage 2 trains (stage2.trainable): "all" (every weight but the input embedding) or "mixers" (only the
+    # blocks' sequence mixers: in_proj, out_proj, feature maps, conv, gate, dt/A/D; MLPs, LayerNorms, LM head frozen)
+    trainable: str = "all"
     # stage 2 with LoRA (stage2.lora_rank > 0): every teacher weight frozen, rank-r adapters on these layers
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("in_proj", "out_proj")
@@ -127,6 +132,8 @@ class PlanSettings:
     def __post_init__(self):
         if self.gpu_mem_gb <= 0 or not 0 < self.usable_fraction <= 1:
             raise ValueError("plan: gpu_mem_gb must be positive and usable_fraction in (0, 1]")
+        if self.trainable not in ("all", "mixers"):
+            raise ValueError(f"plan: trainable {self.trainable!r} must be all or mixers (stage2.trainable)")
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"plan: zero_stage {self.zero_stage} must be 0, 1, 2 or 3")
         # the recipe config's own ranges (data.seq_len, *.micro_batch_size, cache.capture.*, stage2.lora_rank):
@@ -165,6 +172,7 @@ class PlanSettings:
             capture_layers=None if cap.layers == "all" else len(cap.layers),
             budget=BudgetRule(split=tuple(cfg.budget.split)),
             lora_rank=cfg.stage2.lora_rank,
+            trainable=cfg.stage2.trainable,
             lora_targets=tuple(cfg.stage2.lora_targets),
             # a miniature teacher's vocabulary is the tokenizer's (trained on the data)
             vocab_size=cfg.tokenizer.vocab_size if cfg.teacher.name_or_path is None and cfg.tokenizer.name_or_path is None else None,
@@ -213,6 +221,10 @@ def student_param_breakdown(flavor: Flavor | Size | str, settings: PlanSettings 
         gate = 0 if "z_proj" in s.lora_targets else parts["gate"]
         ssm = parts["ssm"] - (L * (d * H + H) if "dt_proj" in s.lora_targets and s.ssm else 0)
         parts["trainable"] = parts["lora"] + parts["feature_maps"] + parts["conv"] + gate + ssm
+        return parts
+    if s.trainable == "mixers":  # stage2.trainable=mixers: what replaced attention (in_proj, out_proj and the new parts)
+        parts["trainable"] = (L * (3 * d * d + 3 * d + d * d + d) + parts["feature_maps"] + parts["conv"]
+                              + parts["gate"] + parts["ssm"])
         return parts
     frozen = parts["embed_in"] + (parts["embed_out"] if s.freeze_embed_out else 0)
     parts["trainable"] = parts["total"] - frozen

@@ -88,7 +88,7 @@ def resolve_sizes(spec: str | list[str] | tuple[str, ...] | None = None) -> list
         raw = [spec] if isinstance(spec, str) else list(spec)
         items = [p for part in raw for p in str(part).split(",") if p.strip()]
         if not items:
-            raise ValueError("no sizes given; pass e.g. --sizes 70m,160m or a group (pythia, mini, all)")
+            raise ValueError("no sizes given; pass e.g. --sizes 70m,160m or a group (pythia, miniatures, all)")
     names: list[str] = []
     for item in items:
         key = item.strip().lower()

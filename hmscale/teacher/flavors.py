@@ -47,7 +47,7 @@ PYTHIA: dict[str, Flavor] = {
         Flavor("pythia-1b", 16, 2048, 8, hub_id="EleutherAI/pythia-1b", published_params=1_011_781_632, pretrain_tokens=PYTHIA_TOKENS),
         Flavor("pythia-1.4b", 24, 2048, 16, hub_id="EleutherAI/pythia-1.4b", published_params=1_414_647_808, pretrain_tokens=PYTHIA_TOKENS),
         Flavor("pythia-2.8b", 32, 2560, 32, hub_id="EleutherAI/pythia-2.8b", published_params=2_775_208_960, pretrain_tokens=PYTHIA_TOKENS),
-        Flavor("pythia-6.9b", 32, 4096, 32, hub_id="EleutherAI/pythia-6.9b", published_params=6_857_302_016, pretrain_tokens=PYTHIA_TOKENS),
+        Flavor("pythia-6.9b", 32, 4096, 32, vocab_size=50432, hub_id="EleutherAI/pythia-6.9b", published_params=6_857_302_016, pretrain_tokens=PYTHIA_TOKENS),
         Flavor("pythia-12b", 36, 5120, 40, vocab_size=50688, hub_id="EleutherAI/pythia-12b", published_params=11_846_072_320, pretrain_tokens=PYTHIA_TOKENS),
     ]
 }
