@@ -57,19 +57,41 @@ STAGES = ("stage1", "stage2")
 ERROR_FILE = "distill_error.json"  # a deterministic worker error, for the driver (Ray or local workers)
 
 
-def _record_error(run_dir: Path, err: Exception) -> None:
+def _error_file(run_dir: Path, rank: int = 0) -> Path:
+    """Where a worker writes its deterministic failure down: rank 0's is ERROR_FILE (Ray's workers write only that
+    one); local workers' other ranks write their own, since torch's launcher kills the others as soon as one worker
+    exits with an error, possibly before rank 0 has written its line."""
+    return run_dir / (ERROR_FILE if rank == 0 else f"distill_error.rank{rank}.json")
+
+
+def _record_error(run_dir: Path, err: Exception, rank: int = 0) -> None:
     """Write a worker's deterministic failure down for the driver (the run dir is shared)."""
     from hmscale.atomic import atomic_write_json
 
-    atomic_write_json(run_dir / ERROR_FILE, {"error": str(err), "error_type": type(err).__name__})
+    atomic_write_json(_error_file(run_dir, rank), {"error": str(err), "error_type": type(err).__name__})
 
 
-def _raise_recorded_error(run_dir: Path) -> None:
-    """Raise the failure a worker recorded (as its TrainingError subclass), if there is one."""
-    if (run_dir / ERROR_FILE).exists():
-        from hmscale.train import engine as E
+def _clear_recorded_errors(run_dir: Path) -> None:
+    for p in [run_dir / ERROR_FILE, *run_dir.glob("distill_error.rank*.json")]:
+        p.unlink(missing_ok=True)
 
-        err = json.loads((run_dir / ERROR_FILE).read_text())
+
+def _raise_recorded_error(run_dir: Path, rank: int | None = None) -> None:
+    """Raise the failure a worker recorded (as its TrainingError subclass), if there is one: rank 0's, else that of
+    ``rank`` (the local worker whose exit stopped the others), else any other rank's."""
+    from hmscale.train import engine as E
+
+    files = [_error_file(run_dir, 0)]
+    if rank:
+        files.append(_error_file(run_dir, rank))
+    files += sorted(run_dir.glob("distill_error.rank*.json"), key=lambda p: (len(p.name), p.name))
+    for path in files:
+        try:
+            err = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for p in run_dir.glob("distill_error.rank*.json"):  # (rank 0's stays, as under Ray)
+            p.unlink(missing_ok=True)
         raise getattr(E, err.get("error_type", ""), E.TrainingError)(err["error"])
 
 
@@ -313,9 +335,8 @@ def _local_worker(rank: int, config: dict) -> None:
 
     try:
         train_func(config)
-    except TrainingError as err:
-        if rank == 0:
-            _record_error(Path(config["run_dir"]), err)
+    except TrainingError as err:  # every rank: the one that exits first stops the others, rank 0 perhaps unrecorded
+        _record_error(Path(config["run_dir"]), err, rank)
         raise
 
 
@@ -330,12 +351,18 @@ def _run_local_workers(cfg, config: dict, run_dir: Path, *, log=print) -> dict:
     zero = par.zero  # (a ds_config file's own stage, when it names one)
     log(f"[distill] engine=local: {par.num_workers} worker processes on this machine "
         f"({'one GPU each, NCCL' if par.use_gpu else 'CPU, gloo'}; tp={par.tp}, ZeRO-{zero})")
-    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    _clear_recorded_errors(run_dir)
     try:
         spawn_workers(_local_worker, par.num_workers, config, use_gpu=par.use_gpu)
     except WorkerFailed as failed:
-        _raise_recorded_error(run_dir)
-        raise TrainingError(str(failed)) from None
+        _raise_recorded_error(run_dir, failed.rank)  # a TrainingError a worker wrote down: its one line
+        if failed.worker_traceback is None:
+            raise TrainingError(str(failed)) from None  # a worker that died: one line
+        # an unexpected error (a bug, a refusal the config could not see): its traceback where it happened, to stderr
+        # (as Ray's workers' reach the driver's), then the one line, chained to that traceback
+        print(f"[distill] local worker {failed.rank} raised:\n{failed.worker_traceback.rstrip()}", file=sys.stderr,
+              flush=True)
+        raise TrainingError(str(failed)) from failed
     return _stage_summaries(run_dir, config["stages"])
 
 

@@ -4,7 +4,8 @@
 form one torch.distributed group the way torchrun does it: RANK / LOCAL_RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT in the environment, so `engine.init_distributed` joins it (NCCL on GPUs,
 gloo on CPU). Each process calls ``fn(rank, *args)``. A worker that raises or dies stops the others;
-the error comes back as a `WorkerFailed` with the worker's last line. A SIGINT to this process (`kill -INT`;
+the error comes back as a `WorkerFailed` with the worker's last line (``.rank``: which worker; one that raised keeps
+its traceback, as ``.worker_traceback`` and as the exception's cause, so an unexpected error shows where it happened). A SIGINT to this process (`kill -INT`;
 a terminal's Ctrl-C reaches the workers themselves) interrupts the workers too, then goes on up.
 """
 
@@ -18,7 +19,19 @@ from hmscale.train.engine import free_port, remove_shm_buffers
 
 
 class WorkerFailed(RuntimeError):
-    """A local worker process raised or died."""
+    """A local worker process raised or died (``rank``: which one, when known; ``worker_traceback``: the traceback
+    of the exception it raised, None when it died or never started)."""
+
+    def __init__(self, msg: str, rank: int | None = None, worker_traceback: str | None = None):
+        super().__init__(msg)
+        self.rank, self.worker_traceback = rank, worker_traceback
+
+
+class WorkerTraceback(Exception):
+    """A local worker's own traceback (text), chained as the cause of its `WorkerFailed`."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0]).rstrip()
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
@@ -49,11 +62,14 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
             stop_workers(ctx.processes)
             raise
     except torch.multiprocessing.ProcessRaisedException as err:
-        lines = [line for line in str(err).strip().splitlines() if line.strip()]
-        raise WorkerFailed(f"local worker {err.error_index} failed: {lines[-1] if lines else err}") from None
+        trace = str(err).split("terminated with the following error:", 1)[-1].strip("\n")
+        lines = [line for line in trace.splitlines() if line.strip()]
+        raise WorkerFailed(f"local worker {err.error_index} failed: {lines[-1] if lines else err}",
+                           rank=err.error_index, worker_traceback=trace) from WorkerTraceback(trace)
     except torch.multiprocessing.ProcessExitedException as err:
         raise WorkerFailed(f"local worker {err.error_index} died (exit code {err.exit_code}); "
-                           "rerun into the same output_dir to resume from the last checkpoint") from None
+                           "rerun into the same output_dir to resume from the last checkpoint",
+                           rank=err.error_index) from None
     finally:  # what killed workers left behind (the others remove theirs at exit)
         remove_shm_buffers("127.0.0.1", port)
 
