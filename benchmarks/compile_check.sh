@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile every SSD kernel launch for sm_90 with the GPU machine's Triton version, on this CPU machine, before
+# Compile every SSD, glue and loss kernel launch for sm_90 with the GPU machine's Triton version, on this CPU machine, before
 # spending device time: a kernel change that the interpreter's Triton accepts can still fail the GPU's compiler
 # (2026-12-04: Triton 3.6's software pipeliner rejected a conditional store that 3.9 compiled). Prints each
 # launch's registers and spill bytes (benchmarks/ssd_registers.py) and fails on any launch that does not compile.
@@ -29,6 +29,13 @@ for pass in auto fused; do
         "$python" benchmarks/ssd_registers.py --shape "$shape" --dtype "$dtype" | grep '^| _' \
         | tee -a "$out"
     done
+  done
+done
+for op in conv fm ce; do  # the glue kernels and stage 2's loss
+  for dtype in bf16 fp32; do
+    echo "== $op $dtype"
+    PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$python" benchmarks/ssd_registers.py --op "$op" --dtype "$dtype" \
+      --seq 64 | grep '^| _' | tee -a "$out"
   done
 done
 if grep -q ERROR "$out"; then

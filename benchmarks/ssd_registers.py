@@ -7,7 +7,7 @@ of the cubin (cuobjdump, bundled with Triton). A tiling that spills here spills 
 was predicted this way); one that does not may still be slow, so timings stay on the GPU (``ssd.py --sweep``).
 
     python benchmarks/ssd_registers.py --shape 1.4b --chunk 128
-    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # the mixer's glue: conv | fm
+    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # the mixer's glue: conv | fm | ce
     HMSCALE_SSD_CFG="scan=64,64,8" HMSCALE_SSD_DBC_CFG="16,32,3,8" python benchmarks/ssd_registers.py --chunk 128
 
 Shapes are those of ``ssd.py --sweep`` (at a shorter L: registers do not depend on it). bf16 unless ``--dtype``.
@@ -128,6 +128,7 @@ def record_glue_launches(op, dtype, L, b=1):
     """The Triton launches of one fwd+bwd call of a glue kernel at the 410m training widths (the conv over 3 x 1024
     channels, width 4; the feature map over 16 heads of 64), on CPU tensors, without running them."""
     import kernels.conv as kc  # decorated as real JIT functions before the flag below
+    import kernels.cross_entropy as kce
     import kernels.feature_map as kf
     os.environ["TRITON_INTERPRET"] = "1"
     g = torch.Generator().manual_seed(0)
@@ -137,6 +138,19 @@ def record_glue_launches(op, dtype, L, b=1):
             w = torch.randn(3072, 4, generator=g, requires_grad=True)
             bias = torch.zeros(3072, requires_grad=True)
             y, _ = kc._CausalConvTriton.apply(x, torch.zeros(b, 3, 3072, dtype=dtype), w, bias)
+        elif op == "ce":  # stage 2's loss over the Pythia vocabulary: plain, with cached top-k KD, with live logits
+            V = 50304
+            z = torch.randn(b, L, V, generator=g).to(dtype).requires_grad_()
+            ids = torch.randint(0, V, (b, L), generator=g)
+            topk = torch.randint(0, V, (b, L, 8), generator=g)
+            ce, kd = kce.next_token_loss_sums(z, ids)
+            ce.backward()
+            ce, kd = kce.next_token_loss_sums(z, ids, topk, torch.randn(b, L, 8, generator=g).log_softmax(-1), 2.0)
+            (ce + kd).backward()
+            ce, kd = kce.next_token_loss_sums(z, ids, teacher_logits=torch.randn(b, L, V, generator=g).to(dtype))
+            y = ce + kd
+            y.backward()
+            return rec.launches
         else:
             u = torch.randn(b, L, 16, 64, generator=g).to(dtype).requires_grad_()
             y = kf._HedgehogFeatureMap.apply(u, torch.randn(16, 64, 64, requires_grad=True),
@@ -147,7 +161,8 @@ def record_glue_launches(op, dtype, L, b=1):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm"), help="the SSD's kernels or a glue op's")
+    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm", "ce"),
+                    help="the SSD's kernels or a glue op's (ce: stage 2's loss)")
     ap.add_argument("--shape", default="1.4b", choices=sorted(SHAPES))
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

@@ -220,6 +220,13 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     b, h, p = x.shape
     if dt_bias is not None and dt_bias.dim() == 1:  # one bias per head (Mamba-2's parameter): tied, stride 0
         dt_bias = dt_bias[:, None].expand(h, p)
+    if state_batch_indices is not None and state_batch_indices.numel():
+        # a negative index would wrap to another sequence's row (-1: the last), a large one is out of the pool: an
+        # error (asynchronous on CUDA, no host synchronisation), before anything is read or written
+        sbi = state_batch_indices
+        torch._assert_async(((sbi >= 0) & (sbi < state.shape[0])).all(),
+                            f"selective_state_update: state_batch_indices must lie in [0, {state.shape[0]}) "
+                            "(the state's rows)")
     rows = state if state_batch_indices is None else state[state_batch_indices]
     if rows.shape[:3] != (b, h, p) or A.shape != (h, p, rows.shape[3]) or dt.shape != x.shape:
         raise ValueError(f"selective_state_update: state {tuple(rows.shape)}, x {tuple(x.shape)}, dt {tuple(dt.shape)} "

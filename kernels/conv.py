@@ -278,8 +278,10 @@ conv_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 def causal_depthwise_conv_triton(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """x (b, l, C), prev (b, W-1, C), weight (C, W), bias (C) -> (y (b, l, C), the last W-1 inputs (b, W-1, C)).
     Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. W >= 2."""
-    W = weight.shape[1]
-    if W < 2 or prev.shape[1] != W - 1 or weight.shape[0] != x.shape[-1] or bias.shape != (x.shape[-1],):
+    W = weight.shape[1] if weight.dim() == 2 else 0
+    # prev whole: the kernel reads prev as (b, W-1, C) (another batch size or width was read past its end)
+    if (x.dim() != 3 or W < 2 or prev.shape != (x.shape[0], W - 1, x.shape[2]) or weight.shape[0] != x.shape[-1]
+            or bias.shape != (x.shape[-1],)):
         raise ValueError(f"causal_depthwise_conv: x {tuple(x.shape)}, prev {tuple(prev.shape)}, weight "
                          f"{tuple(weight.shape)}, bias {tuple(bias.shape)} do not match (W >= 2)")
     if torch.compiler.is_compiling():

@@ -74,9 +74,10 @@ def _loss_fwd(Z, T, LSE, LSE_T, LOSS, TZ, LSE_TEACH, KD_ROW, V, stride_row, stri
     lse = _merge_lse(m, s)
     t = tl.load(T + row)
     keep = t != ignore_index
-    zt = tl.load(base + tl.where(keep, t, 0)).to(tl.float32)
+    valid = (t >= 0) & (t < V)  # a target outside [0, V): NaN, never a read outside the row (_check_targets raises)
+    zt = tl.load(base + tl.where(keep & valid, t, 0)).to(tl.float32)
     tl.store(LSE + row, lse)
-    tl.store(LOSS + row, tl.where(keep, lse - zt, 0.0))
+    tl.store(LOSS + row, tl.where(keep, tl.where(valid, lse - zt, float("nan")), 0.0))
     if KD_MODE > 0:
         lse_s = _merge_lse(m2, s2)
         tl.store(LSE_T + row, lse_s)
@@ -100,6 +101,7 @@ def _loss_bwd(Z, T, LSE, LSE_T, TZ, LSE_TEACH, G, DZ, V, stride_row, stride_trow
     cols = tl.arange(0, BLOCK_V)
     t = tl.load(T + row)
     keep = tl.where(t != ignore_index, 1.0, 0.0)
+    bad = (t != ignore_index) & ((t < 0) | (t >= V))  # as the forward: NaN for a target outside [0, V)
     g_ce = tl.load(G).to(tl.float32) * keep
     lse = tl.load(LSE + row)
     g_kd = 0.0
@@ -120,6 +122,7 @@ def _loss_bwd(Z, T, LSE, LSE_T, TZ, LSE_TEACH, G, DZ, V, stride_row, stride_trow
         if KD_MODE == 2:
             u = tl.load(TZ + row * stride_trow + c, mask=mask, other=0.0).to(tl.float32) * inv_temp
             d += (tl.exp(z * inv_temp - lse_t) - tl.exp(u - lse_teach)) * g_kd
+        d = tl.where(bad, float("nan"), d)
         tl.store(dbase + c, d.to(DZ.dtype.element_ty), mask=mask)
 
 
@@ -136,6 +139,7 @@ class _LossSums(torch.autograd.Function):
         lse_teach = torch.empty(rows if mode == 2 else 1, **f32)
         kd_row = torch.empty(rows if mode == 2 else 1, **f32)
         tz = teacher_logits if mode == 2 else logits  # (a placeholder pointer when there is no teacher)
+        _check_targets(target, V, ignore_index)
         if rows:
             launch(_loss_fwd, (rows,), logits, target, lse, lse_t, loss, tz, lse_teach, kd_row, V, logits.stride(0),
                    tz.stride(0), ignore_index, 1.0 / temperature, float(temperature), KD_MODE=mode, BLOCK_V=_BLOCK_V)
@@ -170,6 +174,17 @@ class _LossSums(torch.autograd.Function):
         if ctx.mode == 1:  # the teacher's k sparse terms: -T p_k at (row, i_k)
             dz.scatter_add_(1, topk_ids, (-(g[1] * T) * p_teacher * keep[:, None]).to(dz.dtype))
         return dz, None, None, None, None, None, None
+
+
+def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """A target outside [0, V) that is not ``ignore_index`` is an error, as in ``F.cross_entropy`` (which raises on
+    the CPU and stops at a device-side assert on CUDA): ``torch._assert_async``, so no host synchronisation on CUDA.
+    (Without this the row's loss would read another row's logit, or memory past the logits; the kernels also give
+    such a row a NaN loss and gradient.)"""
+    if target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= V))
+        torch._assert_async(~bad.any(), f"cross_entropy: a target is outside [0, {V}) (the logits' vocabulary) and is "
+                                        f"not ignore_index={ignore_index}")
 
 
 def _check_2d(logits, target):
