@@ -45,11 +45,11 @@ def _resolve_layers(model, layers) -> list[int]:
     n = len(_layers_of(model))
     if layers is None or layers == "all":
         return list(range(n))
-    out = sorted({int(i) % n if int(i) < 0 else int(i) for i in layers})
-    bad = [i for i in out if not 0 <= i < n]
+    asked = [int(i) for i in layers]
+    bad = [i for i in asked if not -n <= i < n]  # as Python indexes a list: -n..n-1 (-4 of 3 layers did wrap to 2)
     if bad:
         raise IndexError(f"capture layers {bad} out of range: the teacher has {n} layers")
-    return out
+    return sorted({i % n for i in asked})
 
 
 class capture_hooks:

@@ -99,8 +99,14 @@ def neox_config(flavor: Flavor | str, vocab_size: int | None = None, **overrides
     )
     kwargs.update(overrides)
     cfg = GPTNeoXConfig(**kwargs)
-    # transformers 5 keeps rotary settings in rope_parameters; make sure the fraction is the one asked for
+    # transformers 5 keeps rotary settings in rope_parameters; make sure the fraction is the one asked for, in
+    # either name (an override as partial_rotary_factor or inside rope_parameters was replaced by the flavour's)
+    fraction = kwargs["rotary_pct"]
+    if "partial_rotary_factor" in overrides:
+        fraction = overrides["partial_rotary_factor"]
+    elif "rotary_pct" not in overrides and "partial_rotary_factor" in (overrides.get("rope_parameters") or {}):
+        fraction = overrides["rope_parameters"]["partial_rotary_factor"]
     params = dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
-    params["partial_rotary_factor"] = kwargs["rotary_pct"]
+    params["partial_rotary_factor"] = fraction
     cfg.rope_parameters = params
     return cfg

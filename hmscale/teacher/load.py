@@ -63,7 +63,8 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
 
     Refused with one line: another architecture, a checkpoint missing weights (which `from_pretrained` would
     initialise at random: e.g. a `GPTNeoXModel` without its LM head), weights whose shapes differ from its
-    config.json, a scaled rotary embedding."""
+    config.json, a damaged (e.g. truncated) safetensors file, a scaled rotary embedding."""
+    from safetensors import SafetensorError
     from transformers import GPTNeoXForCausalLM, PretrainedConfig
 
     torch_dtype = resolve_dtype(dtype)
@@ -84,6 +85,9 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
     except OSError as err:
         raise OSError(f"teacher.name_or_path: cannot load {name!r} ({_first_line(err)}); check the hub id, network or "
                       "HF cache") from err
+    except SafetensorError as err:  # a partly copied or downloaded weight file (no command catches this type)
+        raise ValueError(f"teacher.name_or_path: cannot load {name!r}: a weight file is damaged or incomplete "
+                         f"({_first_line(err)}); copy or download it again") from err
     except RuntimeError as err:
         if "ignore_mismatched_sizes" not in str(err):  # (an out-of-memory error is a RuntimeError too)
             raise

@@ -108,5 +108,6 @@ def pretrain_teacher(flavor, vocab_size: int, train_tokens: np.ndarray, *, steps
         log(f"[teacher] {f.name}: {step} steps in {train_seconds:.1f} s; validation perplexity {stats['val_ppl']:.2f} "
             f"vs unigram {stats['unigram_ppl']:.2f} (ratio {stats['val_ppl'] / stats['unigram_ppl']:.2f})")
     else:
-        log(f"[teacher] {f.name}: {step} steps in {train_seconds:.1f} s; final loss {stats['final_loss']:.3f}")
+        final = f"final loss {stats['final_loss']:.3f}" if losses else "no step made (untrained)"
+        log(f"[teacher] {f.name}: {step} steps in {train_seconds:.1f} s; {final}")
     return model, stats
