@@ -319,6 +319,9 @@ def submit(
                                              "into the job's environment on every node"),
 ):
     """Submit a recipe run to a Ray cluster (job submission API, token auth)."""
+    if timeout is not None and not timeout > 0:  # (the job was uploaded, started and stopped at its first poll)
+        fail(f"--timeout: {timeout:g} s would stop the job as soon as it starts; give a positive number of seconds, "
+             "or leave --timeout out to follow the job until it ends")
     cfg = _config(config, overrides)
     from hmscale.submit import SubmitError, submit as submit_job
 

@@ -132,7 +132,7 @@ class CaptureConfig(_Section):
     token_fraction: float = Field(1.0, gt=0, le=1)  # fraction of tokens whose per-layer tensors are kept
     topk: int = Field(0, ge=0)  # teacher top-k log-probs for a KD term (0 = none)
     topk_dtype: Literal["float16", "bfloat16"] = "float16"
-    seed: int = 0  # seeds the deterministic subset of positions kept when token_fraction < 1
+    seed: int = Field(0, ge=0)  # seeds the deterministic subset of positions kept when token_fraction < 1 (numpy's: >= 0)
 
 
 class CacheConfig(_Section):
@@ -386,7 +386,8 @@ class RunConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output_dir: str = "runs/demo"
-    seed: int = 0
+    # numpy's generators take no negative seed, torch's none of 64 bits or more (stage 2 seeds with seed + 2)
+    seed: int = Field(0, ge=0, lt=2**63)
 
     @model_validator(mode="after")
     def _cross(self):
@@ -568,8 +569,24 @@ def _format_error(err: ValidationError) -> str:
     return f"{loc}: {msg}" + (f" (got {got!r})" if got is not None and not isinstance(got, dict) else "")
 
 
+def _empty_sections(tree: dict, model: type[BaseModel] | None = None) -> dict:
+    """A copy of a config tree in which a section left empty (YAML's null: ``stage2:`` with every field commented
+    out) is an empty mapping: it takes its defaults, and overrides go into it. Scalar fields keep their null."""
+    model = model or RunConfig
+    out = dict(tree)
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if name not in out or not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            continue
+        if out[name] is None:
+            out[name] = {}
+        if isinstance(out[name], dict):
+            out[name] = _empty_sections(out[name], ann)
+    return out
+
+
 def build_config(tree: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
-    tree = apply_overrides(dict(tree or {}), list(overrides or []))
+    tree = apply_overrides(_empty_sections(tree or {}), list(overrides or []))
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
@@ -594,7 +611,7 @@ def read_config_tree(path: str | os.PathLike, overrides: list[str] | None = None
         raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
-    return tree
+    return _empty_sections(tree)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -305,13 +305,23 @@ def _plain(d: dict) -> dict:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
+# the recipe's stages in the order they run (results.json, written with sorted keys, reads back alphabetically)
+STAGE_ORDER = ("prepare", "stage1", "stage2", "distill", "eval")
+
+
+def _in_order(d: dict, order) -> list[tuple]:
+    """``d``'s items, the keys named in ``order`` first in that order, then the others as they come."""
+    first = [k for k in order if k in d]
+    return [(k, d[k]) for k in first] + [(k, v) for k, v in d.items() if k not in first]
+
+
 def _sample_lines(results: dict) -> list[str]:
     """The greedy samples (``eval.generate_tokens``) as report lines: the prompt, then each model's continuation."""
     s, labels = results["samples"], model_labels(results)
     fence = lambda text: ["```text", text.replace("```", "` ` `"), "```"]  # noqa: E731
     lines = [f"Greedy continuations ({s['new_tokens']} tokens, `eval.generate_tokens`) of a held-out prompt:", ""]
     lines += ["prompt:"] + fence(s["prompt"])
-    for name, text in s["continuations"].items():
+    for name, text in _in_order(s["continuations"], labels):  # (results.json keeps its keys sorted)
         lines += [f"{labels.get(name, name)}:"] + fence(text)
     return lines + [""]
 
@@ -335,7 +345,7 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
         plot = long_context_plot(run_dir, results["long_context"], model_labels(results))
         lines += long_context_lines(results) + ["", f"![long context]({plot.name})", ""]
     lines += ["| stage | seconds | tokens |", "| --- | --- | --- |"]
-    for name, s in results["stages"].items():
+    for name, s in _in_order(results["stages"], STAGE_ORDER):  # as they ran, whether fresh or read back
         lines.append(f"| {name} | {s.get('seconds', 0):.1f} | {s.get('tokens', '')} |")
     plot = loss_plot(run_dir)
     if plot is not None:

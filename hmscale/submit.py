@@ -110,6 +110,12 @@ def place_directories(cfg: RunConfig, address: str, cwd: str | os.PathLike | Non
                 f"{'it' if len(relative) == 1 else 'they'} would resolve inside the job's temporary copy of the "
                 "working directory (new with every code change, deleted by Ray once unused); set "
                 + " ".join(f"-s {k}=/shared/..." for k in relative) + " (a path every node sees)")
+        left_out = [p for p in rel_data if not _travels(p)]
+        if left_out:  # (the job would stop on the cluster, after the upload: "data.paths: ... does not exist")
+            raise SubmitError(
+                f"data.paths: {', '.join(map(repr, left_out))} relative, outside the uploaded working directory or "
+                f"in a folder not uploaded ({', '.join(EXCLUDES)}): on the cluster it would not exist; give a path "
+                "every node sees (-s 'data.paths=[/shared/...]'), or keep the data inside the checkout")
         return cfg  # relative data.paths inside the checkout travel with it
     base = Path(os.path.abspath(cwd or "."))
     cfg = cfg.with_absolute_paths(base)
@@ -130,6 +136,17 @@ def job_copy_refusal(cfg: RunConfig, cwd: str | os.PathLike | None = None) -> st
     return (", ".join(f"{k}={_get(cfg, k)!r}" for k in relative) + " relative: this job runs in Ray's temporary copy "
             f"of the working directory ({os.path.abspath(cwd or '.')}), deleted once unused; give absolute paths "
             "(" + " ".join(f"-s {k}=/shared/..." for k in relative) + "), or submit with `hmscale submit`")
+
+
+def _travels(path: str) -> bool:
+    """Whether a relative data path stays inside the uploaded working directory and out of the folders its upload
+    leaves out (``EXCLUDES``, matched at any depth as Ray matches them)."""
+    import fnmatch
+
+    parts = os.path.normpath(path).split(os.sep)
+    if parts[0] == "..":
+        return False
+    return not any(fnmatch.fnmatch(part, pattern) for part in parts for pattern in EXCLUDES)
 
 
 def _is_stable(path: str) -> bool:
