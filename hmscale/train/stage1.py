@@ -437,7 +437,10 @@ def run_stage1(
             targets = {l: caps[l].attn_output for l in mine}
             positions = None
         loss, per_layer = engine(inputs, targets, positions)
-        return loss, {"layer_loss": per_layer, "loss": per_layer.sum() / n_layers}
+        # one extra per layer, named as logged: a 1-element tensor extra is logged under its bare name (a one-layer
+        # teacher's `layer_loss/0` was `layer_loss`)
+        extras = {f"layer_loss/{l}": per_layer[l] for l in range(n_layers)}
+        return loss, {**extras, "loss": per_layer.sum() / n_layers}
 
     def client_state(step):
         return {"step": step, "samples_seen": bplan.samples_seen(step), "stage": "stage1", "total_steps": total_steps,
