@@ -15,6 +15,7 @@ stage resumes from its own last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -163,6 +164,36 @@ def _run_recipe(cfg: RunConfig, log=print) -> dict:
     problem = writable_dir_problem(run_dir)
     if problem:
         raise RecipeError(f"output_dir: {run_dir}: {problem}; set output_dir to a directory you can write")
+    with _one_run_at_a_time(run_dir, log):
+        return _run_in(cfg, run_dir, t_start, log)
+
+
+@contextlib.contextmanager
+def _one_run_at_a_time(run_dir: Path, log):
+    """An ``flock`` on the run directory itself while a run works in it: a second `hmscale run` into the same output_dir
+    (another shell, a rerun started while the first still runs) waits for the first to end, then reads its results and
+    skips what it finished, instead of training beside it into the same checkpoints, metrics and exports (and removing
+    the temporaries of its live writes). No file is added; released when the process dies. Where the filesystem has no
+    file locks (some network mounts), runs go on unlocked as before."""
+    import fcntl
+    import os
+
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)  # (not inherited by spawned processes)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[recipe] another `hmscale run` is working in {run_dir}; waiting for it to end (what it finishes is "
+                "then skipped)")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
     results = _load_results(run_dir, cfg)  # (refuses another run's directory before anything is touched)
     for d in (run_dir, run_dir / "stage1", run_dir / "stage2", run_dir / "stage1" / "student"):
         remove_temporaries(d)  # what a killed run's atomic writes left (this run rewrites what it needs)

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from hmscale.data.cachedir import atomic_dir, stable_hash
+from hmscale.data.cachedir import resumable_dir, stable_hash
 
 EOS_TOKEN = "<|endoftext|>"
 BPE_VERSION = 2  # bump when the training recipe below changes (2: the document crossing max_chars is cut there)
@@ -92,7 +92,11 @@ def trained_tokenizer(source, vocab_size: int, cache_dir: str | Path, max_chars:
             tok.save_pretrained(tmp)
             log(f"[data] tokenizer: trained in {time.perf_counter() - t0:.1f} s, cached at {target}")
 
-        atomic_dir(target, build)
+        # one trainer at a time, in the fixed `.{name}.partial` that an interrupted (killed) training leaves and the
+        # next one clears (resume=False), not a per-process temporary a SIGKILL would leave for good; the lock apart,
+        # under {data.cache_dir}/locks as the teacher's: tokenizers/ holds tokenizers only
+        resumable_dir(target, build, log=log, resume=False, tag="data",
+                      lock_path=target.parent.parent / "locks" / f"tokenizer-{target.name}.lock")
     tok = PreTrainedTokenizerFast.from_pretrained(target)
     assert tok.convert_tokens_to_ids(EOS_TOKEN) == tok.eos_token_id
     return tok
