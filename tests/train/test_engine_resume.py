@@ -172,7 +172,7 @@ class _Out:
 
 
 class PoisonedLM(nn.Module):
-    """A tiny causal LM whose logits turn NaN on its `bad_call`-th forward."""
+    """A tiny causal LM whose logits turn NaN on its `bad_call`-th forward (None: never)."""
 
     def __init__(self, vocab=96, bad_call=5):
         super().__init__()

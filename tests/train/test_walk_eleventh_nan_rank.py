@@ -15,33 +15,13 @@ import pytest
 def _job(spec_path: str) -> None:
     import numpy as np
     import torch
-    from torch import nn
 
     from hmscale.config import build_config
     from hmscale.train.data import ArraySource
     from hmscale.train.engine import NonFiniteLoss
     from hmscale.train.stage2 import run_stage2
 
-    class _Out:
-        def __init__(self, logits):
-            self.logits = logits
-
-    class PoisonedLM(nn.Module):
-        """A tiny causal LM whose logits turn NaN on its `bad_call`-th forward (None: never)."""
-
-        def __init__(self, bad_call, vocab=96):
-            super().__init__()
-            self.emb = nn.Embedding(vocab, 16)
-            self.head = nn.Linear(16, vocab)
-            self.calls, self.bad_call = 0, bad_call
-
-        def get_input_embeddings(self):
-            return self.emb
-
-        def forward(self, input_ids):
-            self.calls += 1
-            logits = self.head(self.emb(input_ids))
-            return _Out(logits * float("nan") if self.calls == self.bad_call else logits)
+    from tests.train.test_engine_resume import PoisonedLM  # logits NaN on its bad_call-th forward (None: never)
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["RANK"])
