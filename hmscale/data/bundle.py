@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -40,6 +41,18 @@ class StaleCheckpoint(Exception):
     """A split's checkpoint whose files do not hold what it records: the split starts again."""
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """An OSError naming no file (a write() or fsync() on a full disk does not) re-raised naming ``path``: the one-line
+    error then says which file, and so which filesystem to free."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
+
+
 class _StreamWriter:
     """One split's token stream written as it is tokenised: int32 ids appended to a file, the document lengths kept,
     the digest (``stream_digest``) updated on the way; ``close`` leaves ``{split}.tokens.npy`` / ``.doc_lens.npy``.
@@ -72,12 +85,13 @@ class _StreamWriter:
         self._f = open(self.raw, "ab")
 
     def checkpoint(self) -> dict:
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        with _naming(self.raw):
+            self._f.flush()
+            os.fsync(self._f.fileno())
         lens = np.concatenate(self.lens) if self.lens else np.zeros(0, dtype=np.int64)
         self.lens = [lens]
         tmp = self.lens_path.with_name(self.lens_path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with _naming(tmp), open(tmp, "wb") as f:
             np.save(f, lens)
             f.flush()
             os.fsync(f.fileno())
@@ -86,20 +100,23 @@ class _StreamWriter:
 
     def append(self, tokens: np.ndarray, lens: np.ndarray) -> None:
         data = np.ascontiguousarray(tokens, dtype="<i4")
-        self._f.write(data)  # the array's own buffer, to the file and to the digest: no copies
+        with _naming(self.raw):
+            self._f.write(data)  # the array's own buffer, to the file and to the digest: no copies
         self._sha.update(data)
         self.lens.append(np.asarray(lens, dtype=np.int64))
         self.tokens += len(data)
 
     def close(self) -> tuple[str, int]:
         """(digest, documents)."""
-        self._f.close()
+        with _naming(self.raw):
+            self._f.close()
         lens = np.concatenate(self.lens) if self.lens else np.zeros(0, dtype=np.int64)
         self._sha.update(np.ascontiguousarray(lens, dtype="<i8").tobytes())
         # plain writes, not a memory map: on a full disk a write raises ENOSPC (one line for the user; the rerun resumes)
         # where a store into a mapped page of the sparse file kills the process with SIGBUS; the same bytes as np.save
         buf = np.empty(1 << 16, dtype="<i4")  # chunked copy through one 256 KB buffer: never the whole stream
-        with open(self.raw, "rb", buffering=0) as f, open(self.directory / f"{self.split}.tokens.npy", "wb") as out:
+        npy = self.directory / f"{self.split}.tokens.npy"
+        with _naming(npy), open(self.raw, "rb", buffering=0) as f, open(npy, "wb") as out:
             np.lib.format.write_array_header_1_0(out, {"descr": "<i4", "fortran_order": False, "shape": (self.tokens,)})
             done = 0
             while done < self.tokens:
@@ -111,7 +128,8 @@ class _StreamWriter:
             out.flush()
             os.fsync(out.fileno())
         self.raw.unlink()
-        np.save(self.directory / f"{self.split}.doc_lens.npy", lens)
+        with _naming(self.directory / f"{self.split}.doc_lens.npy"):
+            np.save(self.directory / f"{self.split}.doc_lens.npy", lens)
         self.lens_path.unlink(missing_ok=True)
         return self._sha.hexdigest(), len(lens)
 

@@ -92,6 +92,13 @@ class _TableSource(TextSource):
                 field, where = ("data.paths", name) if name else ("data.dataset", getattr(self, "dataset", "?"))
                 raise ValueError(f"{field}: {where!r} holds text in {column!r} that is not UTF-8 ({err.reason}); "
                                  "convert it to UTF-8 or remove it") from None
+            except KeyError as err:  # a streamed dataset of unknown features (column_names None) lacks the column
+                if err.args != (column,):
+                    raise
+                first = next(iter(ds.take(1)), {}) if hasattr(ds, "take") else {}  # (only now: reading costs)
+                where = name or getattr(self, "dataset", "?")
+                raise ValueError(f"data.text_field: {column!r} is not a column of {where!r}; "
+                                 f"choose one of {', '.join(first)}") from None
             texts = batch[column]
             for t in texts:
                 if t is not None and not isinstance(t, str):
@@ -170,7 +177,8 @@ class HFSource(_TableSource):
         if self._is_dict:
             if self.split not in ds:
                 raise ValueError(f"data.split: {self.split!r} is not a split of the saved dataset {self.dataset!r}; "
-                                 f"choose one of {', '.join(ds)}")
+                                 + (f"choose one of {', '.join(ds)}" if len(ds) else
+                                    "it holds no split; save one with save_to_disk"))
             ds = ds[self.split]
         if self.text_field not in ds.column_names:
             raise ValueError(f"data.text_field: {self.text_field!r} is not a column of {self.dataset!r}; "
