@@ -50,6 +50,13 @@ def shard_lm_head(model: nn.Module, mesh) -> VocabShard:
     tp = mesh.tp_size
     if vocab % tp:
         raise ValueError(f"parallel.tp: {tp} does not divide the vocabulary ({vocab} rows of the LM head)")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_w = getattr(emb, "weight", None)
+    if emb_w is not None and head.weight is emb_w and emb_w.requires_grad:
+        # the shard would be a copy: the two would train apart (the embeddings losing the head's gradient)
+        raise ValueError("vocab_parallel: the LM head is tied to the input embeddings, which train; sharding it by "
+                         "vocabulary would untie them. Freeze the input embeddings, or keep the head replicated "
+                         "(vocab_parallel=False)")
     n = vocab // tp
     start = mesh.tp_rank * n
     model.lm_head = ColumnParallelLinear.from_linear(head, torch.arange(start, start + n), mesh)
