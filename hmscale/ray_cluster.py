@@ -40,6 +40,44 @@ def _connect_failure(address: str, err: BaseException) -> str:
             "cluster, and check that the cluster is up (`ray status` on its head)")
 
 
+# one try to reach a cluster's GCS takes ~41 s where something other than a GCS answers (Ray's GcsClient waits 5 s to
+# connect and 30 s for the cluster id); Ray makes 20 such tries (~14 minutes of warnings) unless this says otherwise
+_JOIN_TRIES = "1"
+
+
+def _private_token(log=print) -> None:
+    """The embedded cluster's token lives in ~/.ray/auth_token, and whoever reads it can run code through the job API:
+    Ray writes it (and `ray get-auth-token --generate` too) with the umask's mode, world-readable. Create it 0600
+    here (in a 0700 ~/.ray) before Ray would, and make one of ours that is readable by others 0600. A token from the
+    environment ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH) or RAY_AUTH_MODE other than token: left as it is."""
+    if (os.environ.get("RAY_AUTH_MODE") or "token").lower() != "token":
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        import secrets
+
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:  # made meanwhile by another process (Ray reads that one), or ~ not writable (Ray says so)
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))  # Ray's own format (authentication_token_generator)
+        return
+    except OSError:
+        return  # unreadable: Ray reports it
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():
+        try:
+            path.chmod(0o600)
+            log(f"[ray] {path} was readable by others (mode {oct(st.st_mode & 0o777)}): made it 0600")
+        except OSError:
+            pass
+
+
 def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None, log=print) -> bool:
     """Initialise Ray once per process; returns True when this call started the embedded cluster."""
     import ray
@@ -51,15 +89,24 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address and address.strip().lower() == "local":  # Ray's word for a new local cluster: the embedded one
+        address = None
     if address:
+        tries = os.environ.get("RAY_gcs_server_port_wait_time_s")
+        if tries is None:  # one bounded try (~41 s at most), not Ray's twenty; an operator's own setting wins
+            os.environ["RAY_gcs_server_port_wait_time_s"] = _JOIN_TRIES
         try:
             ray.init(address=address, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as err:  # nothing there, the dashboard's URL, a bad token
             raise RayConnectError(_connect_failure(address, err)) from None
+        finally:
+            if tries is None:
+                os.environ.pop("RAY_gcs_server_port_wait_time_s", None)
         log(f"[ray] connected to {address}: {ray.cluster_resources()}")
         return False
     # workers import hmscale, kernels and ray_jobs from this checkout even when it is not installed
     pypath = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    _private_token(log)
     ray.init(
         address="local",
         num_cpus=num_cpus or os.cpu_count(),
