@@ -111,13 +111,20 @@ def exclusive_lock(lock_path: str | os.PathLike, on_wait=lambda: None):
     except PermissionError:  # another user's lock file on a shared cache: locking needs only read access
         lock = open(lock_path)
     with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            waited = False
-        except BlockingIOError:
-            on_wait()
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            waited = True
-        except OSError:
-            waited = None
-        yield waited
+        yield flock_waiting(lock, on_wait)
+
+
+def flock_waiting(f, on_wait=lambda: None) -> bool | None:
+    """Take ``f``'s (an open file or descriptor) exclusive ``flock``, calling ``on_wait()`` and blocking when another
+    holds it; held until ``f`` closes. Whether it waited, or None where the filesystem has no file locks."""
+    import fcntl
+
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        on_wait()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return True
+    except OSError:
+        return None

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from hmscale.atomic import atomic_write_json, remove_temporaries, storage_error_line, writable_dir_problem
+from hmscale.atomic import (atomic_write_json, flock_waiting, remove_temporaries, storage_error_line,
+                            writable_dir_problem)
 from hmscale.config import RunConfig, save_resolved, stage1_cache_problem
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
@@ -175,19 +176,12 @@ def _one_run_at_a_time(run_dir: Path, log):
     skips what it finished, instead of training beside it into the same checkpoints, metrics and exports (and removing
     the temporaries of its live writes). No file is added; released when the process dies. Where the filesystem has no
     file locks (some network mounts), runs go on unlocked as before."""
-    import fcntl
     import os
 
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)  # (not inherited by spawned processes)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"[recipe] another `hmscale run` is working in {run_dir}; waiting for it to end (what it finishes is "
-                "then skipped)")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
+        flock_waiting(fd, lambda: log(f"[recipe] another `hmscale run` is working in {run_dir}; waiting for it to end "
+                                      "(what it finishes is then skipped)"))
         yield
     finally:
         os.close(fd)
