@@ -370,17 +370,27 @@ def _no_warmup_optimizer_step():
 
 def _record_fp32_grad_norm(engine) -> None:
     """ZeRO-0 in fp32: DeepSpeed clips the gradients (``clip_fp32_gradients``) but drops the norm it computed, so
-    ``get_global_grad_norm()`` stayed None and metrics.jsonl had no grad_norm; keep it, as the ZeRO optimizers do."""
+    ``get_global_grad_norm()`` stayed None and metrics.jsonl had no grad_norm; keep it, as the ZeRO optimizers do.
+    Without clipping DeepSpeed computes no norm at all there: the norm is computed (nothing clipped) before each step."""
     if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
         return
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    def clip_fp32_gradients():
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)
-        engine._global_grad_norm = float(norm)
+    def record(max_norm: float) -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        if params:
+            engine._global_grad_norm = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
 
-    engine.clip_fp32_gradients = clip_fp32_gradients
+    if engine.gradient_clipping() > 0.0:
+        engine.clip_fp32_gradients = lambda: record(engine.gradient_clipping())
+        return
+    take_model_step = engine._take_model_step
+
+    def norm_then_step(*args, **kwargs):
+        record(float("inf"))  # clip_coef = min(1, inf / norm) = 1: the gradients are left as they are
+        return take_model_step(*args, **kwargs)
+
+    engine._take_model_step = norm_then_step
 
 
 # --------------------------------------------------------------------------- checkpoints

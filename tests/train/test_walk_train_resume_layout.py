@@ -102,6 +102,21 @@ def test_zero0_logs_the_grad_norm_and_zero3_counts_its_parameters(tmp_path):
     assert events[3] == events[2] == events[0] > 0, events
 
 
+def test_zero0_logs_the_grad_norm_without_clipping(tmp_path):
+    """ZeRO 0 in fp32 with clipping off: DeepSpeed computes no norm there; it is logged all the same, equal to
+    ZeRO 2's (which always computes it), and the run trains as ZeRO 2's does (nothing clipped)."""
+    from hmscale.train.engine import read_metrics
+
+    rows = {}
+    for z in (0, 2):
+        _stage2(_cfg(f"parallel.zero_stage={z}", "stage2.steps=2", "stage2.grad_clip=0"), tmp_path / f"z{z}",
+                resume=False)
+        rows[z] = read_metrics(tmp_path / f"z{z}" / "stage2" / "metrics.jsonl")
+    norms = {z: [r.get("grad_norm") for r in rows[z]] for z in rows}
+    assert None not in norms[0] and np.allclose(norms[0], norms[2], rtol=1e-5), norms
+    assert np.allclose([r["loss"] for r in rows[0]], [r["loss"] for r in rows[2]], rtol=1e-5)
+
+
 def _val_data(n=7):
     return types.SimpleNamespace(val_tokens=toks(n=n, seed=3))
 
