@@ -178,6 +178,7 @@ def train_func(config: dict):
         def report(step, path, metrics):
             ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(str(path)))
 
+    from hmscale.config import ConfigError
     from hmscale.train.engine import TrainingError, init_distributed
 
     rank, world = init_distributed(cfg.parallel.use_gpu)
@@ -223,9 +224,9 @@ def train_func(config: dict):
                             resume_from=resume_path if stage == "stage2" else None, resume=False,
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))
             results["stage2"] = s2
-    except TrainingError as err:
-        # deterministic failures (NaN/inf loss, a missing stage-1 student): a Ray restart would only
-        # repeat them, so every rank reports the message and ends; the driver raises it
+    except (TrainingError, ConfigError) as err:
+        # deterministic failures (NaN/inf loss, a missing stage-1 student, a setting the model refuses): a Ray restart
+        # would only repeat them, so every rank reports the message and ends; the driver raises it
         if not in_ray:
             raise
         import ray.train
@@ -255,6 +256,11 @@ def prepare(cfg, log=print, stages=STAGES, check_data=None) -> dict:
     if check_data is not None:
         check_data(data)
     teacher = get_teacher(cfg, data, log=log)
+    if "stage2" in stages and cfg.parallel.tp > 1:  # a hub teacher's shape is known only now: before any training
+        from hmscale.parallel import check_tp_divides
+
+        tcfg = teacher.config
+        check_tp_divides(tcfg.num_attention_heads, cfg.parallel.tp, tcfg.intermediate_size)
     cache_dir = None
     if ("stage1" in stages and cfg.stage1.source == "cache" and cfg.cache.enabled) or ("stage2" in stages and cfg.stage2.kd_weight > 0):
         from hmscale.teacher.cache import build_cache
@@ -331,11 +337,12 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
 def _local_worker(rank: int, config: dict) -> None:
     """One spawned process of engine=local with num_workers > 1: a deterministic failure is written
     down for the driver (rank 0), as under Ray."""
+    from hmscale.config import ConfigError
     from hmscale.train.engine import TrainingError
 
     try:
         train_func(config)
-    except TrainingError as err:  # every rank: the one that exits first stops the others, rank 0 perhaps unrecorded
+    except (TrainingError, ConfigError) as err:  # every rank: the one that exits first stops the others, rank 0 perhaps unrecorded
         _record_error(Path(config["run_dir"]), err, rank)
         raise
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hmscale.config import ConfigError
 from hmscale.models.hedgemamba import HedgeMambaBlock
 
 from .layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, mark_tp_param
@@ -31,10 +32,12 @@ __all__ = ["apply_tensor_parallel", "check_tp_divides", "gather_tensor_parallel_
 
 
 def check_tp_divides(n_heads: int, tp: int, intermediate_size: int | None = None) -> None:
+    """A ``ConfigError`` (one line) unless tp divides the heads and the MLP width: the same on every worker and every
+    restart (Ray Train's workers stop on it instead of retrying)."""
     if n_heads % tp:
-        raise ValueError(f"parallel.tp: {tp} does not divide the model's {n_heads} attention heads; pick a divisor of {n_heads}")
+        raise ConfigError(f"parallel.tp: {tp} does not divide the model's {n_heads} attention heads; pick a divisor of {n_heads}")
     if intermediate_size is not None and intermediate_size % tp:
-        raise ValueError(f"parallel.tp: {tp} does not divide the MLP width {intermediate_size}; pick a divisor of it")
+        raise ConfigError(f"parallel.tp: {tp} does not divide the MLP width {intermediate_size}; pick a divisor of it")
 
 
 def full_numel(p: torch.Tensor, tp_size: int) -> int:
