@@ -394,7 +394,10 @@ class HedgeMambaMixer(nn.Module):
         Cf, Bf = self.feature_map(q), self.feature_map(k)
         dt, A, D = self.ssm_parameters(h)
         if token_mask is not None:
-            dt = dt * token_mask.unsqueeze(-1).to(dt.dtype)
+            # a row that is all padding keeps its dt: with dt = 0 its normaliser would be 0 everywhere and the
+            # backward's 0 / 0 NaN (its outputs are masked below, so nothing flows from it either way)
+            keep = token_mask | ~token_mask.any(1, keepdim=True)
+            dt = dt * keep.unsqueeze(-1).to(dt.dtype)
         norm = self.config.normalize
         lead = None
         if token_mask is not None and norm and seq_idx is None and l > 1:
