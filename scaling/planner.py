@@ -426,11 +426,18 @@ def flops_per_token(flavor: Flavor | Size | str, settings: PlanSettings | None =
     return {"cache": float(cache), "stage1": float(stage1), "stage2": float(stage2)}
 
 
+def measured_throughput(name: str, settings: PlanSettings) -> dict:
+    """The measured tokens/s per GPU of one size, by stage: the ``"*"`` row (every size) overlaid with the size's own
+    row (its numbers win); stages neither gives are left out (the FLOP model's)."""
+    table = settings.throughput or {}
+    return {**(table.get("*") or {}), **(table.get(name) or {})}
+
+
 def tokens_per_second(flavor: Flavor | Size | str, settings: PlanSettings | None = None, activation_checkpointing: bool = False) -> dict[str, float]:
     """Tokens/s per GPU per stage: the measured table where it has the size, else the FLOP model."""
     s = settings or PlanSettings()
     f = _flavor(flavor)
-    measured = (s.throughput or {}).get(f.name, {}) or (s.throughput or {}).get("*", {})
+    measured = measured_throughput(f.name, s)
     fl = flops_per_token(f, s, activation_checkpointing)
     out = {}
     for st in STAGES:
@@ -569,7 +576,7 @@ def plan_size(size: Size | Flavor | str, settings: PlanSettings | None = None, b
     tput = tokens_per_second(f, s, lay.activation_checkpointing)
     cache_toks = {"cache": bud.stage1_tokens + (bud.stage2_tokens if s.topk else 0), "stage1": bud.stage1_tokens, "stage2": bud.stage2_tokens}
     hours = {st: cache_toks[st] / tput[st] / 3600 for st in STAGES}
-    measured = (s.throughput or {}).get(f.name) or (s.throughput or {}).get("*")
+    measured = measured_throughput(f.name, s)
     pub = f.published_params if (s.vocab_size in (None, f.vocab_size)) else None
     return SizePlan(
         size=f.name,
