@@ -37,15 +37,20 @@ def _save(fig, path: Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
-def _log_axis(ax, axis: str, values: list[float]) -> None:
-    """Log scale; minor tick labels only when the data spans less than a decade (else they collide)."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+def _log_axis(ax, axis: str) -> None:
+    """Log scale, its labels chosen from the axis' view (after autoscaling: one size, or equal budgets, widen it to
+    two decades): over a decade or more matplotlib's own log labels; within less, a few plain ticks, as on a linear
+    axis (every minor tick labelled collides)."""
+    from matplotlib.ticker import MaxNLocator, NullFormatter, NullLocator, ScalarFormatter
 
     getattr(ax, f"set_{axis}scale")("log")
-    vals = [v for v in values if v and v > 0]
-    narrow = bool(vals) and max(vals) / min(vals) < 10
-    fmt = FuncFormatter(lambda v, _: f"{v:.3g}") if narrow else NullFormatter()
-    getattr(ax, f"{axis}axis").set_minor_formatter(fmt)
+    lo, hi = sorted(getattr(ax, f"get_{axis}lim")())
+    if lo > 0 and hi / lo < 10:
+        a = getattr(ax, f"{axis}axis")
+        a.set_major_locator(MaxNLocator(nbins=4))
+        a.set_major_formatter(ScalarFormatter(useOffset=False))  # as many digits as the ticks need
+        a.set_minor_locator(NullLocator())
+        a.set_minor_formatter(NullFormatter())
 
 
 def _empty(ax, text: str) -> None:
@@ -65,8 +70,8 @@ def plot_ppl_vs_params(rows: list[dict], path: str | Path) -> Path:
             any_point = True
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
     if any_point:
-        _log_axis(ax, "x", [_f(r.get("params")) for r in rows])
-        _log_axis(ax, "y", [_f(r.get(k)) for r in rows for k in ("teacher_ppl", "hedgehog_ppl", "hedgemamba_ppl")])
+        _log_axis(ax, "x")
+        _log_axis(ax, "y")
         ax.legend()
         for r in rows:
             x, y = _f(r.get("params")), _f(r.get("teacher_ppl"))
@@ -89,7 +94,7 @@ def plot_gap_vs_tokens(rows: list[dict], path: str | Path) -> Path:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts])
         for x, y, name in pts:
             ax.annotate(str(name).replace("pythia-", ""), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        _log_axis(ax, "x", [p[0] for p in pts])
+        _log_axis(ax, "x")
         ax.axhline(0.0, color="gray", lw=0.8)
     else:
         _empty(ax, "no finished sizes yet")
