@@ -54,6 +54,8 @@ def main(argv=None) -> int:
 
     a = parse_args(argv)
     try:
+        if a.num_cpus is not None and a.num_cpus < 1:  # (0 would read as "not given": every core of the machine)
+            raise ValueError(f"--num-cpus: {a.num_cpus} must be at least 1 (logical CPUs of the embedded cluster)")
         base = read_config_tree(a.config) if a.config else {}
         rule_kw = {}
         if a.budget_fraction is not None:

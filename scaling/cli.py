@@ -76,6 +76,9 @@ def plan_cmd(
         for opt, value in (("--tokens", tokens), ("--budget-fraction", budget_fraction)):
             if value is not None and not value > 0:
                 raise ValueError(f"{opt}: {value} must be positive")
+        if tokens is not None and budget_fraction is not None:
+            raise ValueError(f"--tokens {tokens} and --budget-fraction {budget_fraction:g}: give one of them (a fixed "
+                             "budget for every size, or a fraction of each teacher's pretraining tokens)")
         rule = BudgetRule(kind="fixed", tokens=tokens, split=parse_split(split)) if tokens else BudgetRule(
             split=parse_split(split), **({"fraction": budget_fraction} if budget_fraction else {})
         )

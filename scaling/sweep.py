@@ -178,10 +178,12 @@ def finished_results(path: str | os.PathLike) -> dict | None:
     """The results of a finished size, else None.
 
     The recipe writes results.json stage by stage, so "finished" means it holds the final evaluation
-    (``hedgemamba_ppl``); a partial one is resumed by the recipe itself.
+    (``hedgemamba_ppl``, a number: NaN or inf too, what a diverged student evaluates to and the recipe keeps); a
+    partial one is resumed by the recipe itself.
     """
     res = _read_results(Path(path))
-    return res if res is not None and _num(res.get("hedgemamba_ppl")) is not None else None
+    ppl = None if res is None else res.get("hedgemamba_ppl")
+    return res if isinstance(ppl, (int, float)) and not isinstance(ppl, bool) else None
 
 
 def size_mismatch(name: str, cfg: RunConfig) -> str | None:
@@ -335,6 +337,23 @@ def _check_resources(resources: dict | None) -> dict:
     return out
 
 
+def _task_options(name: str, res: dict) -> dict:
+    """The Ray task options of a size: the sweep's defaults (task name, one retry) under ``res`` (the user's win), as
+    ``ray.remote(...).options`` takes them; a misspelt option or a bad value is a one-line ValueError now, before any
+    work (at submission it came after the cluster's start and other sizes' submissions, or as a TypeError)."""
+    opts = {"name": f"hmscale-scale-{name}", "max_retries": 1, "retry_exceptions": False, **res}
+    try:
+        import ray
+    except ImportError:  # (the local engine needs no Ray)
+        return opts
+    try:
+        ray.remote(run_size).options(**opts)
+    except (TypeError, ValueError) as err:
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"resources of {name} (--resources, --cpus-per-size): {why}") from None
+    return opts
+
+
 def _ensure_ray(address: str | None, num_cpus: int | None):
     import ray
 
@@ -365,7 +384,6 @@ def run_sweep(
     if engine not in ("ray", "local"):
         raise ValueError(f"engine {engine!r} must be ray or local")
     out = Path(out_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides)
     sizes_ = resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))
     resources = _check_resources(resources)
@@ -374,6 +392,15 @@ def run_sweep(
         problem = size_mismatch(s.name, cfgs[s.name])
         if problem:
             raise ValueError(problem)
+    res_of: dict[str, dict] = {}
+    task_options: dict[str, dict] = {}
+    for s in sizes_:  # the Ray task options of every size, checked by Ray's rules now (not at submission)
+        res = dict(default_resources(cfgs[s.name], cpus_per_size))
+        res.update(resources.get("*", {}))
+        res.update(resources.get(s.name, {}))
+        res_of[s.name] = res
+        task_options[s.name] = _task_options(s.name, res)
+    out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "sweep.json", {
         "sizes": [s.name for s in sizes_], "overrides": overrides, "base": base_tree or {},
         "recipe": recipe if isinstance(recipe, str) else f"{recipe.__module__}:{recipe.__qualname__}",
@@ -387,13 +414,9 @@ def run_sweep(
 
     rows: dict[str, dict] = {}
     plans: dict[str, Any] = {}
-    res_of: dict[str, dict] = {}
     for s in sizes_:
         cfg = cfgs[s.name]
-        res = dict(default_resources(cfg, cpus_per_size))
-        res.update(resources.get("*", {}))
-        res.update(resources.get(s.name, {}))
-        res_of[s.name] = res
+        res = res_of[s.name]
         settings = plan_settings or PlanSettings.from_run_config(cfg)
         try:
             from scaling.budget import Budget
@@ -447,11 +470,7 @@ def run_sweep(
         for s in todo:
             r = res_of[s.name]
             log(f"[scale] {s.name}: submitting (num_cpus={r['num_cpus']}, num_gpus={r['num_gpus']})")
-            ref = remote.options(
-                num_cpus=r["num_cpus"], num_gpus=r["num_gpus"], name=f"hmscale-scale-{s.name}",
-                max_retries=1, retry_exceptions=False,
-                **{k: v for k, v in r.items() if k not in ("num_cpus", "num_gpus")},
-            ).remote(cfgs[s.name].model_dump(mode="json"), recipe, s.name)
+            ref = remote.options(**task_options[s.name]).remote(cfgs[s.name].model_dump(mode="json"), recipe, s.name)
             pending[ref] = s.name
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
