@@ -36,14 +36,18 @@ def _series(path: Path, key: str = "loss") -> tuple[list[int], list[float]]:
 
 
 def loss_plot(run_dir: str | Path) -> Path | None:
-    """losses.png: stage-1 cosine loss and stage-2 training loss against steps; None when no metrics exist."""
+    """losses.png: stage-1 cosine loss and stage-2 cross-entropy against steps; None when no metrics exist."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    curves = {name: _series(run_dir / name / "metrics.jsonl") for name in ("stage1", "stage2")}
+    # stage 2's "loss" weighs in KD and the hidden-state term (ce_weight, kd_weight, hidden_weight): the panel labelled
+    # cross-entropy plots its "ce" (metrics without one: the loss, which then is the CE)
+    ce = _series(run_dir / "stage2" / "metrics.jsonl", "ce")
+    curves = {"stage1": _series(run_dir / "stage1" / "metrics.jsonl"),
+              "stage2": ce if ce[0] else _series(run_dir / "stage2" / "metrics.jsonl")}
     if not any(steps for steps, _ in curves.values()):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
