@@ -242,7 +242,7 @@ def generate(
                                                         "prefill runs the chunked scan, then O(1) per new token)"),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
-    seed: int = 0,
+    seed: int = typer.Option(0, min=0, max=2**63 - 1, help="the sampling seed (with --temperature)"),
     device: str = typer.Option("auto", help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda, cuda:N"),
     dtype: str = typer.Option("auto", help="auto (bf16 on a GPU, fp32 on the CPU), fp32, bf16 or fp16"),
 ):
@@ -272,12 +272,18 @@ def generate(
         fail("--prompt and --prompt-file: give one of them")
     if prompt_file is not None:
         try:
-            prompt = Path(prompt_file).read_text(encoding="utf-8")
+            prompt = Path(prompt_file).read_text(encoding="utf-8-sig")  # (a byte-order mark is not the prompt's)
         except (OSError, UnicodeDecodeError) as err:
             fail(f"--prompt-file: cannot read {prompt_file!r} ({err}); pass a UTF-8 text file")
     prompt = "def " if prompt is None else prompt
-    text, stats = generate_text(str(path), prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                device=dev, dtype=torch_dtype)
+    from safetensors import SafetensorError
+
+    try:
+        text, stats = generate_text(str(path), prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    seed=seed, device=dev, dtype=torch_dtype)
+    except (OSError, SafetensorError) as err:  # weights missing or unreadable (a half-copied model directory)
+        fail(f"{str(path)!r}: cannot load the saved model ({str(err).strip()}); pass a complete model/ directory, "
+             "e.g. runs/demo/model")
     typer.echo(text)
     rate = f", {stats['tokens_per_s']:.1f} tokens/s after the first" if stats["new_tokens"] > 1 else ""
     typer.echo(f"[{stats['prompt_tokens']} prompt tokens in {stats['prefill_s']:.2f} s, {stats['new_tokens']} new "

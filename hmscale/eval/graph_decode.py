@@ -70,6 +70,8 @@ class GraphDecoder:
     def greedy(self, n: int) -> torch.Tensor:
         """n greedy tokens after the prompt, (b, n)."""
         tok = self.next_logits.argmax(-1)
+        if n < 1:
+            return tok.new_empty(tok.shape[0], 0)
         out = [tok]
         for _ in range(n - 1):
             tok = self.step(tok).argmax(-1)

@@ -45,6 +45,8 @@ def _lm_dtype(dtype) -> torch.dtype | None:
 
 @register_model("hmscale")
 class HmscaleLM(LM):
+    max_gen_toks = 256  # new tokens of a generate_until task that sets no max_gen_toks: lm-eval's hf model's default
+
     def __init__(self, model=None, tokenizer=None, pretrained: str | None = None, batch_size: int | str = 8,
                  max_length: int = 1024, device: str | None = "cpu", dtype: str | torch.dtype | None = None, **_):
         super().__init__()
@@ -147,8 +149,8 @@ class HmscaleLM(LM):
         for req in self._progress(requests, disable_tqdm):
             context, kwargs = req.args
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.get("max_gen_toks", 64))
+            until = [s for s in ([until] if isinstance(until, str) else until) if s]  # ("" stops nothing: skipped)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
             ids = torch.tensor([self._encode(context)[-self.max_length:] or [self.tok.eos_token_id]], device=self._device)
             # the stop strings end the generation (else every request ran its max_gen_toks); the text is cut below
             stopping = {"stop_strings": until, "tokenizer": self.tok} if until else {}

@@ -203,7 +203,7 @@ class HedgeMambaCache:
 def _doc_ids(seq_idx: torch.Tensor) -> torch.Tensor:
     """seq_idx (b, l) -> document ids counting the changes (0 for the first document)."""
     change = (seq_idx[:, 1:] != seq_idx[:, :-1]).long()
-    return torch.cat([torch.zeros_like(change[:, :1]), torch.cumsum(change, dim=1)], dim=1)
+    return torch.cat([change.new_zeros(seq_idx.shape[0], 1), torch.cumsum(change, dim=1)], dim=1)  # (also l == 1)
 
 
 class CausalDepthwiseConv(nn.Module):
@@ -395,8 +395,9 @@ class HedgeMambaMixer(nn.Module):
         dt, A, D = self.ssm_parameters(h)
         if token_mask is not None:
             # a row that is all padding keeps its dt: with dt = 0 its normaliser would be 0 everywhere and the
-            # backward's 0 / 0 NaN (its outputs are masked below, so nothing flows from it either way)
-            keep = token_mask | ~token_mask.any(1, keepdim=True)
+            # backward's 0 / 0 NaN (its outputs are masked below, so nothing flows from it either way); not with a
+            # cache (no backward there): a segment that is all padding for a row leaves that row's state as it was
+            keep = token_mask if cache is not None else token_mask | ~token_mask.any(1, keepdim=True)
             dt = dt * keep.unsqueeze(-1).to(dt.dtype)
         norm = self.config.normalize
         lead = None
@@ -548,6 +549,10 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
                     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -l:]
         if position_ids is None:
             position_ids = (torch.arange(l, device=x.device) + offset)[None, :]
+        if seq_idx is not None and l == 1 and seq_idx.shape[-1] == 1:
+            # one token is one document, and a carried state belongs to the input's first document: the same as no
+            # seq_idx (and a decode step then takes ssd_step)
+            seq_idx = None
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32)
         # the rotary tables once for all layers (they depend on the positions only)
@@ -599,13 +604,15 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
                                       is_first_iteration=False, **kwargs):
         past = cache.seqlen if cache is not None else 0
         inputs = {}
+        # the positions so far: after a prompt given as embeddings, input_ids holds only the generated tokens while the
+        # cache counts the prompt's positions too
+        total = (input_ids.shape[1] if input_ids is not None else 0) + (
+            inputs_embeds.shape[1] if inputs_embeds is not None else 0)
         if inputs_embeds is not None and past == 0:
             inputs["inputs_embeds"] = inputs_embeds
             length = inputs_embeds.shape[1]
         else:
-            # the tokens the cache has not consumed yet: after a prompt given as embeddings, input_ids holds only the
-            # generated tokens while the cache counts the prompt's positions too
-            total = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
+            # the tokens the cache has not consumed yet
             if total <= past:
                 raise ValueError(f"generate: the cache has consumed {past} tokens, the input has {total}; pass the cache "
                                  "of all but the input's last token (model(ids[:, :-1], use_cache=True).cache)")
@@ -621,9 +628,14 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
         inputs.update(cache=cache, use_cache=True if use_cache is None else use_cache, position_ids=position_ids)
         # logits_to_keep: generate() sets it to 1, so the prompt's prefill makes the last position's logits alone,
         # not (b, prompt length, vocab) of them
-        for key in ("output_hidden_states", "seq_idx", "logits_to_keep"):
+        for key in ("output_hidden_states", "logits_to_keep"):
             if key in kwargs:
                 inputs[key] = kwargs[key]
+        # seq_idx covers the prompt (generate does not extend it): the new tokens continue the prompt's last document,
+        # the only one the cache holds
+        seq_idx = kwargs.get("seq_idx")
+        if seq_idx is not None and seq_idx.shape[-1] == total:
+            inputs["seq_idx"] = seq_idx[..., seq_idx.shape[-1] - length:]
         return inputs
 
     def forward(self, input_ids=None, inputs_embeds=None, labels=None, cache=None, use_cache=None,
