@@ -26,7 +26,7 @@ def doc_ids_from_seq_idx(seq_idx: torch.Tensor | None, b: int, l: int, device) -
     if seq_idx is None:
         return torch.zeros(b, l, dtype=torch.int32, device=device)
     change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    doc = torch.cat([torch.zeros_like(change[:, :1]), torch.cumsum(change, dim=1, dtype=torch.int32)], dim=1)
+    doc = torch.cat([change.new_zeros(change.shape[0], 1), torch.cumsum(change, dim=1, dtype=torch.int32)], dim=1)  # (l = 1 too)
     return doc.to(torch.int32)
 
 
