@@ -241,7 +241,11 @@ def generate(
     prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file instead (long prompts: the "
                                                         "prefill runs the chunked scan, then O(1) per new token)"),
     max_new_tokens: int = typer.Option(64, min=1),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy; > 0 samples (from the whole softmax unless "
+                                                         "--top-k / --top-p)"),
+    top_k: int = typer.Option(0, min=0, help="sample from the k most likely tokens only (0 = all)"),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="nucleus sampling: the smallest set of tokens holding "
+                                                          "this probability (1 = all)"),
     seed: int = typer.Option(0, min=0, max=2**63 - 1, help="the sampling seed (with --temperature)"),
     device: str = typer.Option("auto", help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda, cuda:N"),
     dtype: str = typer.Option("auto", help="auto (bf16 on a GPU, fp32 on the CPU), fp32, bf16 or fp16"),
@@ -280,7 +284,9 @@ def generate(
 
     try:
         text, stats = generate_text(str(path), prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=seed, device=dev, dtype=torch_dtype)
+                                    seed=seed, device=dev, dtype=torch_dtype, top_k=top_k, top_p=top_p)
+    except ValueError as err:  # (--temperature inf, --top-p 0)
+        fail(f"generate: {err}")
     except (OSError, SafetensorError) as err:  # weights missing or unreadable (a half-copied model directory)
         fail(f"{str(path)!r}: cannot load the saved model ({str(err).strip()}); pass a complete model/ directory, "
              "e.g. runs/demo/model")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -64,19 +65,33 @@ class _FirstToken:
 
 
 @torch.no_grad()
+def sampling_kwargs(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> dict:
+    """``generate()``'s sampling arguments: greedy at temperature 0; else the softmax at that temperature, whole
+    unless ``top_k`` > 0 / ``top_p`` < 1 truncate it (transformers' own default keeps the top 50 tokens)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature: {temperature} must be finite and >= 0 (0 = greedy)")
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k {top_k} / top_p {top_p}: top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off)")
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+
+
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[str, dict]:
+                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[str, dict]:
     """The prompt and its continuation, and timings: ``prefill_s`` (the prompt through the chunked scan, to the first
-    new token) and ``tokens_per_s`` (each further token, O(1) with the recurrent state)."""
+    new token) and ``tokens_per_s`` (each further token, O(1) with the recurrent state). With ``temperature`` > 0 it
+    samples from the whole softmax unless ``top_k`` > 0 / ``top_p`` < 1 truncate it (transformers' own default would
+    keep the top 50 tokens)."""
+    kwargs = dict(sampling_kwargs(temperature, top_k, top_p), max_new_tokens=max_new_tokens)
     device = torch.device(device)
     model, tok = load_model_and_tokenizer(model_dir, device, dtype)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.eos_token_id]], device=device)
     torch.manual_seed(seed)
-    kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=tok.eos_token_id)
-    if temperature > 0:
-        kwargs["temperature"] = temperature
+    kwargs["pad_token_id"] = tok.eos_token_id
     timer = _FirstToken()
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=timer, **kwargs)
