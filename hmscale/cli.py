@@ -43,11 +43,15 @@ def _config(path, overrides, stage1: bool = False):
 
 @app.command()
 def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
-    """Validate a config and print the resolved tree."""
+    """Validate a config and print the resolved tree (and, on stderr, what would stop stage 1 from training from the
+    cache the config captures: `hmscale cache` and `stage2` take such a config, `hmscale run` and `stage1` refuse it)."""
     import yaml
 
     cfg = _config(config, overrides)
     typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    problem = stage1_cache_problem(cfg)
+    if problem:
+        typer.echo(f"hmscale: note: `hmscale run` and `hmscale stage1` refuse this config: {problem}", err=True)
 
 
 @app.command()
@@ -334,7 +338,7 @@ def submit(
     if timeout is not None and not timeout > 0:  # (the job was uploaded, started and stopped at its first poll)
         fail(f"--timeout: {timeout:g} s would stop the job as soon as it starts; give a positive number of seconds, "
              "or leave --timeout out to follow the job until it ends")
-    cfg = _config(config, overrides)
+    cfg = _config(config, overrides, stage1=True)  # (the job runs the whole recipe: refused here, not on the cluster)
     from hmscale.submit import SubmitError, submit as submit_job
 
     try:

@@ -79,7 +79,7 @@ class DataConfig(_Section):
     dataset_config: str | None = None
     split: str = "train"
     text_field: str = "text"
-    paths: list[str] = Field(default_factory=list)  # files: txt / jsonl / parquet files, globs or folders (searched recursively); empty documents are skipped
+    paths: list[str] = Field(default_factory=list)  # files: .txt / .jsonl / .json / .parquet files, globs or folders (searched recursively); empty documents are skipped
     seq_len: int = Field(256, gt=1)
     val_fraction: float = Field(0.05, gt=0, lt=1)
     sequences_per_shard: int = Field(64, gt=0)
@@ -288,7 +288,7 @@ class ParallelConfig(_Section):
     num_workers: int = Field(1, gt=0)  # student workers (= dp * tp)
     tp: int = Field(1, gt=0)
     zero_stage: Literal[0, 1, 2, 3] = 2
-    ds_config: str | None = None  # a ds_configs/*.json; None = ds_configs/zero{stage}.json
+    ds_config: str | None = None  # a ds_configs/*.json; None = ds_configs/zero{stage}.json (ZeRO 0: zero1.json at stage 0)
     use_gpu: bool = False
     bf16: bool = False
     compile: bool = False  # torch.compile each student block in stage 2 (GPU; the first steps pay the compile)
@@ -632,17 +632,36 @@ def save_resolved(cfg: RunConfig, run_dir: str | os.PathLike) -> Path:
 
 
 def _type_name(ann) -> str:
-    import typing
+    """A field's type as the reference writes it: `int or None`, `"local" or "ray"`, `list[int] or "all"`."""
+    import types
 
-    if typing.get_origin(ann) is Literal:
-        return " or ".join(json.dumps(a) for a in typing.get_args(ann))
-    name = getattr(ann, "__name__", None) if typing.get_origin(ann) is None else None
-    return name or str(ann).replace("typing.", "").replace("|", "or")
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if ann is type(None):
+        return "None"
+    if origin is Literal:
+        return " or ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(ann, "__name__", None) or str(ann)
+
+
+def _bounds(field) -> str:
+    """A field's numeric bounds (pydantic's gt / ge / lt / le), e.g. `> 0`, `>= 0, <= 1`; empty when it has none."""
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    out = []
+    for meta in field.metadata:
+        for attr, op in ops.items():
+            value = getattr(meta, attr, None)
+            if value is not None:
+                out.append(f"{op} {'2^63' if value == 2**63 else value}")
+    return f"`{', '.join(out)}`" if out else ""
 
 
 def config_reference() -> str:
-    """The config tree as a markdown table (field, type, default), for the README."""
-    rows = ["| field | type | default |", "| --- | --- | --- |"]
+    """The config tree as a markdown table (field, type, default, bounds), for the README."""
+    rows = ["| field | type | default | bounds |", "| --- | --- | --- | --- |"]
 
     def walk(model: type[BaseModel], prefix: str):
         for name, field in model.model_fields.items():
@@ -651,7 +670,7 @@ def config_reference() -> str:
                 walk(ann, f"{prefix}{name}.")
                 continue
             default = field.get_default(call_default_factory=True)
-            rows.append(f"| `{prefix}{name}` | {_type_name(ann)} | `{json.dumps(default)}` |")
+            rows.append(f"| `{prefix}{name}` | {_type_name(ann)} | `{json.dumps(default)}` | {_bounds(field)} |")
 
     walk(RunConfig, "")
     return "\n".join(rows)
