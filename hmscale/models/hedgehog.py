@@ -124,6 +124,13 @@ class HedgehogForCausalLM(nn.Module):
     def __init__(self, teacher, feature_dim: int | None = None, feature_maps: nn.ModuleList | None = None,
                  chunk_size: int = 64):
         super().__init__()
+        if not hasattr(teacher, "gpt_neox"):  # what the student and the conversion read the teacher's weights from
+            raise TypeError("HedgehogForCausalLM: the teacher must be a GPT-NeoX causal LM (GPTNeoXForCausalLM), "
+                            f"got {type(teacher).__name__}")
+        if feature_dim is not None and (isinstance(feature_dim, bool) or not isinstance(feature_dim, int)
+                                        or feature_dim < 1):
+            raise ValueError(f"HedgehogForCausalLM: feature_dim must be a positive int (or None: head_dim), "
+                             f"got {feature_dim!r}")
         self.teacher = teacher
         self.config = teacher.config
         cfg = self.config

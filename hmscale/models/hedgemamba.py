@@ -67,12 +67,49 @@ __all__ = [
 ]
 
 
+def _validate(*, vocab_size, hidden_size, num_attention_heads, intermediate_size, hidden_act, rotary_pct, feature_dim,
+              conv_width, chunk_size, dt_min, dt_max) -> None:
+    """One-line ValueError naming the field for a HedgeMambaConfig that cannot be built or run."""
+    def positive(name, value):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"HedgeMambaConfig: {name} must be a positive int, got {value!r}")
+
+    for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
+                        ("num_attention_heads", num_attention_heads), ("conv_width", conv_width),
+                        ("chunk_size", chunk_size)):
+        positive(name, value)
+    for name, value in (("intermediate_size", intermediate_size), ("feature_dim", feature_dim)):
+        if value is not None:  # None: the default (4 * hidden_size, head_dim)
+            positive(name, value)
+    if hidden_size % num_attention_heads:
+        raise ValueError(f"HedgeMambaConfig: hidden_size {hidden_size} is not a multiple of num_attention_heads "
+                         f"{num_attention_heads}")
+    if hidden_act not in ACT2FN:
+        raise ValueError(f"HedgeMambaConfig: hidden_act {hidden_act!r} is not an activation transformers knows "
+                         "(e.g. gelu, gelu_new, relu, silu)")
+    if not 0.0 <= rotary_pct <= 1.0:
+        raise ValueError(f"HedgeMambaConfig: rotary_pct must be in [0, 1] (the fraction of each head's dims rotary "
+                         f"turns), got {rotary_pct}")
+    if not 0.0 < dt_min <= dt_max:
+        raise ValueError(f"HedgeMambaConfig: dt_min and dt_max must satisfy 0 < dt_min <= dt_max (dt's clip range), "
+                         f"got dt_min={dt_min}, dt_max={dt_max}")
+
+
 class HedgeMambaConfig(PretrainedConfig):
     model_type = "hedgemamba"
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
         """A no-op, as the model's (``HedgeMambaPreTrainedModel.register_for_auto_class``)."""
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """transformers' save, plus what loads the directory with ``trust_remote_code=True``
+        (``hmscale.models.remote_code``), written with config.json: the model's ``save_pretrained`` saves its config
+        before it uploads (``push_to_hub=True``), so the upload carries them."""
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        from .remote_code import write_remote_code
+
+        write_remote_code(save_directory)
 
     def __init__(
         self,
@@ -105,8 +142,9 @@ class HedgeMambaConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
-        if hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
+        _validate(vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                  intermediate_size=intermediate_size, hidden_act=hidden_act, rotary_pct=rotary_pct,
+                  feature_dim=feature_dim, conv_width=conv_width, chunk_size=chunk_size, dt_min=dt_min, dt_max=dt_max)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -480,13 +518,23 @@ class HedgeMambaPreTrainedModel(PreTrainedModel):
         """A no-op: transformers calls it on a remote-code load, and ``save_pretrained`` would then copy hmscale's
         model sources into every later save; the one-line module of ``remote_code`` serves instead."""
 
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """transformers' save, plus what loads it with ``trust_remote_code=True`` (``hmscale.models.remote_code``)."""
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            from .remote_code import write_remote_code
+    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs):
+        """transformers' save; the config's save adds what loads it with ``trust_remote_code=True``
+        (``HedgeMambaConfig.save_pretrained``). LoRA adapters (``hmscale.models.lora``) are folded into their layers'
+        weights in the saved copy (the model keeps them): the saved model is a plain HedgeMamba computing what this
+        one computes."""
+        from .lora import LoRALinear, is_lora_param, merged_state_dict
 
-            write_remote_code(save_directory)
+        if any(isinstance(m, LoRALinear) for m in self.modules()):
+            if isinstance(getattr(self, "lm_head", None), LoRALinear) and self.config.tie_word_embeddings:
+                raise ValueError("save_pretrained: lm_head has a LoRA adapter but is tied to the input embeddings "
+                                 "(tie_word_embeddings), so the folded adapter would be dropped; untie them or "
+                                 "leave lm_head out of the LoRA targets")
+            if state_dict is None:
+                state_dict = self.state_dict()
+            if any(is_lora_param(k) for k in state_dict):
+                state_dict = merged_state_dict(self, state_dict)
+        super().save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
 
     def _initialize_weights(self, module, *args, **kwargs):
         """transformers' dispatch, except that a mixer always gets its exact init: for custom code transformers skips

@@ -18,7 +18,9 @@ SHIM = (
     "# hmscale package; the model's code is not copied here.\n"
     "try:\n"
     "    from hmscale.models.hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM, HedgeMambaModel  # noqa: F401\n"
-    "except ImportError as err:\n"
+    "except ModuleNotFoundError as err:\n"
+    "    if (err.name or \"hmscale\").split(\".\")[0] != \"hmscale\":  # hmscale is there, something it imports is not\n"
+    "        raise\n"
     "    raise ImportError(\"this HedgeMamba model needs the hmscale package: pip install -e <hmscale checkout> \"\n"
     "                      \"(it is not on PyPI)\") from err\n"
 )
