@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--budget-fraction: {a.budget_fraction} must be positive (1/30 ~ 10B tokens per Pythia size)")
             rule_kw["fraction"] = a.budget_fraction
             if "total_tokens" in (base.get("budget") or {}) or any(o.startswith("budget.total_tokens=") for o in a.overrides):
-                print("scaling: note: --budget-fraction has no effect: budget.total_tokens is set", file=sys.stderr)
+                print("hmscale: note: --budget-fraction has no effect: budget.total_tokens is set", file=sys.stderr)
         if a.split is not None:
             rule_kw["split"] = parse_split(a.split)
         rows = run_sweep(
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             recipe=a.recipe, plots=not a.no_plots,
         )
     except (ConfigError, ValueError) as err:
-        print(f"scaling: error: {err}", file=sys.stderr)
+        print(f"hmscale: error: {err}", file=sys.stderr)
         return 2
     for r in rows:
         print(f"{r['size']:>14}  {r['status']:>8}  teacher {r.get('teacher_ppl')}  hedgemamba {r.get('hedgemamba_ppl')}  gap {r.get('gap')}")

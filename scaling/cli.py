@@ -35,12 +35,14 @@ def plan_table(plans):
         t.add_column(col, justify=just, no_wrap=True)
     for p in plans:
         err = "-" if p.params_error is None else f"{100 * p.params_error:+.2f}%"
+        measured = p.measured_stages.split(",")
+        mark = {s: "" if s in measured else "*" for s in ("cache", "stage1", "stage2")}  # * = from the FLOP model
         t.add_row(
             p.size, fmt_count(p.params), err, fmt_count(p.student_params), fmt_count(p.total_tokens),
             f"{p.teacher_mem_gb:.1f} ({p.teacher_tp})", f"{p.single_gpu_train_gb:.1f}",
             f"{p.dp}x{p.tp} Z{p.zero_stage}", "yes" if p.activation_checkpointing else "no",
             f"{p.train_mem_gb:.1f}", fmt_bytes(p.cache_gb * 1e9),
-            "/".join(fmt_hours(p.gpu_hours[s]) for s in ("cache", "stage1", "stage2")),
+            "/".join(fmt_hours(p.gpu_hours[s]) + mark[s] for s in ("cache", "stage1", "stage2")),
             fmt_hours(p.gpu_hours_total) + ("" if p.throughput_source == "measured" else "*"),
         )
     return t
@@ -52,6 +54,7 @@ def plan_cmd(
     gpu_mem: float = typer.Option(80.0, "--gpu-mem", help="GPU memory in GB"),
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(4, "--micro-batch", help="stage-2 micro batch per GPU"),
+    teacher_batch: int = typer.Option(8, "--teacher-batch", help="sequences per teacher forward in the cache pass (cache.batch_size)"),
     zero: Optional[int] = typer.Option(None, "--zero", help="force a ZeRO stage (default: the planner picks)"),
     tp: Optional[int] = typer.Option(None, "--tp", help="force a tensor-parallel degree"),
     max_tp: int = typer.Option(8, "--max-tp", help="largest tp (GPUs per node)"),
@@ -83,8 +86,8 @@ def plan_cmd(
             split=parse_split(split), **({"fraction": budget_fraction} if budget_fraction else {})
         )
         settings = PlanSettings(
-            gpu_mem_gb=gpu_mem, seq_len=seq_len, micro_batch=micro_batch, zero_stage=zero, tp=tp, max_tp=max_tp,
-            token_fraction=token_fraction, topk=topk, budget=rule, lora_rank=lora_rank,
+            gpu_mem_gb=gpu_mem, seq_len=seq_len, micro_batch=micro_batch, teacher_micro_batch=teacher_batch,
+            zero_stage=zero, tp=tp, max_tp=max_tp, token_fraction=token_fraction, topk=topk, budget=rule, lora_rank=lora_rank,
             throughput=load_throughput(*throughput) if throughput else None,
         )
         plans = plan(sizes or None, settings)
@@ -95,7 +98,8 @@ def plan_cmd(
         console = Console(width=170)
     console.print(plan_table(plans))
     if any(p.throughput_source != "measured" for p in plans):
-        console.print("* GPU-hours from the default FLOP model (see scaling/planner.py); pass --throughput with measured numbers.")
+        console.print("* from the FLOP model (scaling/planner.py), not measured: a stage --throughput does not give, "
+                      "or a total that includes one.")
     write_plan(plans, csv_out, json_out)
     if plot:
         from scaling.plots import plot_projected_cost

@@ -30,14 +30,20 @@ Memory per GPU (bytes; bf16 mixed precision with Adam, the ZeRO paper's accounti
     upcast / log-softmax, their gradients). Both terms are calibrated on a measurement (CALIBRATION_*).
     Teacher forward (no grad, bf16): parameters 2 B/param / tp, one layer's working set
     (~14 d bf16 per token with a fused attention kernel), fp32 logits when top-k is captured, and the
-    captured tensors of the batch held until they are written.
+    captured tensors of the batch held until they are written, for a batch of ``teacher_micro_batch``
+    sequences (``cache.batch_size``, 8 by default; ``--teacher-batch``). The captures grow with the batch and
+    dominate for large teachers (pythia-12b: 24 GB of weights, 12 GB of captures at 8 x 2048 tokens).
+    hmscale's cache workers hold the whole teacher on each GPU: a teacher tp above 1 in the plan is the
+    sharding the forward would need, which they do not do (a smaller ``cache.batch_size`` or a larger GPU does).
     Every GPU also loses ``reserved_gb`` (CUDA context, NCCL and DeepSpeed buckets) and only
     ``usable_fraction`` of the rest is planned for (allocator fragmentation).
 
 Layout search
     All (dp, tp, ZeRO, activation checkpointing) with tp a divisor of the heads up to ``max_tp``
-    (one node) and no ZeRO-3 together with tp > 1 (hmscale's engines do not support it). The plan is
-    the one with the fewest GPUs; at equal GPU count: no activation checkpointing first (faster), then
+    (one node) and no ZeRO-3 together with tp > 1 (hmscale's engines do not support it), over the GPU
+    counts (dp x tp) 1 to 8 (one node), then whole nodes of 8 (16, 24, ...), and ``max_gpus`` itself when it
+    is none of these (a cap of 12 plans 12 GPUs where 8 do not do). The plan is
+    the one with the fewest GPUs of those counts; at equal GPU count: no activation checkpointing first (faster), then
     the most free memory (room for a larger micro batch), then the lower ZeRO stage and smaller tp.
     A size whose training state fits one GPU gets dp=1, tp=1, ZeRO-0; one that does not fit gets its
     model state sharded (tp > 1 or ZeRO-3), since ZeRO-1/2 keep a full parameter replica per GPU.
@@ -50,7 +56,9 @@ Cache bytes
 GPU-hours
     ``tokens / (tokens/s per GPU) / 3600`` per stage (cache = teacher forward, stage1, stage2). Pass
     measured tokens/s per GPU as a table ``{size: {stage: tokens_per_s}}`` (JSON or CSV with columns
-    size, stage, tokens_per_s). Without one, the default model is FLOP-based:
+    size, stage, tokens_per_s). A stage the table does not give (for that size or ``"*"``) comes from the
+    default model (``SizePlan.measured_stages`` lists the measured ones; ``throughput_source`` is measured,
+    partial or model; the plan table marks each modelled number ``*``). The default model is FLOP-based:
     ``tokens/s = mfu[stage] x peak_tflops / flops_per_token[stage]`` with
     cache ``2 N_teacher + 2 L s d`` (causal attention), stage 1 ``2 (3 d^2) L`` (q,k,v from the cached
     input) ``+ 6 (feature-map params) + 3 L H 4 P (2F)`` (linear attention, fwd+bwd), stage 2
@@ -160,6 +168,7 @@ class PlanSettings:
         base = dict(
             seq_len=cfg.data.seq_len,
             micro_batch=cfg.stage2.micro_batch_size,
+            teacher_micro_batch=cfg.cache.batch_size,
             feature_dim=cfg.stage1.feature_dim,
             gate=comp.gate,
             conv=comp.conv,
@@ -294,7 +303,7 @@ def train_memory(
 
 
 def teacher_forward_memory(flavor: Flavor | Size | str, tp: int = 1, settings: PlanSettings | None = None) -> dict[str, float]:
-    """Per-GPU bytes for the teacher-forward (cache) workers."""
+    """Per-GPU bytes for the teacher-forward (cache) workers: params, activations (of which captured), total."""
     s = settings or PlanSettings()
     f = _flavor(flavor)
     V = s.vocab_size or f.vocab_size
@@ -305,7 +314,7 @@ def teacher_forward_memory(flavor: Flavor | Size | str, tp: int = 1, settings: P
     layers = s.capture_layers if s.capture_layers is not None else f.n_layers
     captured = tokens * layers * s.capture_tensors * f.d_model * s.capture_bytes * s.token_fraction
     acts = working + logits + captured
-    return {"params": params, "activations": acts, "total": params + acts}
+    return {"params": params, "activations": acts, "captured": captured, "total": params + acts}
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -361,8 +370,7 @@ def choose_layout(flavor: Flavor | Size | str, settings: PlanSettings | None = N
         tps = [1]  # hmscale's stage 2 runs LoRA without tensor parallelism
     zeros = [s.zero_stage] if s.zero_stage is not None else [0, 1, 2, 3]
     ckpts = [s.activation_checkpointing] if s.activation_checkpointing is not None else [False, True]
-    n = 1
-    while n <= s.max_gpus:
+    for n in _gpu_counts(s.max_gpus):
         fits = []
         for tp in tps:
             if n % tp:
@@ -379,21 +387,39 @@ def choose_layout(flavor: Flavor | Size | str, settings: PlanSettings | None = N
                         fits.append(Layout(dp, tp, z, ck, total, budget - total))
         if fits:
             return min(fits, key=lambda lay: (lay.activation_checkpointing, -lay.free_bytes, lay.zero_stage, lay.tp))
-        # grow: powers of two up to 8, then whole nodes (multiples of 8)
-        n = n + 1 if n < 8 else n + 8
+    forced = [opt for opt, v in (("--tp", s.tp), ("--zero", s.zero_stage)) if v is not None]
     raise ValueError(
-        f"plan: {f.name} does not fit in {s.max_gpus} GPUs of {s.gpu_mem_gb:g} GB at micro batch "
-        f"{s.micro_batch} x seq {s.seq_len}; lower the micro batch or raise --gpu-mem"
+        f"plan: the {f.name} stage-2 training state does not fit {s.max_gpus} GPUs of {s.gpu_mem_gb:g} GB at micro "
+        f"batch {s.micro_batch} x seq {s.seq_len}; lower the micro batch (--micro-batch, stage2.micro_batch_size) "
+        f"or raise --gpu-mem{' or --max-tp' if s.tp is None else ''}"
+        + (f", or leave {' and '.join(forced)} to the planner" if forced else "")
     )
+
+
+def _gpu_counts(max_gpus: int) -> list[int]:
+    """The GPU counts the layout search tries, smallest first: every count of one node (1-8), then whole nodes of 8,
+    then ``max_gpus`` itself when it is none of these."""
+    counts = [*range(1, min(max_gpus, 8) + 1), *range(16, max_gpus + 1, 8)]
+    return counts if counts[-1] == max_gpus else [*counts, max_gpus]
 
 
 def min_teacher_tp(flavor: Flavor | Size | str, settings: PlanSettings | None = None) -> int:
     s = settings or PlanSettings()
     f = _flavor(flavor)
-    for tp in _divisors(f.n_heads, s.max_tp):
+    tps = _divisors(f.n_heads, s.max_tp)
+    for tp in tps:
         if teacher_forward_memory(f, tp, s)["total"] <= s.usable_bytes:
             return tp
-    raise ValueError(f"plan: the {f.name} teacher forward does not fit {s.max_tp} GPUs of {s.gpu_mem_gb:g} GB")
+    # the one-line refusal: what the forward holds at the largest tp tried, and what to change
+    tp, mem = tps[-1], teacher_forward_memory(f, tps[-1], s)
+    captured = mem["captured"]  # the part a smaller teacher batch or capture spec shrinks
+    raise ValueError(
+        f"plan: the {f.name} teacher forward (the cache pass) needs {mem['total'] / GB:.1f} GB per GPU at tp {tp} "
+        f"(weights {mem['params'] / GB:.1f} GB; a batch of {s.teacher_micro_batch} x {s.seq_len} tokens: captured "
+        f"tensors {captured / GB:.1f} GB, logits and working set {(mem['activations'] - captured) / GB:.1f} GB) of the "
+        f"{s.usable_bytes / GB:.1f} GB planned of a {s.gpu_mem_gb:g} GB GPU; lower the teacher batch (--teacher-batch, "
+        "cache.batch_size), capture less (--token-fraction, cache.capture.layers / dtype) or raise --gpu-mem"
+    )
 
 
 # --------------------------------------------------------------------------- cache and cost
@@ -551,7 +577,8 @@ class SizePlan:
     tokens_per_s: dict = field(default_factory=dict)
     gpu_hours: dict = field(default_factory=dict)
     gpu_hours_total: float = 0.0
-    throughput_source: str = "model"
+    throughput_source: str = "model"  # measured (every stage) | partial (some stages) | model (none)
+    measured_stages: str = ""  # the stages whose tokens/s came from the measured table, comma separated
 
     def row(self) -> dict:
         """A flat dict (CSV-friendly)."""
@@ -576,7 +603,7 @@ def plan_size(size: Size | Flavor | str, settings: PlanSettings | None = None, b
     tput = tokens_per_second(f, s, lay.activation_checkpointing)
     cache_toks = {"cache": bud.stage1_tokens + (bud.stage2_tokens if s.topk else 0), "stage1": bud.stage1_tokens, "stage2": bud.stage2_tokens}
     hours = {st: cache_toks[st] / tput[st] / 3600 for st in STAGES}
-    measured = measured_throughput(f.name, s)
+    measured = [st for st in STAGES if st in measured_throughput(f.name, s)]
     pub = f.published_params if (s.vocab_size in (None, f.vocab_size)) else None
     return SizePlan(
         size=f.name,
@@ -611,7 +638,8 @@ def plan_size(size: Size | Flavor | str, settings: PlanSettings | None = None, b
         tokens_per_s=tput,
         gpu_hours=hours,
         gpu_hours_total=sum(hours.values()),
-        throughput_source="measured" if measured else "model",
+        throughput_source="measured" if len(measured) == len(STAGES) else "partial" if measured else "model",
+        measured_stages=",".join(measured),
     )
 
 

@@ -29,6 +29,7 @@ layout (workers, tp, ZeRO stage) is put into the config unless the config sets t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import math
@@ -38,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from hmscale.atomic import atomic_write_json
+from hmscale.atomic import atomic_write_json, atomic_write_text
 from hmscale.config import RunConfig, apply_overrides, build_config, save_resolved
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, training_hash
 from scaling.budget import BudgetRule
@@ -256,7 +257,7 @@ def summarize(size: Size, cfg: RunConfig, results: dict) -> dict:
         row["params"] = int(n)
     for k, v in flat.items():  # the recipe's other top-level numbers, for the record
         if k in results and k not in row and not k.startswith("_") and k != "config_hash":
-            row[f"r_{k}"] = v
+            row[f"r_{k}"] = v if _num(v) is not None else None  # (NaN / inf: JSON has no such number)
     return row
 
 
@@ -387,6 +388,7 @@ def run_sweep(
     overrides = list(overrides)
     sizes_ = resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))
     resources = _check_resources(resources)
+    rule = rule or BudgetRule()
     cfgs = {s.name: size_config(s, out, base_tree, overrides, rule) for s in sizes_}
     for s in sizes_:  # before any work: a size directory holding a run of other settings stops the study
         problem = size_mismatch(s.name, cfgs[s.name])
@@ -403,6 +405,7 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "sweep.json", {
         "sizes": [s.name for s in sizes_], "overrides": overrides, "base": base_tree or {},
+        "budget_rule": dataclasses.asdict(rule),  # --budget-fraction, --split (a total or split the config sets wins)
         "recipe": recipe if isinstance(recipe, str) else f"{recipe.__module__}:{recipe.__qualname__}",
     })
     others = sorted(d.name for d in (out / "runs").glob("*") if d.is_dir() and d.name not in cfgs
@@ -457,8 +460,7 @@ def run_sweep(
             except Exception as err:  # noqa: BLE001 - one size failing must not stop the others
                 log(f"[scale] {s.name}: failed: {err}")
                 finish(s.name, None, "failed", f"{type(err).__name__}: {err}")
-                (out / "runs" / s.name).mkdir(parents=True, exist_ok=True)
-                (out / "runs" / s.name / "sweep_error.txt").write_text(traceback.format_exc())
+                atomic_write_text(out / "runs" / s.name / "sweep_error.txt", traceback.format_exc())
     elif todo:
         ray = _ensure_ray(ray_address, ray_num_cpus)
         if callable(recipe):

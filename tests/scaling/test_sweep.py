@@ -424,4 +424,4 @@ def test_job_entry_reads_its_config_as_the_cli_does(tmp_path, capsys):
                        (tmp_path / "list.yaml", "the top level must be a mapping")]:
         assert job_main(["--sizes", "nano", "--out", str(tmp_path / "o"), "--local", "--config", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("scaling: error: config file") and says in err[0]
+        assert len(err) == 1 and err[0].startswith("hmscale: error: config file") and says in err[0]

@@ -147,7 +147,7 @@ def test_cli_resources_that_are_not_json_and_a_budget_fraction_without_effect(tm
 
     assert cli.main(["--sizes", "nano", "--out", str(tmp_path), "--resources", "notjson"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("scaling: error: --resources: not valid JSON (Expecting value)") and err.count("\n") == 1
+    assert err.startswith("hmscale: error: --resources: not valid JSON (Expecting value)") and err.count("\n") == 1
     monkeypatch.setattr(scaling.sweep, "run_sweep", lambda *a, **k: [])  # (the note comes before any work)
     assert cli.main(["--sizes", "nano", "--out", str(tmp_path), "--budget-fraction", "0.1",
                      "-s", "budget.total_tokens=4096"]) == 0

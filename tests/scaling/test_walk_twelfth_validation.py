@@ -89,7 +89,7 @@ def test_job_entry_says_it_in_one_line(tmp_path, capsys, fake_ray):
     assert job.main(["--sizes", "nano", "--out", str(tmp_path / "s"), "--no-plots",
                      "--resources", json.dumps({"nano": {"num_cpus": "two"}})]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("scaling: error: ") and err.count("\n") == 1 and "num_cpus" in err
+    assert err.startswith("hmscale: error: ") and err.count("\n") == 1 and "num_cpus" in err
 
 
 @pytest.mark.parametrize("n", ["0", "-2"])
@@ -102,7 +102,7 @@ def test_job_entry_refuses_an_embedded_cluster_of_no_cpus(tmp_path, capsys, monk
     out = tmp_path / "s"
     assert job.main(["--sizes", "nano", "--out", str(out), "--no-plots", "--num-cpus", n]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("scaling: error: --num-cpus") and err.count("\n") == 1
+    assert err.startswith("hmscale: error: --num-cpus") and err.count("\n") == 1
     assert not out.exists()
 
 
