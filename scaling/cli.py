@@ -120,8 +120,9 @@ def run_cmd(
     num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="logical CPUs of the embedded cluster"),
     cpus_per_size: float = typer.Option(1.0, "--cpus-per-size", help="CPUs each size's Ray task asks for"),
     resources: Optional[str] = typer.Option(None, "--resources", help='JSON per-size resources, e.g. \'{"pythia-12b": {"num_gpus": 4}}\''),
-    budget_fraction: Optional[float] = typer.Option(None, "--budget-fraction"),
-    split: Optional[str] = typer.Option(None, "--split"),
+    budget_fraction: Optional[float] = typer.Option(None, "--budget-fraction", help="each size's tokens as a fraction of "
+                                                    "its teacher's pretraining tokens (default 1/30)"),
+    split: Optional[str] = typer.Option(None, "--split", help="stage-1/stage-2 split of each size's tokens (default 10/90)"),
     local: bool = typer.Option(False, "--local", help="run sizes in this process, one after another (no Ray)"),
 ):
     """Run the recipe for every size (Ray tasks), skip finished sizes, write results.csv/json and plots."""

@@ -273,11 +273,6 @@ def _resolve_recipe(recipe: str | Callable) -> Callable:
 
 def run_size(cfg_tree: dict, recipe: str | Callable = DEFAULT_RECIPE, tag: str = "") -> dict:
     """Run the recipe for one size (inside a Ray task or in-process); returns its results dict."""
-    import torch
-
-    threads = int(os.environ.get("HMSCALE_SWEEP_THREADS", "0") or 0)
-    if threads:
-        torch.set_num_threads(threads)
     cfg = RunConfig.model_validate(cfg_tree)
     fn = _resolve_recipe(recipe)
 

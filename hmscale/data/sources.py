@@ -239,7 +239,7 @@ class FileSource(_TableSource):
                 elif Path(h).is_file():
                     found.append(h)
             if not found:
-                raise FileNotFoundError(f"data.paths: {p!r} holds no .txt, .jsonl or .parquet file; fix the path or "
+                raise FileNotFoundError(f"data.paths: {p!r} holds no .txt, .text, .jsonl, .json or .parquet file; fix the path or "
                                         "remove it")
             files.extend(found)
         # one file reached twice (a folder and a file in it, `./x` and `x`, relative and absolute) is read once
@@ -249,7 +249,7 @@ class FileSource(_TableSource):
         self.files = list(kept.values())  # sorted, as before
         for f in self.files:
             if Path(f).suffix.lower() not in self.BUILDERS:
-                raise ValueError(f"data.paths: {f!r} has an unsupported extension; use .txt, .jsonl or .parquet")
+                raise ValueError(f"data.paths: {f!r} has an unsupported extension; use .txt, .text, .jsonl, .json or .parquet")
         self.text_field = text_field
         # machine independent: names and content hashes, not absolute paths
         self._digests = [(Path(f).name, _file_sha(f)) for f in self.files]
