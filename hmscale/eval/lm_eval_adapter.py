@@ -143,21 +143,32 @@ class HmscaleLM(LM):
             out.append(total)
         return out
 
+    def _gen_settings(self, kwargs: dict) -> tuple[list[str], int, bool, dict]:
+        """A request's generation settings read as lm-eval-harness's own models read them: the stop strings (empty
+        ones skipped), the new-token limit (``max_gen_toks``, else its aliases ``max_new_tokens``, ``max_tokens``,
+        ``max_completion_tokens``, else 256), and sampling: ``do_sample`` as given (greedy all the same at a
+        temperature of 0), or, when the task leaves it out, on exactly when it gives a temperature above 0; sampling
+        takes the task's temperature / top_p / top_k (transformers' defaults for those it leaves out)."""
+        until = kwargs.get("until") or []
+        until = [s for s in ([until] if isinstance(until, str) else until) if s]  # ("" stops nothing: skipped)
+        limits = [kwargs.get(k) for k in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")]
+        max_new = int(next((v for v in limits if v is not None), self.max_gen_toks))
+        sampling = {k: kwargs[k] for k in ("temperature", "top_p", "top_k") if kwargs.get(k) is not None}
+        temperature = sampling.get("temperature")
+        hot = temperature is None or float(temperature) > 0
+        do_sample = kwargs.get("do_sample")
+        do_sample = temperature is not None and hot if do_sample is None else bool(do_sample) and hot
+        return until, max_new, do_sample, sampling
+
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False):
         out = []
         for req in self._progress(requests, disable_tqdm):
             context, kwargs = req.args
-            until = kwargs.get("until") or []
-            until = [s for s in ([until] if isinstance(until, str) else until) if s]  # ("" stops nothing: skipped)
-            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            until, max_new, do_sample, sampling = self._gen_settings(kwargs)
             ids = torch.tensor([self._encode(context)[-self.max_length:] or [self.tok.eos_token_id]], device=self._device)
             # the stop strings end the generation (else every request ran its max_gen_toks); the text is cut below
             stopping = {"stop_strings": until, "tokenizer": self.tok} if until else {}
-            # a task's sampling settings (do_sample: true, with temperature / top_p / top_k), else greedy, as
-            # lm-eval's hf model (a temperature of 0 is greedy)
-            sampling = {k: kwargs[k] for k in ("temperature", "top_p", "top_k") if kwargs.get(k) is not None}
-            do_sample = bool(kwargs.get("do_sample")) and float(sampling.get("temperature", 1.0)) > 0
             gen = self.model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=do_sample,
                                       pad_token_id=self.tok.eos_token_id, **(sampling if do_sample else {}),
                                       **stopping)

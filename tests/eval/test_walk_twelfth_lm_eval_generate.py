@@ -57,3 +57,26 @@ def test_an_empty_stop_string_is_ignored_as_the_harness_does():
     assert got == ref
     ref = lm.generate_until([_Req("def f1(", {"until": [], "max_gen_toks": 6})], disable_tqdm=True)
     assert lm.generate_until([_Req("def f1(", {"until": "", "max_gen_toks": 6})], disable_tqdm=True) == ref
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"until": ["\n"]},
+    {"until": ["\n"], "temperature": 0.7},  # do_sample left out, a temperature: the harness samples
+    {"until": ["\n"], "temperature": 0.0},
+    {"until": ["\n"], "do_sample": True},  # (at transformers' default temperature)
+    {"until": ["\n"], "do_sample": True, "temperature": 0.5, "top_p": 0.9},
+    {"until": ["\n"], "do_sample": False, "temperature": 0.8},
+    {"until": ["\n"], "max_new_tokens": 7},  # the aliases of max_gen_toks, in the harness's priority
+    {"until": ["\n"], "max_tokens": 9, "max_completion_tokens": 4},
+    {"until": ["\n"], "max_gen_toks": 5, "max_new_tokens": 7},
+])
+def test_generation_settings_are_read_as_the_harness_reads_them(kwargs):
+    """A task that sets a temperature but no do_sample was decoded greedily (the harness samples), and one that
+    limits its length with max_new_tokens (or another alias of max_gen_toks) ran to the default limit."""
+    utils = pytest.importorskip("lm_eval.models.utils")
+    if not hasattr(utils, "normalize_gen_kwargs"):
+        pytest.skip("this lm-eval has no normalize_gen_kwargs")
+    want = utils.normalize_gen_kwargs(dict(kwargs))
+    until, max_new, do_sample, sampling = HmscaleLM._gen_settings(HmscaleLM.__new__(HmscaleLM), dict(kwargs))
+    assert (until, max_new, do_sample) == (want["until"], want["max_gen_toks"], want["do_sample"])
+    assert sampling == {k: kwargs[k] for k in ("temperature", "top_p", "top_k") if k in kwargs}
