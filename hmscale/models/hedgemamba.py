@@ -588,6 +588,10 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError("HedgeMamba: attention_mask must be 2-D (batch, length) of 0/1")
+            n = attention_mask.shape[1]
+            if n < l or (offset and n != offset + l):  # (the positions below count the whole mask's real tokens)
+                raise ValueError(f"HedgeMamba: attention_mask has {n} positions for {offset} cached and {l} new "
+                                 f"tokens; pass the mask of all {offset + l} (transformers' convention)")
             if not bool(attention_mask.bool().all()):  # (one host read per call where nothing is padded)
                 am = attention_mask[:, -l:].bool()
                 if not bool(am.all()):
