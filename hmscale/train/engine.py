@@ -621,6 +621,12 @@ class MetricsLogger:
             self.path.unlink()  # a fresh run; a resumed one appends
         elif start_step > 0 and self.path.exists():
             self._truncate_after(start_step)
+        if start_step == 0:
+            # a fresh run, TensorBoard's side: the event files of an attempt that died before its first checkpoint
+            # went on showing its steps beside this run's (metrics.jsonl, above, starts over); a resumed run purges
+            # its steps >= start_step instead (purge_step below)
+            for old in Path(stage_dir, "tb").glob("events.out.tfevents.*"):
+                old.unlink(missing_ok=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

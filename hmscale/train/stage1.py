@@ -414,10 +414,14 @@ def run_stage1(
     bplan = BatchPlan(s1.micro_batch_size, 1, dp_rank, dp_size)
     logger = MetricsLogger(out, "stage1", total_steps, start_step, rank=layout.rank, progress=True)
     if layout.rank == 0 and start_step == 0:
+        # every layer's, not this rank's: a layer-parallel worker's module holds only its own layers (rank 0's count
+        # was 2 of 3 layers on 2 workers); the other layers' copies here are whole, unpartitioned
+        every_layer = (student.feature_maps[l] if mixer_model is None else mixer_model.backbone.layers[l].mixer
+                       for l in range(n_layers))
         logger.log(0, {"event": "start", "mode": "cache" if cached else "online", "layer_parallel": mpu is not None,
                        "transfer": s1.transfer, "zero_stage": zero,
-                       "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()
-                                               if p.requires_grad),  # (ZeRO-3: partitioned, numel() is 0)
+                       "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for m in every_layer
+                                               for p in m.parameters() if p.requires_grad),  # (ZeRO-3: ds_numel)
                        "total_steps": total_steps,
                        "tokens_per_step": tokens_per_step}, kind="event")
 
