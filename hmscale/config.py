@@ -252,8 +252,9 @@ class Stage2Config(_Section):
 
     @model_validator(mode="after")
     def _check_loss(self):
-        if self.ce_weight == 0 and self.kd_weight == 0:
-            raise ValueError("stage2.ce_weight: 0 with stage2.kd_weight=0 leaves no loss; set ce_weight > 0 or kd_weight > 0")
+        if self.ce_weight == 0 and self.kd_weight == 0 and self.hidden_weight == 0:
+            raise ValueError("stage2.ce_weight: 0 with stage2.kd_weight=0 and stage2.hidden_weight=0 leaves no loss; set "
+                             "ce_weight > 0, kd_weight > 0 or hidden_weight > 0")
         if self.lora_rank and self.trainable != "all":
             raise ValueError(f"stage2.lora_rank: LoRA chooses what trains itself; set stage2.trainable=all (got "
                              f"{self.trainable!r}) or lora_rank=0")

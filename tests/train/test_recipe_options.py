@@ -318,3 +318,21 @@ def test_stage2_hidden_alignment_term_is_logged_and_falls(tmp_path):
     assert res["done"] and all("hidden" in r for r in rec)
     assert all(r["loss"] == pytest.approx(r["ce"] + 2.0 * r["hidden"], rel=1e-4) for r in rec)
     assert rec[0]["hidden"] > 0.01 and np.mean([r["hidden"] for r in rec[-3:]]) < 0.8 * rec[0]["hidden"]
+
+
+def test_stage2_can_train_on_the_hidden_alignment_alone(tmp_path):
+    """ce_weight = kd_weight = 0 with hidden_weight > 0 is a loss (the hidden-state alignment alone): it was refused
+    as "no loss"; the logged loss is the weighted alignment term, and with nothing at all the config still refuses."""
+    from hmscale.config import ConfigError
+    from hmscale.train.stage2 import run_stage2
+
+    teacher = tiny_teacher()
+    cfg = build_config({}, ["stage2.steps=4", "stage2.micro_batch_size=4", "stage2.warmup_steps=1", "stage2.lr=3e-3",
+                            "stage2.ce_weight=0", "stage2.hidden_weight=2.0", "parallel.zero_stage=1"])
+    res = run_stage2(cfg, tmp_path, model=_perturbed_student(teacher), teacher=teacher, source=ArraySource(toks()),
+                     export=False)
+    rec = [r for r in read_metrics(tmp_path / "stage2" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert res["done"] and len(rec) == 4
+    assert all(r["loss"] == pytest.approx(2.0 * r["hidden"], rel=1e-5) for r in rec)
+    with pytest.raises((ConfigError, ValueError), match="leaves no loss"):
+        build_config({}, ["stage2.ce_weight=0"])
