@@ -174,6 +174,9 @@ class CacheReader:
             missing = [i for i in layers if i not in self.spec.layers]
             if missing:
                 raise CacheError(f"cache {self.dir} holds layers {list(self.spec.layers)}, not {missing}")
+            missing = [t for t in tensors if t not in self.spec.tensors]  # (a view's source may hold more: not read)
+            if missing:
+                raise CacheError(f"cache {self.dir} holds tensors {list(self.spec.tensors)}, not {missing}")
             out["layers"] = {i: {t: self._tensor(sid, key, layer_field(i, t), dtype) for t in tensors} for i in layers}
         if topk:
             if not self.spec.topk:
@@ -206,6 +209,9 @@ class CacheReader:
             raise CacheError(f"cache {self.dir} holds {self.num_samples} rows over {len(self.shard_ids)} shard(s), fewer "
                              f"than one batch per rank (world_size {world_size} x batch_size {batch_size}): no rank "
                              "would get a batch; use a smaller batch, fewer workers or more shards (cache.max_tokens)")
+        nb = self.num_samples // (world_size * int(batch_size))  # batches per rank and epoch
+        if not 0 <= int(start) <= nb:  # (a negative start read the epoch's tail as its head, then failed)
+            raise ValueError(f"start {start}: the batches consumed in the epoch, from 0 to its {nb} batches per rank")
         return CacheLoader(self, batch_size, kind=kind, layers=layers, tensors=tensors, rank=rank, world_size=world_size,
                            seed=seed, shuffle=shuffle, epoch=epoch, start=start, dtype=dtype)
 
@@ -273,9 +279,15 @@ class CacheLoader(torch.utils.data.IterableDataset):
     def __iter__(self):
         mine = self._mine(self.epoch)
         nb = len(mine) // self.batch_size
+        if nb and self.position >= nb:  # every batch of the epoch consumed (a state saved after its last batch): the
+            self.epoch, self.position = self.epoch + 1, 0  # next ones are the next epoch's, as they are uninterrupted
+            mine = self._mine(self.epoch)
         winfo = torch.utils.data.get_worker_info()
-        for b in range(self.position, nb):
-            if winfo is not None and b % winfo.num_workers != winfo.id:
+        start = self.position
+        for b in range(start, nb):
+            # dealt from the resume point: the DataLoader takes one batch from each worker in turn, from worker 0, so
+            # worker w holds the (start + w)-th, ... batches whatever the start and the number of workers
+            if winfo is not None and (b - start) % winfo.num_workers != winfo.id:
                 continue
             chunk = mine[b * self.batch_size : (b + 1) * self.batch_size]
             samples = [
