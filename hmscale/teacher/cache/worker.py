@@ -149,6 +149,27 @@ class _BufferPool:
         return self._made * sum(int(np.prod(s)) * torch.empty((), dtype=d).element_size() for s, d in self.shapes.values())
 
 
+def sorted_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of fp32 ``x`` along its last dim, largest first and ties by the lower index: the first k of a
+    stable descending sort. So a top-k is the prefix of every larger top-K, which a view reading the first k of its
+    source's top-K relies on (``reuse``), and the same on every device. ``torch.topk`` alone picks and orders tied
+    values as it likes, differently for another k (a bfloat16 teacher's log-probs tie often). One more pass over
+    ``x``, no sort of it; ``x`` is overwritten."""
+    vals, idx = x.topk(k, dim=-1)  # largest first
+    t = vals[..., -1:]  # the k-th largest: those above it are in every top-k, the rest are ties at it
+    above = (vals > t).sum(-1, keepdim=True)
+    ties = x == t
+    key = torch.where(ties, -torch.arange(x.shape[-1], device=x.device, dtype=x.dtype),
+                      torch.tensor(float("-inf"), device=x.device, dtype=x.dtype), out=x)
+    lowest = key.topk(k, dim=-1).indices  # the ties, lowest index first (distinct keys: a fixed order)
+    j = torch.arange(k, device=x.device)
+    idx = torch.where(j < above, idx, lowest.gather(-1, (j - above).clamp(min=0)))
+    order = idx.sort(dim=-1).indices  # then: by index, and stably by value, largest first
+    idx, vals = idx.gather(-1, order), vals.gather(-1, order)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices
+    return vals.gather(-1, order), idx.gather(-1, order)
+
+
 @dataclass
 class _Batch:
     """One teacher batch in flight: the stored arrays (host views), and what must finish before they are read."""
@@ -262,8 +283,7 @@ class ShardWorker:
                 out[layer_field(i, t)] = x
         if self.spec.topk:
             logp = torch.log_softmax(logits.float(), dim=-1)
-            vals, idx = logp.topk(self.spec.topk, dim=-1)
-            out["topk_logprobs"], out["topk_indices"] = vals, idx
+            out["topk_logprobs"], out["topk_indices"] = sorted_topk(logp, self.spec.topk)
         return out
 
     @torch.no_grad()
