@@ -224,8 +224,9 @@ class Manifest:
 
     @property
     def files_dir(self) -> Path:
-        """Where the shard files named in ``shards`` lie: this directory, or for a view its source's (a sibling)."""
-        return self.cache_dir.parent / self.view_of if self.view_of else self.cache_dir
+        """Where the shard files named in ``shards`` lie: this directory, or for a view its source's (a sibling; of the
+        directory itself, also when named `.` or `x/..`, whose lexical parent is not the cache root)."""
+        return self.cache_dir.resolve().parent / self.view_of if self.view_of else self.cache_dir
 
     @property
     def shards(self) -> dict[int, dict]:
