@@ -239,8 +239,9 @@ class CacheLoader(torch.utils.data.IterableDataset):
     """An iterable of batches for one rank; iterating runs the rest of the current epoch, then moves to the next.
 
     A torch `IterableDataset` of whole batches: `DataLoader(loader, batch_size=None, num_workers=n)`
-    deals the batches round-robin to the n loader processes (state_dict then lives in each worker;
-    resume by passing `start=` when loader workers are used).
+    deals the batches round-robin to the n loader processes. Their copies of the loader advance, not this one: call
+    `set_epoch(e)` before each pass over such a DataLoader (else every pass is this loader's current epoch again),
+    and resume with `set_epoch(e, start)` (or `start=`), as its state_dict is then the workers'.
     """
 
     def __init__(self, reader: CacheReader, batch_size: int, *, kind, layers, tensors, rank, world_size, seed, shuffle,
@@ -265,6 +266,12 @@ class CacheLoader(torch.utils.data.IterableDataset):
 
     def __len__(self) -> int:
         return (self.reader.num_samples // self.world_size) // self.batch_size
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The next pass reads epoch ``epoch`` from its ``start``-th batch (DataLoader workers: before each pass)."""
+        if int(epoch) < 0 or not 0 <= int(start) <= len(self):
+            raise ValueError(f"set_epoch({epoch}, {start}): epoch >= 0 and 0 <= start <= {len(self)} batches per epoch")
+        self.epoch, self.position = int(epoch), int(start)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rank": self.rank,

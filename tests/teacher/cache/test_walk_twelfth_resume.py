@@ -46,3 +46,22 @@ def test_state_saved_after_an_epochs_last_batch_resumes_at_the_next_epoch(reader
 def test_a_start_outside_the_epoch_is_refused(reader, start):
     with pytest.raises(ValueError, match="start"):
         reader.stage2_batches(2, seed=1, start=start)
+
+
+def test_set_epoch_drives_passes_over_dataloader_workers(reader):
+    """Non-persistent DataLoader workers advance their copies of the loader, not the loader: every pass read epoch 0
+    again. set_epoch(e) before each pass reads epoch e, as the loader iterated in this process does."""
+    here = reader.stage2_batches(2, seed=1)
+    want = [_keys(here) for _ in range(3)]  # in this process: epochs 0, 1, 2, one after the other
+    assert want[0] != want[1]
+    ld = reader.stage2_batches(2, seed=1)
+    dl = torch.utils.data.DataLoader(ld, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = []
+    for e in range(3):
+        ld.set_epoch(e)
+        got.append(_keys(dl))
+    assert got == want
+    ld.set_epoch(1, 4)
+    assert _keys(dl) == want[1][4:]
+    with pytest.raises(ValueError, match="set_epoch"):
+        ld.set_epoch(0, len(ld) + 1)
