@@ -282,14 +282,28 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             log(f"cache: {err}: starting a new manifest (its shards are redone, to the same bytes)")
     if manifest is not None and manifest.data.get("key") != cp.key:
         raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
+    lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
     if manifest is not None and manifest.view_of:
-        if len(existing_shards(manifest, cp.shard_ids, log=lambda *_: None)) == len(cp.shard_ids):
+        present = len(existing_shards(manifest, cp.shard_ids, log=lambda *_: None))
+        if present == len(cp.shard_ids):
             log(f"cache: reusing {cache_dir} (a view onto {manifest.view_of}): all {len(cp.shard_ids)} shards verified; "
                 "no teacher forward needed")
             return cache_dir
-        log(f"cache: the view {cp.key} onto {manifest.view_of} no longer covers the request; replacing it")
-        shutil.rmtree(cache_dir)
-        manifest = None
+        # under the build lock: another build may be replacing it too (it then holds, or is writing, its own shards)
+        with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")):
+            try:
+                still_view = Manifest.load(cache_dir).view_of
+            except CacheError:
+                still_view = None
+            if still_view:
+                log(f"cache: the view {cp.key} onto {manifest.view_of} holds {present} of the {len(cp.shard_ids)} "
+                    "shards requested; replacing it with a cache of its own (its teacher forward runs on every shard, "
+                    "unless another cache under cache.root covers the request)")
+                shutil.rmtree(cache_dir)
+        try:
+            manifest = Manifest.load(cache_dir)  # (what another build wrote meanwhile, else none)
+        except CacheError:
+            manifest = None
     if manifest is None and _reuse_covering_cache(cfg, cp, config_hash, log):
         return cache_dir
     if manifest is None:
@@ -319,7 +333,6 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
                 "no teacher forward needed")
             return cache_dir
     make_cache_dir(cache_dir)  # (one line for an unwritable root, before its lock file is made)
-    lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
     with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")) as waited:
         if waited and (cache_dir / MANIFEST).exists():  # the other build's shards, now recorded
             manifest = Manifest.load(cache_dir)
