@@ -130,6 +130,8 @@ def test_paths_the_docs_name_exist(doc):
     missing = []
     for m in _PATH.finditer(doc.read_text()):
         path = (m.group(1) or m.group(2)).rstrip(".")
+        if path.startswith("../shared/") and not (REPO / "../shared").is_dir():
+            continue  # the workspace's shared folder, beside the checkout (a clone elsewhere has none)
         bases = [REPO, doc.parent, REPO / "benchmarks", REPO / "hmscale" / "teacher" / "cache"]
         if not any(list(b.glob(path)) if "*" in path else (b / path).exists() for b in bases):
             missing.append(path)
