@@ -22,7 +22,7 @@ Public API (see DESIGN.md, "Contracts"):
 Backend choice: the ``backend`` argument, else the environment variable ``HMSCALE_SSD_BACKEND``
 (``auto`` | ``triton`` | ``torch`` | ``reference``), else ``auto``: Triton for CUDA tensors, the chunked
 PyTorch path otherwise (and for float64 inputs, which the Triton kernels do not compute). The model's glue follows the same choice outside compiled graphs (``glue_on_triton``). Forcing ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1`` (tests do this; ``ssd`` then applies
-``kernels.interpreter``'s bf16 fix itself).
+``kernels.interpreter``'s bf16 fixes itself, as does ``ssd_step``).
 
 ``ssd_step`` is differentiable on both backends: the fused Triton step is one launch without autograd (under
 ``torch.no_grad`` / ``inference_mode``, or when no input requires grad); where autograd needs gradients its backward
@@ -98,9 +98,10 @@ def _scan_backend(x, backend=None, also=None) -> str:
 
 
 def _patch_interpreter() -> None:
-    """Under ``TRITON_INTERPRET=1`` the interpreter's bf16 dots multiply raw bits (``kernels.interpreter``): widen
-    them before the first Triton SSD runs, so a CPU run of the Triton path computes what the GPU does (bf16 outputs
-    were off by 1e9 relative without it). Nothing happens otherwise."""
+    """Under ``TRITON_INTERPRET=1`` the interpreter's bf16 dots multiply raw bits and its fp32 -> bf16 conversions
+    truncate (``kernels.interpreter``): fix both before the first Triton kernel runs, so a CPU run of the Triton path
+    computes what the GPU does (bf16 outputs were off by 1e9 relative without the first, half of all bf16 values one
+    ulp toward zero without the second). Nothing happens otherwise."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         from .interpreter import patch_interpreter_bf16_dot
 
@@ -110,6 +111,7 @@ def _patch_interpreter() -> None:
 def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None):
     which = _scan_backend(x_t, backend, also=state)
     if which == "triton":
+        _patch_interpreter()
         from .step import ssd_step_triton
         return ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=D, normalize=normalize)
     from .step_torch import ssd_step_torch  # (no Triton import: the CPU decode path)
@@ -136,7 +138,7 @@ def __getattr__(name):
         raise AttributeError(name)
     import importlib
 
-    if name == "ssd_triton":
+    if name != "ssd_step_torch":  # a Triton entry point
         _patch_interpreter()
 
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

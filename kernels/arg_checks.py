@@ -13,7 +13,9 @@ def fail(fn: str, msg: str):
 
 def check_tensors(fn: str, named: tuple, ref_name: str, ref: torch.Tensor, optional=(), integer=()) -> None:
     """Each ``(name, value)`` of ``named`` is a tensor (``optional`` ones may be None), floating-point (``integer``
-    ones may be integer), on ``ref``'s device."""
+    ones may be integer), on ``ref``'s device (``ref`` itself first: the others are compared with it)."""
+    if not isinstance(ref, torch.Tensor):
+        fail(fn, f"{ref_name} must be a tensor, got {type(ref).__name__}")
     for name, t in named:
         if t is None and name in optional:
             continue

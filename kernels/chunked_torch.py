@@ -46,7 +46,7 @@ def check_ssd_args(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, se
         bad(f"dt must be (b, l, h) = {(b, l, h)}, one step per token and head, got {tuple(dt.shape)}{hint}")
     check_decay(fn, A, h)
     for name, t in (("B", B), ("C", C)):
-        if t.dim() != 4 or tuple(t.shape[:2]) != (b, l) or h % t.shape[2] != 0:
+        if t.dim() != 4 or tuple(t.shape[:2]) != (b, l) or t.shape[2] == 0 or h % t.shape[2] != 0:
             hint = "; add the group dim: B[:, :, None], C[:, :, None]" if t.dim() == 3 else ""
             bad(f"{name} must be (b, l, g, n) with b, l = {(b, l)} and h = {h} a multiple of g, "
                 f"got {tuple(t.shape)}{hint}")
@@ -73,7 +73,7 @@ def check_ssd_args(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, se
 
 
 def ssd_chunked_torch(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
-                      normalize=False, return_final_state=False, **_ignored):
+                      normalize=False, return_final_state=False):
     check_ssd_args(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize)
     b, l, h, p = x.shape
     n = B.shape[-1]

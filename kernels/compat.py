@@ -24,6 +24,9 @@ Differences, by design:
   chunk (seen on the CPU, 2026-12-05: 1.8e-3 from the float64 scan for that sequence, ours 5.8e-8).
 - the gate is applied by PyTorch after the scan's output is rounded to x's dtype (mamba_ssm gates the fp32
   accumulator): in bf16 the two differ by about one rounding.
+- ``initial_states`` with ``seq_idx``: the initial state belongs to each row's first document whatever its
+  ``seq_idx`` value (``kernels.ssd``'s contract: changes count, values are not read); mamba_ssm ties it to the
+  value 0, so a row whose ``seq_idx`` starts elsewhere drops it there. The same where rows start at 0.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _check_dt_options(fn, dt, dt_bias, dt_limit) -> None:
         if dt_bias.device != dt.device:
             raise ValueError(f"{fn}: dt_bias is on {dt_bias.device} but dt is on {dt.device}")
         if dt_bias.shape != (h,):
-            raise ValueError(f"dt_bias must be (h,) = ({h},), got {tuple(dt_bias.shape)}")
+            raise ValueError(f"{fn}: dt_bias must be (h,) = ({h},), got {tuple(dt_bias.shape)}")
     try:
         lo, hi = dt_limit
         float(lo), float(hi)
@@ -101,8 +104,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
     _check_dt_options("mamba_chunk_scan_combined", dt, dt_bias, dt_limit)
     if return_varlen_states:
         _check_varlen(x, cu_seqlens, seq_idx)
-    if z is not None and z.shape != x.shape:
-        raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    if z is not None and (not isinstance(z, torch.Tensor) or z.shape != x.shape):
+        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+        raise ValueError(f"mamba_chunk_scan_combined: z must have x's shape {tuple(x.shape)}, got {got}")
     del chunk_size  # the function does not depend on it; see the module docstring
     if z is not None and z.device != x.device:
         raise ValueError(f"mamba_chunk_scan_combined: z is on {z.device} but x is on {x.device}")
@@ -121,23 +125,28 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_
 
 def _check_varlen(x, cu_seqlens, seq_idx) -> None:
     """Before any work: what ``return_varlen_states`` needs (host reads of ``cu_seqlens`` and ``seq_idx``)."""
+    def bad(msg):
+        raise ValueError(f"mamba_chunk_scan_combined: {msg}")
+
     b, l = x.shape[:2]
     if cu_seqlens is None:
-        raise ValueError("return_varlen_states needs cu_seqlens (num_sequences + 1,): where each sequence starts")
+        bad("return_varlen_states needs cu_seqlens (num_sequences + 1,): where each sequence starts")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        bad(f"cu_seqlens must be an integer tensor (num_sequences + 1,), got "
+            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
     if b != 1:
-        raise ValueError(f"return_varlen_states supports batch 1 (sequences packed along l), as mamba_ssm; got batch {b}")
+        bad(f"return_varlen_states supports batch 1 (sequences packed along l), as mamba_ssm; got batch {b}")
     cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
     if cu is None or len(cu) < 2 or cu[0] != 0 or cu[-1] != l or any(e <= s for s, e in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to l = {l} (num_sequences + 1 entries), got "
-                         f"{cu_seqlens.tolist()}")
+        bad(f"cu_seqlens must rise strictly from 0 to l = {l} (num_sequences + 1 entries), got {cu_seqlens.tolist()}")
     if seq_idx is None and len(cu) > 2:
-        raise ValueError("return_varlen_states with several sequences needs seq_idx (1, l) numbering them as cu_seqlens "
-                         "does: without it the scan carries the state across sequences")
+        bad("return_varlen_states with several sequences needs seq_idx (1, l) numbering them as cu_seqlens does: "
+            "without it the scan carries the state across sequences")
     if seq_idx is not None:
         changes = (torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1).tolist()
         if changes != cu[1:-1]:
-            raise ValueError(f"seq_idx must change exactly where cu_seqlens starts a sequence ({cu[1:-1]}), "
-                             f"it changes at {changes[:8]}{'...' if len(changes) > 8 else ''}")
+            bad(f"seq_idx must change exactly where cu_seqlens starts a sequence ({cu[1:-1]}), "
+                f"it changes at {changes[:8]}{'...' if len(changes) > 8 else ''}")
 
 
 def _varlen_states(x, d, A, B, initial_states, cu_seqlens):
@@ -173,7 +182,8 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> No
     def bad(msg):
         raise ValueError(f"selective_state_update: {msg}")
 
-    for name, t in (("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+    # x first: the others' devices are compared with its
+    for name, t in (("x", x), ("state", state), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
                     ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices)):
         if t is None:
             continue
@@ -189,9 +199,11 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> No
     b, h, p = x.shape
     n = state.shape[-1]
     for name, t in (("B", B), ("C", C)):
-        if t.dim() != 3 or t.shape[0] != b or h % t.shape[1] != 0 or t.shape[2] != n:
+        if t.dim() != 3 or t.shape[0] != b or t.shape[1] == 0 or h % t.shape[1] != 0 or t.shape[2] != n:
             bad(f"{name} must be (b, g, n) with b = {b}, n = {n} (the state's) and h = {h} a multiple of g, "
                 f"got {tuple(t.shape)}")
+    if B.shape != C.shape:
+        bad(f"B and C must have one shape (b, g, n), got {tuple(B.shape)} and {tuple(C.shape)}")
     if D is not None and tuple(D.shape) not in ((h,), (h, p)):
         bad(f"D must be (h, p) = {(h, p)} or (h,), got {tuple(D.shape)}")
     if z is not None and z.shape != x.shape:
@@ -210,12 +222,15 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     (h, p), or (h,) for one per head; ``state_batch_indices`` (b,): the state rows this batch updates. Returns out
     (b, h, p) in x's dtype.
     """
+    if not isinstance(state, torch.Tensor):
+        raise ValueError(f"selective_state_update: state must be a tensor, got {type(state).__name__}")
     heads = state.dim() == 4
-    if not heads:  # (b, p, n): one head
-        state, x, dt, A, B, C = state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0), B.unsqueeze(1), C.unsqueeze(1)
-        D = None if D is None else D.unsqueeze(0)
-        z = None if z is None else z.unsqueeze(1)
-        dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
+    if not heads:  # (b, p, n): one head (non-tensors left for _check_step to name)
+        def one(t, dim):
+            return t.unsqueeze(dim) if isinstance(t, torch.Tensor) else t
+
+        state, x, dt, A, B, C = one(state, 1), one(x, 1), one(dt, 1), one(A, 0), one(B, 1), one(C, 1)
+        D, z, dt_bias = one(D, 0), one(z, 1), one(dt_bias, 0)
     _check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     b, h, p = x.shape
     if dt_bias is not None and dt_bias.dim() == 1:  # one bias per head (Mamba-2's parameter): tied, stride 0

@@ -1,5 +1,5 @@
 """Running the Triton kernels on the CPU under ``TRITON_INTERPRET=1`` (tests, and ``benchmarks/ssd_gpu_check.py
---cpu``): a fix for the interpreter's bf16 dots."""
+--cpu``): fixes for the interpreter's bf16 dots and bf16 rounding."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 
 def patch_interpreter_bf16_dot() -> None:
     """The CPU interpreter (Triton 3.9) multiplies bf16 dot operands as raw uint16 bits; widen them to fp32 first
-    (exact), so the bf16 tensor-core paths (the bf16 hi/lo split) compute what the GPU does. Interpreter only; a
-    second call does nothing."""
+    (exact), so the bf16 tensor-core paths (the bf16 hi/lo split) compute what the GPU does. It also converts fp32 to
+    bf16 by dropping the low mantissa bits (toward zero: every stored bf16 output, and every ``.to(tl.bfloat16)``);
+    round to nearest even instead, as the GPU does. Interpreter only; a second call does nothing."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -21,6 +22,7 @@ def patch_interpreter_bf16_dot() -> None:
     if getattr(it.InterpreterBuilder.create_dot, "_hmscale_bf16", False):
         return
     orig = it.InterpreterBuilder.create_dot
+    orig_cast = getattr(it.InterpreterBuilder, "cast_impl", None)  # (an interpreter without it: dots fixed only)
 
     def widen(hd):
         if hd.dtype.scalar == tl.bfloat16:
@@ -31,5 +33,16 @@ def patch_interpreter_bf16_dot() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            import torch
+
+            f32 = np.array(src.data, dtype=np.float32)  # (a copy: torch shares the buffer)
+            bits = torch.from_numpy(f32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return it.TensorHandle(bits, dst_type.scalar)  # round to nearest even (inf, nan kept), as the GPU
+        return orig_cast(self, src, dst_type)
+
     create_dot._hmscale_bf16 = True
     it.InterpreterBuilder.create_dot = create_dot
+    if orig_cast is not None:
+        it.InterpreterBuilder.cast_impl = cast_impl

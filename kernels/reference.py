@@ -55,7 +55,7 @@ def _finish(y_aug, x, D, normalize, p):
 
 
 def ssd_reference(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
-                  normalize=False, return_final_state=False, **_ignored):
+                  normalize=False, return_final_state=False):
     """Quadratic-form reference. Computes in the promoted dtype of the inputs (use float64 to check).
 
     Memory is O(b h l^2): for tests and small CPU runs only. ``chunk_size`` is accepted and ignored.
@@ -99,7 +99,7 @@ def ssd_reference(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq
 
 
 def ssd_recurrent_reference(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
-                            normalize=False, return_final_state=False, **_ignored):
+                            normalize=False, return_final_state=False):
     """Token-by-token recurrence (the definition). O(l) sequential steps; tests only."""
     b, l, h, p = x.shape
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -8,6 +8,8 @@ differentiates ``ssd_step_torch``). Both check their arguments first (``check_st
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -88,6 +90,9 @@ class _StepTritonFunction(torch.autograd.Function):
 
 def ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False):
     check_step_args(state, x_t, dt_t, A, B_t, C_t, D, normalize)
+    if not x_t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # (as the scan; Triton's own: "0 active drivers")
+        raise RuntimeError("the Triton SSD needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "
+                           "triton); use backend='torch' on CPU")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (state, x_t, dt_t, A, B_t, C_t, D)):
         return _StepTritonFunction.apply(state, x_t, dt_t, A, B_t, C_t, D, bool(normalize))
     return _ssd_step_triton(state, x_t, dt_t, A, B_t, C_t, D, normalize)

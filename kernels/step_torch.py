@@ -31,7 +31,7 @@ def check_step_args(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, fn="
         bad(f"dt_t must be (b, h) = {(b, h)}, got {tuple(dt_t.shape)}{hint}")
     check_decay(fn, A, h)
     for name, t in (("B_t", B_t), ("C_t", C_t)):
-        if t.dim() != 3 or t.shape[0] != b or h % t.shape[1] != 0:
+        if t.dim() != 3 or t.shape[0] != b or t.shape[1] == 0 or h % t.shape[1] != 0:
             bad(f"{name} must be (b, g, n) with b = {b} and h = {h} a multiple of g, got {tuple(t.shape)}")
     if B_t.shape != C_t.shape:
         bad(f"B_t and C_t must have one shape (b, g, n), got {tuple(B_t.shape)} and {tuple(C_t.shape)}")
