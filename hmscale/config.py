@@ -458,6 +458,20 @@ class RunConfig(_Section):
             cfg.parallel.ds_config = absolute(resolve_ds_config(cfg.parallel.ds_config) or cfg.parallel.ds_config)
         return cfg
 
+    def with_absolute_inputs(self, base: str | os.PathLike | None = None) -> "RunConfig":
+        """`with_absolute_paths`, and the inputs read by path made absolute too: `data.paths` (a glob stays a glob) and
+        a local teacher or tokenizer directory (a hub id stays). For Ray Train's workers, which rebuild the config in
+        another working directory; the run's identity (config.yaml) keeps those inputs as given."""
+        root = Path(os.path.abspath(base or "."))
+        cfg = self.with_absolute_paths(root)
+        cfg.data.paths = [os.path.abspath(root / os.path.expanduser(p)) for p in cfg.data.paths]
+        for section in (cfg.teacher, cfg.tokenizer):
+            p = section.name_or_path
+            # (hmscale.teacher.load.looks_like_path's test: what the loaders read as a local directory)
+            if p and (p.startswith((".", "/", "~")) or p.count("/") > 1 or (root / p).exists()):
+                section.name_or_path = os.path.abspath(root / os.path.expanduser(p))
+        return cfg
+
     def hash(self, *sections: str) -> str:
         """A stable short hash of the given sections (all when none)."""
         dump = self.model_dump(mode="json")

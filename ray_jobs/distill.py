@@ -313,8 +313,9 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
         # it too, where it would otherwise start an embedded cluster of its own and tear it down before training
         connect(cfg.parallel.ray_address, log=log)
     prep = prepared if prepared is not None else prepare(cfg, log=log, stages=todo)
-    config = {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "cache_dir": prep["cache_dir"],
-              "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
+    # (the workers' inputs absolute: Ray Train runs them in another working directory)
+    config = {"cfg": cfg.with_absolute_inputs().model_dump(mode="json"), "run_dir": str(run_dir),
+              "cache_dir": prep["cache_dir"], "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
     if cfg.parallel.engine == "local" and cfg.parallel.num_workers == 1:
         from hmscale.ray_cluster import process_cpus
