@@ -4,6 +4,10 @@ logit (or memory past the logits) and return a finite, wrong loss. ``F.cross_ent
 synchronisation on CUDA), and the kernel itself turns such a row's loss and gradient into NaN rather than reading
 out of bounds."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -20,9 +24,25 @@ def _logits(rows, V, seed=0):
     return torch.randn(rows, V, generator=g).to(TRITON_DEVICE)
 
 
+def _dies_of_a_device_assert(code: str) -> None:
+    """On CUDA the check is a device-side assert, which leaves the process's CUDA context unusable (every later test
+    of this worker would fail): the call runs in a process of its own, which must stop on the assert."""
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "assert" in run.stderr.lower(), run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("bad", [97, 98, 1000, -1, -7])
 def test_out_of_range_target_is_an_error_not_a_silent_loss(bad):
     V = 97
+    if TRITON_DEVICE == "cuda":
+        _dies_of_a_device_assert(f"""
+            import torch
+            from kernels.cross_entropy import cross_entropy_sum_triton
+            z = torch.randn(6, {V}, device="cuda")
+            t = torch.tensor([0, 5, {bad}, -100, 2, 96], device="cuda")
+            print(float(cross_entropy_sum_triton(z, t)))  # (the host read: where the assert surfaces)
+        """)
+        return
     z = _logits(6, V)
     t = torch.tensor([0, 5, bad, -100, 2, 96], device=TRITON_DEVICE)
     with pytest.raises(IndexError):  # what the reference does
@@ -36,8 +56,18 @@ def test_out_of_range_next_token_id_is_an_error():
     logits = _logits(2 * 5, V, seed=1).reshape(2, 5, V)
     ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2)).to(TRITON_DEVICE)
     ids[1, 3] = V + 4  # a token id past the model's vocabulary
-    with pytest.raises(RuntimeError, match="target"):
-        next_token_loss_sums(logits, ids)
+    if TRITON_DEVICE == "cuda":
+        _dies_of_a_device_assert(f"""
+            import torch
+            from kernels.cross_entropy import next_token_loss_sums
+            ids = torch.randint(0, {V}, (2, 5), device="cuda")
+            ids[1, 3] = {V + 4}
+            ce, _ = next_token_loss_sums(torch.randn(2, 5, {V}, device="cuda"), ids)
+            print(float(ce))
+        """)
+    else:
+        with pytest.raises(RuntimeError, match="target"):
+            next_token_loss_sums(logits, ids)
     ids[1, 3] = V - 1
     ids[0, 0] = V + 4  # position 0 is never a target: no error
     ce, _ = next_token_loss_sums(logits, ids)
