@@ -467,8 +467,7 @@ class RunConfig(_Section):
         cfg.data.paths = [os.path.abspath(root / os.path.expanduser(p)) for p in cfg.data.paths]
         for section in (cfg.teacher, cfg.tokenizer):
             p = section.name_or_path
-            # (hmscale.teacher.load.looks_like_path's test: what the loaders read as a local directory)
-            if p and (p.startswith((".", "/", "~")) or p.count("/") > 1 or (root / p).exists()):
+            if p and looks_like_path(p, root):
                 section.name_or_path = os.path.abspath(root / os.path.expanduser(p))
         return cfg
 
@@ -495,6 +494,13 @@ def stage1_cache_problem(cfg: RunConfig) -> str | None:
         return (f"cache.capture.layers: {cap.layers} leaves out layers that stage 1 trains from the cache; set "
                 "cache.capture.layers=all or stage1.source=online")
     return None
+
+
+def looks_like_path(name_or_path: str, base: str | os.PathLike | None = None) -> bool:
+    """A local path rather than a hub id ("org/name"): what the loaders read as a local directory (relative to
+    ``base``, by default this process's working directory)."""
+    s = str(name_or_path)
+    return s.startswith((".", "/", "~")) or s.count("/") > 1 or (Path(base or ".") / s).exists()
 
 
 def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:

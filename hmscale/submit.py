@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from hmscale.config import RunConfig
+from hmscale.config import RunConfig, looks_like_path
 
 EXCLUDES = [".venv", ".git", "runs", ".cache", ".whl", ".anchors", "__pycache__", "*.egg-info", ".pytest_cache"]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -95,13 +95,17 @@ def _get(cfg: RunConfig, dotted: str) -> str:
 
 
 def place_directories(cfg: RunConfig, address: str, cwd: str | os.PathLike | None = None) -> RunConfig:
-    """The config the job gets: on a local cluster, the run's directories (and `data.paths`) made absolute against
+    """The config the job gets: on a local cluster, the run's directories (and its inputs: `data.paths`, a local teacher
+    or tokenizer folder) made absolute against
     `cwd` (the directory uploaded as the job's working directory: this one by default), where `hmscale run` would
     put them; for a remote cluster, a relative one is refused (`SubmitError`): it would resolve inside the job's
     temporary working directory."""
     relative = [k for k in RUN_DIRS if not _is_stable(_get(cfg, k))]
     rel_data = [p for p in cfg.data.paths if not _is_stable(p)]
-    if not relative and not rel_data:
+    # a local teacher / tokenizer folder given relative (a hub id is not a path)
+    rel_dirs = {k: _get(cfg, k) for k in ("teacher.name_or_path", "tokenizer.name_or_path")
+                if _get(cfg, k) and looks_like_path(_get(cfg, k), cwd) and not _is_stable(_get(cfg, k))}
+    if not relative and not rel_data and not rel_dirs:
         return cfg
     if not _is_local(address):
         if relative:
@@ -116,12 +120,13 @@ def place_directories(cfg: RunConfig, address: str, cwd: str | os.PathLike | Non
                 f"data.paths: {', '.join(map(repr, left_out))} relative, outside the uploaded working directory or "
                 f"in a folder not uploaded ({', '.join(EXCLUDES)}): on the cluster it would not exist; give a path "
                 "every node sees (-s 'data.paths=[/shared/...]'), or keep the data inside the checkout")
-        return cfg  # relative data.paths inside the checkout travel with it
-    base = Path(os.path.abspath(cwd or "."))
-    cfg = cfg.with_absolute_paths(base)
-    # (abspath, not resolve: a glob stays a glob)
-    cfg.data.paths = [os.path.abspath(base / os.path.expanduser(p)) for p in cfg.data.paths]
-    return cfg
+        for k, p in rel_dirs.items():
+            if not _travels(p):  # (the workers would look for it as a hub id, or not find it)
+                raise SubmitError(f"{k}: {p!r} relative, outside the uploaded working directory or in a folder not "
+                                  f"uploaded ({', '.join(EXCLUDES)}): on the cluster it would not exist; give a path "
+                                  f"every node sees (-s {k}=/shared/...)")
+        return cfg  # relative data.paths and folders inside the checkout travel with it
+    return cfg.with_absolute_inputs(cwd)
 
 
 def job_copy_refusal(cfg: RunConfig, cwd: str | os.PathLike | None = None) -> str | None:

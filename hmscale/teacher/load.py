@@ -20,12 +20,6 @@ def resolve_dtype(dtype) -> torch.dtype:
         raise ValueError(f"teacher.dtype: {dtype!r} is not supported; use float32 or bfloat16") from None
 
 
-def looks_like_path(name_or_path: str) -> bool:
-    """A local path rather than a hub id ("org/name")."""
-    s = str(name_or_path)
-    return s.startswith((".", "/", "~")) or s.count("/") > 1 or Path(s).exists()
-
-
 def freeze(model):
     model.eval()
     for p in model.parameters():
@@ -66,6 +60,8 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
     config.json, a damaged (e.g. truncated) safetensors file, a scaled rotary embedding."""
     from safetensors import SafetensorError
     from transformers import GPTNeoXForCausalLM, PretrainedConfig
+
+    from hmscale.config import looks_like_path
 
     torch_dtype = resolve_dtype(dtype)
     name = str(name_or_path)

@@ -43,3 +43,27 @@ def test_a_relative_data_path_that_does_not_travel_with_the_checkout_is_refused_
     ok = build_config({}, SHARED + ["data.source=files", "data.paths=[data/*.txt, ./data/a.txt]"])
     assert place_directories(ok, "http://10.1.2.3:8265", checkout).data.paths == ["data/*.txt", "./data/a.txt"]
     assert place_directories(cfg, "http://127.0.0.1:8265", checkout).data.paths[0].startswith(str(tmp_path))
+
+
+def test_a_relative_teacher_folder_is_placed_like_the_data(tmp_path, monkeypatch):
+    """A local teacher (and its tokenizer) given relative: on a local cluster it was left relative and resolved
+    inside Ray's copy of the working directory; for a remote cluster one outside the upload passed, then was not
+    found on the cluster (looked up as a hub id). Now made absolute (local) or refused in one line (remote)."""
+    import json
+
+    checkout = tmp_path / "checkout"
+    for d in (tmp_path / "my-pythia", checkout / "models" / "pythia"):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2}))
+    monkeypatch.chdir(checkout)
+    outside = build_config({}, SHARED + ["teacher.name_or_path=../my-pythia"])
+    with pytest.raises(SubmitError, match=r"^teacher.name_or_path: '../my-pythia' relative, outside") as err:
+        place_directories(outside, "http://10.1.2.3:8265", checkout)
+    assert "\n" not in str(err.value)
+    placed = place_directories(outside, "http://127.0.0.1:8265", checkout)
+    assert placed.teacher.name_or_path == str(tmp_path / "my-pythia")
+    assert placed.tokenizer.name_or_path == str(tmp_path / "my-pythia")  # (the teacher's own tokenizer)
+    inside = build_config({}, SHARED + ["teacher.name_or_path=models/pythia"])
+    assert place_directories(inside, "http://10.1.2.3:8265", checkout).teacher.name_or_path == "models/pythia"
+    hub = build_config({}, SHARED + ["teacher.name_or_path=EleutherAI/pythia-70m"])
+    assert place_directories(hub, "http://127.0.0.1:8265", checkout).teacher.name_or_path == "EleutherAI/pythia-70m"

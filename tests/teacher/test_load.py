@@ -6,7 +6,7 @@ from transformers import GPTNeoXForCausalLM
 
 from hmscale.teacher import load_teacher
 from hmscale.teacher.flavors import neox_config
-from hmscale.teacher.load import looks_like_path
+from hmscale.config import looks_like_path
 
 
 @pytest.fixture(scope="module")
