@@ -392,7 +392,6 @@ def workers_failed_line(err: BaseException, max_failures: int) -> str:
 
 
 def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) -> dict:
-    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 

@@ -414,7 +414,7 @@ class HedgeMambaMixer(nn.Module):
         """The per-head outputs (b, l, h, P), gated, before ``out_proj``: the counterpart of the teacher's per-head
         attention output (what stage 1's mixer transfer aligns with it). Arguments as in ``forward``."""
         b, l, _ = h.shape
-        H, P = self.n_heads, self.head_dim
+        H = self.n_heads
         # layer_idx is read only with a cache: torch.compile guards on every int attribute it reads, and one
         # guard per layer would recompile each block (and fall back to eager past the recompile limit)
         i = self.layer_idx if cache is not None else None

@@ -117,8 +117,7 @@ class _BufferPool:
             if self._free:
                 return self._free.pop()
             if self._made < self.limit:
-                self._made += 1
-                make = True
+                self._made += 1  # (made below, outside the lock)
             else:
                 t = time.perf_counter()
                 while not self._free:
