@@ -237,10 +237,7 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
             if name not in stages:
                 stages[name] = {"seconds": round(float(summary.get("seconds", 0.0)), 2),
                                 "tokens": int(summary.get("tokens", 0)), "summary": _plain(summary)}
-        # a stage an earlier (killed) run of this recipe finished is skipped now: its recorded time still counts
-        earlier = sum(float((res.get(n) or {}).get("seconds", 0.0)) for n in ("stage1", "stage2")
-                      if (res.get(n) or {}).get("skipped"))
-        record("distill", t0, earlier_seconds=earlier)
+        record("distill", t0, earlier_seconds=earlier_seconds(res), engine=cfg.parallel.engine)
 
     if not done("eval"):
         t0 = time.time()
@@ -260,6 +257,17 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
     write_report(run_dir, results, cfg)
     log(f"[recipe] finished in {time.time() - t_start:.1f} s -> {run_dir}/report.md")
     return results
+
+
+def earlier_seconds(res: dict) -> float:
+    """The training seconds of ``run_distill``'s stages spent before this call, which the recipe's distill time counts
+    too: all of a stage an earlier (killed) run finished and this one skipped, and a resumed stage's earlier attempts
+    (its summary's seconds are over every attempt)."""
+    total = 0.0
+    for name in ("stage1", "stage2"):
+        summary = res.get(name) or {}
+        total += float(summary.get("seconds", 0.0) if summary.get("skipped") else summary.get("resumed_seconds", 0.0))
+    return total
 
 
 def load_final_model(run_dir: Path, data=None):
@@ -311,6 +319,41 @@ def long_context_lines(results: dict, teacher: str = "teacher (GPT-NeoX)") -> li
             f"* past the training rows' {lc['train_seq_len']} tokens:", ""] + long_context_table(lc, model_labels(results, teacher))
 
 
+def _untrained(results: dict, stage: str) -> bool:
+    """Whether the run trained no step of ``stage`` (its share of the budget, ``budget.split``, was no tokens)."""
+    summary = ((results.get("stages") or {}).get(stage) or {}).get("summary") or {}
+    return summary.get("total_steps") == 0
+
+
+def untrained_notes(results: dict, teacher: str = "teacher") -> list[str]:
+    """One line per stage the run trained no step of: what that stage's model in the results table then is."""
+    labels = model_labels(results, teacher=teacher)
+    part = "mixers" if results.get("stage1_transfer") == "mixer" else "feature maps"
+    what = {"stage1": f"the {labels['hedgehog']} row is the teacher with its {part} as initialised",
+            "stage2": f"the {labels['hedgemamba']} row is the stage-1 model converted, not fine-tuned"}
+    return [f"Stage {stage[-1]} trained no step (`budget.split` gives it no tokens): {text}."
+            for stage, text in what.items() if _untrained(results, stage)]
+
+
+def stage2_settings_line(cfg: RunConfig) -> str:
+    """What stage 2 trains and on which loss (LoRA, ``trainable=mixers``, KD, hidden-state terms), for report.md."""
+    s2 = cfg.stage2
+    if s2.lora_rank:
+        what = (f"LoRA rank {s2.lora_rank} (alpha {s2.lora_alpha:g}) on {', '.join(s2.lora_targets)}, plus HedgeMamba's "
+                "added parts and the feature maps, every teacher weight frozen")
+    elif s2.trainable == "mixers":
+        what = "only the mixers (`stage2.trainable=mixers`)"
+    else:
+        what = "all weights but the embeddings"
+    terms = [f"{s2.ce_weight:g} x cross-entropy"] if s2.ce_weight else []
+    if s2.kd_weight:
+        source = "cached top-k teacher log-probs" if s2.kd_source == "cache" else "online teacher logits"
+        terms.append(f"{s2.kd_weight:g} x KD ({source}, temperature {s2.kd_temperature:g})")
+    if s2.hidden_weight:
+        terms.append(f"{s2.hidden_weight:g} x hidden-state alignment")
+    return f"Stage 2 settings: trains {what}; loss {' + '.join(terms)}."
+
+
 def results_lines(results: dict, teacher: str = "teacher") -> list[str]:
     """The table a finished run prints (`hmscale run`, and a submitted job's log): validation perplexity of each
     model and its ratio to the teacher, then the long-context table when the run has one. Empty without results."""
@@ -321,6 +364,7 @@ def results_lines(results: dict, teacher: str = "teacher") -> list[str]:
     for name, label in model_labels(results, teacher=teacher).items():
         if name + "_ppl" in results:
             lines.append(f"{label:<24}{results[name + '_ppl']:>10.3f}{results[name + '_ppl'] / t:>12.3f}")
+    lines += untrained_notes(results, teacher=teacher)
     if "long_context" in results:
         lines += [""] + long_context_lines(results, teacher=teacher)
     return lines
@@ -361,7 +405,9 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
         lines += ["| model | validation perplexity | / teacher |", "| --- | --- | --- |"]
         for name, label in model_labels(results).items():
             lines.append(f"| {label} | {results[name + '_ppl']:.3f} | {results[name + '_ppl'] / t:.3f} |")
+        notes = untrained_notes(results, teacher="teacher (GPT-NeoX)")
         lines += ["", f"Evaluated on {results.get('eval_tokens', 0):,} held-out tokens.", ""]
+        lines += [line for note in notes for line in (note, "")]
     if results.get("samples"):
         lines += _sample_lines(results)
     if "long_context" in results:
@@ -369,14 +415,24 @@ def write_report(run_dir: Path, results: dict, cfg: RunConfig) -> Path:
 
         plot = long_context_plot(run_dir, results["long_context"], model_labels(results))
         lines += long_context_lines(results) + ["", f"![long context]({plot.name})", ""]
+    else:  # (another evaluation's plot, of a run evaluated before with eval.context_length)
+        (run_dir / "long_context.png").unlink(missing_ok=True)
     lines += ["| stage | seconds | tokens |", "| --- | --- | --- |"]
     for name, s in _in_order(results["stages"], STAGE_ORDER):  # as they ran, whether fresh or read back
-        lines.append(f"| {name} | {s.get('seconds', 0):.1f} | {s.get('tokens', '')} |")
+        tokens = s.get("tokens", "")
+        if name in ("stage1", "stage2") and _untrained(results, name):
+            tokens = f"{tokens} (no step: `budget.split` gives it no tokens)"
+        # a stage finished before (`hmscale stage1`, a killed run): its seconds are those it took then
+        shown = f"{name} (finished earlier, skipped)" if (s.get("summary") or {}).get("skipped") else name
+        lines.append(f"| {shown} | {s.get('seconds', 0):.1f} | {tokens} |")
     plot = loss_plot(run_dir)
     if plot is not None:
         lines += ["", f"![losses]({plot.name})"]
+    # the engine that trained the stages (a rerun that only evaluates may use the other one)
+    engine = (results["stages"].get("distill") or {}).get("engine", cfg.parallel.engine)
     lines += ["", f"Teacher: `{cfg.teacher.name_or_path or cfg.teacher.flavor}`; budget {cfg.budget.total_tokens:,} tokens, "
-              f"split {list(cfg.budget.split)}; engine {cfg.parallel.engine}."]
+              f"split {list(cfg.budget.split)}; engine {engine}.", "",
+              stage2_settings_line(cfg) + (" (No step trained.)" if _untrained(results, "stage2") else "")]
     out = run_dir / "report.md"
     from hmscale.atomic import atomic_write_text
 
@@ -448,6 +504,7 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     final = load_final_model(run_dir, data)
     out = evaluate_models(cfg, data, {"teacher": teacher, "hedgehog": load_stage1_student(run_dir, teacher),
                                       "hedgemamba": final}, log=log)
+    out["stage1_transfer"] = cfg.stage1.transfer  # (as in results.json: what hedgehog_ppl's model is)
     if tasks:
         from hmscale.eval.lm_eval_adapter import evaluate_tasks
 

@@ -20,7 +20,7 @@ def _save(fig, out: Path) -> Path:
     return atomic_write_bytes(out, buf.getvalue())
 
 
-def _series(path: Path, key: str = "loss") -> tuple[list[int], list[float]]:
+def _series(path: Path, key: str = "loss", kind: str = "train") -> tuple[list[int], list[float]]:
     steps, values = [], []
     if not path.exists():
         return steps, values
@@ -29,7 +29,7 @@ def _series(path: Path, key: str = "loss") -> tuple[list[int], list[float]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if key in row and "step" in row and row.get("kind", "train") == "train":
+        if key in row and "step" in row and row.get("kind", "train") == kind:
             steps.append(int(row["step"]))
             values.append(float(row[key]))
     return steps, values
@@ -52,6 +52,15 @@ def loss_plot(run_dir: str | Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, (name, (steps, values)), ylabel in zip(axes, curves.items(), ("1 - cos (attention outputs)", "cross-entropy")):
+        ax.set_title(name)
+        if not steps:  # no axes made up around nothing
+            # a stage that trained no step (budget.split gives it no tokens) says so at its start
+            untrained = _series(run_dir / name / "metrics.jsonl", "total_steps", kind="event")[1][-1:] == [0.0]
+            ax.text(0.5, 0.5, "no step trained\n(budget.split gives it no tokens)" if untrained
+                    else "no training steps recorded", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
         ax.plot(steps, values, alpha=0.35, label="per step")
         if len(values) >= 10:
             ema, smooth = values[0], []
@@ -60,7 +69,6 @@ def loss_plot(run_dir: str | Path) -> Path | None:
                 smooth.append(ema)
             ax.plot(steps, smooth, label="moving average")
             ax.legend()
-        ax.set_title(name)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -463,6 +463,7 @@ def run_stage1(
     summary = {"stage": "stage1", "done": done, "mode": "cache" if cached else "online",
                "layer_parallel": mpu is not None, "start_step": start_step, "end_step": res.end_step,
                "total_steps": total_steps, "tokens": res.stage_tokens, "seconds": res.stage_seconds,
+               "resumed_seconds": float(res.resumed.get("seconds", 0.0)),  # (earlier attempts')
                "final_loss": res.final_loss, "losses": res.losses,
                "checkpoint": res.last_checkpoint}
     if done and export:

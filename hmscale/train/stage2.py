@@ -542,6 +542,7 @@ def run_stage2(
     summary = {
         "stage": "stage2", "done": done, "start_step": start_step, "end_step": res.end_step,
         "total_steps": total_steps, "tokens": res.stage_tokens, "seconds": res.stage_seconds,
+        "resumed_seconds": float(res.resumed.get("seconds", 0.0)),  # (earlier attempts')
         "final_loss": res.final_loss, "losses": res.losses,
         "checkpoint": res.last_checkpoint, "dp": layout.dp_size, "tp": layout.tp_size, "zero_stage": zero,
     }
