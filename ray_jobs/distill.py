@@ -322,7 +322,15 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
 
         # every core, or the CPUs of the Ray task this runs in (a sweep's size: `scaling.sweep.run_size`)
         config["threads"] = 0 if cfg.parallel.use_gpu else process_cpus()
-        res = train_func(config)
+        import torch.nn.functional as F
+
+        linear = F.linear
+        try:
+            res = train_func(config)
+        finally:
+            # a ZeRO-3 engine replaces torch's F.linear by DeepSpeed's zero3_linear_wrap for the rest of the process:
+            # what this process computes next (the recipe's evaluation) must not depend on the training's ZeRO stage
+            F.linear = linear
         res = {k: {kk: vv for kk, vv in v.items() if kk != "student_model"} for k, v in res.items()}
     elif cfg.parallel.engine == "local":
         res = _run_local_workers(cfg, config, run_dir, log=log)
