@@ -220,8 +220,10 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
             long_context_rows(data.stream_dir, cfg.eval.context_length, max_rows=1)
 
     t0 = time.time()
+    # the teacher cache only for stages still to train: a finished run's rerun (results, other eval.*) reads none
+    to_train = tuple(s for s in ("stage1", "stage2") if s not in stages)
     try:  # data plan, teacher (pretrained once and stored), teacher cache
-        prep = prepare(cfg, log=log, check_data=check_eval)
+        prep = prepare(cfg, log=log, stages=to_train, check_data=check_eval)
     except ValueError as err:  # the data's and settings' one-line errors ("data.seq_len: ...")
         raise RecipeError(str(err)) from None
     data, teacher = prep["data"], prep["teacher"]

@@ -51,7 +51,7 @@ def test_a_second_run_of_one_output_dir_waits_for_the_first(tmp_path, monkeypatc
                 inside.remove(threading.current_thread().name)
         raise _Stop
 
-    monkeypatch.setattr(distill, "prepare", lambda cfg, log=print, check_data=None: prep)
+    monkeypatch.setattr(distill, "prepare", lambda cfg, log=print, check_data=None, stages=None: prep)
     monkeypatch.setattr(distill, "run_distill", fake_distill)
     logs = {"first": [], "second": []}
     errors = {}

@@ -113,7 +113,7 @@ def test_a_rerun_after_a_kill_past_training_keeps_the_trainings_time(tmp_path, m
     cfg = build_config({}, [f"output_dir={tmp_path}", "parallel.engine=local"])
     data = types.SimpleNamespace(plan=types.SimpleNamespace(total_tokens=10), val_tokens=[1], vocab_size=5)
     monkeypatch.setattr(ray_jobs.distill, "prepare",
-                        lambda cfg, log, check_data: {"data": data, "teacher": None, "cache_dir": None})
+                        lambda cfg, log, check_data, stages=None: {"data": data, "teacher": None, "cache_dir": None})
     monkeypatch.setattr(ray_jobs.distill, "run_distill", lambda *a, **k: {
         "stage1": {"seconds": 12.5, "tokens": 100, "skipped": True},
         "stage2": {"seconds": 30.25, "tokens": 200, "skipped": True}, "seconds": 0.0})
