@@ -4,26 +4,16 @@ later tokens score as the row alone would. The reference is each row alone, unpa
 
 import pytest
 import torch
-from transformers import GPTNeoXForCausalLM
 
-from hmscale.models.convert import to_hedgehog, to_hedgemamba
 from hmscale.models.hedgemamba import HedgeMambaCache
-from hmscale.teacher.flavors import neox_config
+
+from ._helpers import perturbed_hedgemamba
 
 VOCAB = 97
 
 
 def _model():
-    torch.manual_seed(0)
-    model = to_hedgemamba(to_hedgehog(GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=VOCAB)).eval())).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # away from the identity init: the conv, decay and gate matter
-        for name, p in model.named_parameters():
-            if any(k in name for k in ("conv.", "dt_proj", "A_scale", "z_proj", "feature_map")):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-        for layer in model.backbone.layers:
-            layer.mixer.A_scale.abs_()
-    return model
+    return perturbed_hedgemamba(VOCAB)
 
 
 @pytest.mark.parametrize("cuts", [[20], [30], [10, 20, 31, 40]])

@@ -3,26 +3,16 @@ length-1 ``seq_idx`` came out empty), and ``generate(..., seq_idx=...)`` handed 
 one-token decode step. The reference is the last document alone, fed without packing."""
 
 import torch
-from transformers import GPTNeoXForCausalLM
 
-from hmscale.models.convert import to_hedgehog, to_hedgemamba
 from hmscale.models.hedgemamba import CausalDepthwiseConv, HedgeMambaCache
-from hmscale.teacher.flavors import neox_config
+
+from ._helpers import perturbed_hedgemamba
 
 VOCAB = 97
 
 
 def _model():
-    torch.manual_seed(0)
-    model = to_hedgemamba(to_hedgehog(GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=VOCAB)).eval())).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # away from the identity init: the conv, decay and gate matter
-        for name, p in model.named_parameters():
-            if any(k in name for k in ("conv.", "dt_proj", "A_scale", "z_proj", "feature_map")):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-        for layer in model.backbone.layers:
-            layer.mixer.A_scale.abs_()
-    return model
+    return perturbed_hedgemamba(VOCAB)
 
 
 def _packed(n1=13, n2=7, b=2):
