@@ -238,12 +238,6 @@ class HedgeMambaCache:
 # --------------------------------------------------------------------------- mixer pieces
 
 
-def _doc_ids(seq_idx: torch.Tensor) -> torch.Tensor:
-    """seq_idx (b, l) -> document ids counting the changes (0 for the first document)."""
-    change = (seq_idx[:, 1:] != seq_idx[:, :-1]).long()
-    return torch.cat([change.new_zeros(seq_idx.shape[0], 1), torch.cumsum(change, dim=1)], dim=1)  # (also l == 1)
-
-
 class CausalDepthwiseConv(nn.Module):
     """Causal depthwise conv over channels: ``y_t = b + sum_j w[:, j] x_{t - (W-1) + j}`` (tap W-1 = current token).
 
@@ -278,7 +272,7 @@ class CausalDepthwiseConv(nn.Module):
         w = self.weight.to(x.dtype)
         doc = docp = None
         if seq_idx is not None:
-            doc = _doc_ids(seq_idx)
+            doc = kernels.reference.doc_ids_from_seq_idx(seq_idx, b, l, x.device)  # (the scan's own document ids)
             docp = torch.cat([doc.new_zeros(b, W - 1), doc], dim=1)  # carried inputs belong to document 0
         y = xp[:, W - 1:] * w[:, W - 1]
         for j in range(W - 1):
