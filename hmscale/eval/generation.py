@@ -64,7 +64,6 @@ class _FirstToken:
         pass
 
 
-@torch.no_grad()
 def sampling_kwargs(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> dict:
     """``generate()``'s sampling arguments: greedy at temperature 0; else the softmax at that temperature, whole
     unless ``top_k`` > 0 / ``top_p`` < 1 truncate it (transformers' own default keeps the top 50 tokens)."""
@@ -77,6 +76,7 @@ def sampling_kwargs(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     return {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
 
 
+@torch.no_grad()
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                   device: str | torch.device = "cpu", dtype: torch.dtype | None = None, top_k: int = 0,
                   top_p: float = 1.0) -> tuple[str, dict]:
