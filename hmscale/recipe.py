@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -176,7 +177,6 @@ def _one_run_at_a_time(run_dir: Path, log):
     skips what it finished, instead of training beside it into the same checkpoints, metrics and exports (and removing
     the temporaries of its live writes). No file is added; released when the process dies. Where the filesystem has no
     file locks (some network mounts), runs go on unlocked as before."""
-    import os
 
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)  # (not inherited by spawned processes)
     try:
@@ -193,6 +193,7 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
         remove_temporaries(d)  # what a killed run's atomic writes left (this run rewrites what it needs)
     save_resolved(cfg, run_dir)
     stages = results["stages"]
+    results["inputs_dir"] = os.getcwd()  # where relative inputs (data.paths, a teacher folder) are read: `hmscale eval`
 
     def record(name: str, t0: float, earlier_seconds: float = 0.0, **info):
         stages[name] = {"seconds": round(time.time() - t0 + earlier_seconds, 2), **info}
@@ -473,6 +474,26 @@ def evaluate_models(cfg: RunConfig, data, models: dict, log=print) -> dict:
     return out
 
 
+def _inputs_as_run(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """``cfg`` with the relative inputs it shares with the run's config.yaml (data.paths, a teacher or tokenizer
+    folder) read where the run read them (results.json's inputs_dir), so that `hmscale eval RUN_DIR` scores the run's
+    own data and teacher from any folder; inputs given otherwise stay as given."""
+    from hmscale.run_identity import saved_tree
+
+    base = json.loads((run_dir / "results.json").read_text()).get("inputs_dir")
+    tree = saved_tree(run_dir)
+    if not base or tree is None or not Path(base).is_dir() or Path(base).resolve() == Path.cwd().resolve():
+        return cfg
+    as_run = cfg.with_absolute_inputs(base)
+    out = cfg.model_copy(deep=True)
+    for section in ("data", "teacher", "tokenizer"):
+        field = "paths" if section == "data" else "name_or_path"
+        given = getattr(getattr(cfg, section), field)
+        if given and given == (tree.get(section) or {}).get(field):
+            setattr(getattr(out, section), field, getattr(getattr(as_run, section), field))
+    return out
+
+
 def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: str | None = None,
                  limit: int | None = None, log=print, tasks_from: str = "--tasks") -> dict:
     """Perplexity of the teacher and both students of a finished run; lm-eval tasks on the final model."""
@@ -501,6 +522,7 @@ def evaluate_run(cfg: RunConfig, tasks: list[str] | None = None, include_path: s
     _check_identity(run_dir, json.loads((run_dir / "results.json").read_text()).get("config_hash"),
                     cfg.with_absolute_paths(),  # (what the recipe hashes)
                     fix=f"evaluate it with its own settings, `hmscale eval {run_dir}` (eval.* may differ)")
+    cfg = _inputs_as_run(cfg, run_dir)
     data = prepare_data(cfg, log=log)
     teacher = get_teacher(cfg, data, log=log)
     final = load_final_model(run_dir, data)

@@ -2,6 +2,7 @@
 stage 1 from the cache, stage 2 with KD; the run-dir layout and the HF export; the CLI commands."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -153,6 +154,7 @@ def test_separate_stage_commands_then_rerun_and_run_report_the_recorded_stages(t
     assert main(["run", *args]) == 0
     results = json.loads((run / "results.json").read_text())
     assert results["tokens"] == {s: recorded[s]["tokens"] for s in ("stage1", "stage2")}
+    assert results["inputs_dir"] == os.getcwd()  # (where `hmscale eval RUN_DIR` reads the run's relative inputs)
     for s in ("stage1", "stage2"):
         assert results["stages"][s]["seconds"] == round(recorded[s]["seconds"], 2) > 0
     report = (run / "report.md").read_text()
