@@ -15,7 +15,7 @@ from hmscale.config import ComponentsConfig
 
 from .hedgehog import HedgehogForCausalLM
 from .hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM, param_kind
-from .neox_attention import rope_theta, rotary_fraction
+from .neox_attention import check_default_rope, rope_theta, rotary_fraction
 
 __all__ = ["to_hedgehog", "to_hedgemamba", "to_mixer_student", "recurrent_state", "load_recurrent_state",
            "hedgemamba_config_from_teacher", "compare_logits"]
@@ -38,6 +38,7 @@ def _components_dict(components) -> dict:
 
 def hedgemamba_config_from_teacher(teacher_config, feature_dim: int | None = None, components=None,
                                    chunk_size: int = 64) -> HedgeMambaConfig:
+    check_default_rope(teacher_config, "hedgemamba_config_from_teacher")  # (HedgeMamba's rotary is the default one)
     c = _components_dict(components)
     return HedgeMambaConfig(
         vocab_size=teacher_config.vocab_size,

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutput
 import kernels
 
 from .feature_map import HedgehogFeatureMap
-from .neox_attention import positions_for, qkv_with_rotary
+from .neox_attention import check_default_rope, positions_for, qkv_with_rotary
 
 __all__ = [
     "HedgehogForCausalLM",
@@ -131,6 +131,7 @@ class HedgehogForCausalLM(nn.Module):
                                         or feature_dim < 1):
             raise ValueError(f"HedgehogForCausalLM: feature_dim must be a positive int (or None: head_dim), "
                              f"got {feature_dim!r}")
+        check_default_rope(teacher.config, "HedgehogForCausalLM")
         self.teacher = teacher
         self.config = teacher.config
         cfg = self.config

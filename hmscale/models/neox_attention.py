@@ -22,6 +22,25 @@ def rotary_ndims(config) -> int:
     return int(config.hidden_size // config.num_attention_heads * rotary_fraction(config))
 
 
+def rope_type(config) -> str:
+    """The rotary embedding's type ("default": plain; transformers 5 also builds linear, dynamic, yarn, ...), of a
+    model's config or of config.json as read (where, as transformers reads it, the legacy rope_scaling wins)."""
+    if isinstance(config, dict):
+        params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    else:
+        params = getattr(config, "rope_parameters", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def check_default_rope(config, where: str) -> None:
+    """One-line ValueError for a teacher config whose rotary embedding is scaled: the capture's q, k and both students
+    compute the default (unscaled) rotary only, so they would silently not be the teacher's."""
+    kind = rope_type(config)
+    if kind != "default":
+        raise ValueError(f"{where}: the teacher uses rope_type={kind!r}; hmscale's capture and students implement the "
+                         "default (unscaled) rotary embedding only: use a teacher without rope scaling")
+
+
 def rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(config, "rotary_emb_base", 10000.0)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hmscale.models.neox_attention import qkv_with_rotary, softmax_attention
+from hmscale.models.neox_attention import check_default_rope, qkv_with_rotary, softmax_attention
 
 
 @dataclass
@@ -66,6 +66,8 @@ class capture_hooks:
 
     def __init__(self, model, layers=None, positions: torch.Tensor | None = None, stop_after_last: bool = False,
                  qkv: bool = True):
+        if qkv:  # q, k are recomputed with the default rotary (attn_input and attn_output are the model's own)
+            check_default_rope(model.config, "capture (qkv=True)")
         self.model = model
         self.layers = _resolve_layers(model, layers)
         self.positions = positions

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from hmscale.models.neox_attention import check_default_rope
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -44,12 +46,10 @@ def check_architecture(name: str, config: dict) -> None:
 
 def check_rope(name: str, config) -> None:
     """The capture and both students recompute q, k with the plain (default) rotary embedding of
-    `hmscale.models.neox_attention`: a scaled rotary (linear, dynamic, yarn, ...) would be silently not the teacher's."""
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"teacher.name_or_path: {name!r} uses rope_type={rope_type!r}; hmscale's capture and students "
-                         "implement the default (unscaled) rotary embedding only: use a teacher without rope scaling")
+    `hmscale.models.neox_attention`: a scaled rotary (linear, dynamic, yarn, ...) would be silently not the teacher's.
+    `config`: the model's config, or config.json as read (checked before transformers builds the model, which raised
+    a bare KeyError for a rope type it does not know)."""
+    check_default_rope(config, f"teacher.name_or_path: {name!r}")
 
 
 def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu"):
@@ -57,7 +57,11 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
 
     Refused with one line: another architecture, a checkpoint missing weights (which `from_pretrained` would
     initialise at random: e.g. a `GPTNeoXModel` without its LM head), weights whose shapes differ from its
-    config.json, a damaged (e.g. truncated) safetensors file, a scaled rotary embedding."""
+    config.json, a damaged (e.g. truncated) safetensors file or shard index, a scaled rotary embedding, a config.json
+    transformers refuses (a field of the wrong type, heads that do not divide the hidden size)."""
+    import json
+
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
     from transformers import GPTNeoXForCausalLM, PretrainedConfig
 
@@ -77,7 +81,15 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(source)
         check_architecture(name, config_dict)
+        check_rope(name, config_dict)
         model, info = GPTNeoXForCausalLM.from_pretrained(source, dtype=torch_dtype, output_loading_info=True)
+    except StrictDataclassError as err:  # transformers 5's config validation (not a ValueError; several lines)
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ValueError(f"teacher.name_or_path: {name!r}: transformers refuses its config.json "
+                         f"({lines[-1] if lines else type(err).__name__}); fix config.json") from err
+    except json.JSONDecodeError as err:  # (config.json's own is an OSError above) a partly copied shard index
+        raise ValueError(f"teacher.name_or_path: cannot load {name!r}: its weight index (*.index.json) is damaged or "
+                         f"incomplete ({_first_line(err)}); copy or download it again") from err
     except OSError as err:
         raise OSError(f"teacher.name_or_path: cannot load {name!r} ({_first_line(err)}); check the hub id, network or "
                       "HF cache") from err
@@ -95,5 +107,14 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"teacher.name_or_path: {name!r} lacks weights {', '.join(missing[:3])}{more} (they would be "
                          "random); save the whole GPTNeoXForCausalLM (model.save_pretrained)")
+    # weights the config does not use (transformers drops them, a table on stderr): a config.json of fewer layers or
+    # without attention biases gave another, smaller model (transformers' own ignore list, e.g. the old attention
+    # buffers and rotary inv_freq, is not reported; other cached tables, not weights or biases, are let through)
+    unused = sorted(k for k in info.get("unexpected_keys") or () if k.endswith((".weight", ".bias")))
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ValueError(f"teacher.name_or_path: {name!r} has weights its config.json does not use: "
+                         f"{', '.join(unused[:3])}{more} (they would be dropped); fix config.json (e.g. "
+                         "num_hidden_layers, attention_bias) to match the weights")
     check_rope(name, model.config)
     return freeze(model.to(device))
