@@ -40,6 +40,11 @@ def get_teacher(cfg, data, device=None, log=print):
                              f"vocabulary; set cache.capture.topk<={model.config.vocab_size} (e.g. 32)")
         model.hmscale_info = {"source": t.name_or_path}
         log(f"[teacher] loaded {t.name_or_path} ({t.dtype})")
+        trained = getattr(model.config, "max_position_embeddings", None)
+        if trained and cfg.data.seq_len > trained:  # (rotary: it runs, but what it teaches past there is extrapolated)
+            log(f"[teacher] note: data.seq_len {cfg.data.seq_len} exceeds the {trained} positions the teacher was made "
+                f"for (max_position_embeddings); its outputs past position {trained} are extrapolation the students "
+                f"learn from; set data.seq_len<={trained} to distill within them")
         return model
 
     target = teacher_cache_dir(cfg, data)

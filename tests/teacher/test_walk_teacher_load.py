@@ -253,3 +253,15 @@ def test_fingerprint_is_the_weights_not_the_file_layout_nor_the_process(tmp_path
     model.save_pretrained(tmp_path / "changed")
     assert teacher_fingerprint(load_teacher(tmp_path / "changed")) != fps["one"]
     assert teacher_fingerprint(load_teacher(tmp_path / "one", dtype="bfloat16")) != fps["one"]
+
+
+def test_rows_longer_than_a_loaded_teachers_positions_are_noted(tmp_path):
+    """A hub or local teacher distilled on rows past its max_position_embeddings (rotary: it runs) said nothing; the
+    students then learn its extrapolation. One note, naming the setting; none within its positions."""
+    neox().save_pretrained(tmp_path / "t")  # 128 positions
+    data = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens=False: [1, 2]), vocab_size=V)
+    for seq_len, noted in ((128, False), (256, True)):
+        lines = []
+        get_teacher(_cfg(tmp_path / "t", f"data.seq_len={seq_len}"), data, log=lines.append)
+        notes = [line for line in lines if "note" in line]
+        assert bool(notes) == noted and all("data.seq_len<=128" in n and "\n" not in n for n in notes), lines
