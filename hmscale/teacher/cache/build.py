@@ -32,7 +32,7 @@ from hmscale.teacher.cache.format import (
     shard_name,
 )
 from hmscale.teacher.cache.manifest import Manifest
-from hmscale.teacher.cache.reuse import covering_caches, describe_view, view_manifest
+from hmscale.teacher.cache.reuse import borrow, covering_caches, describe_view, shards_line, view_manifest
 from hmscale.teacher.cache.writer import remove_stale_temporary, sha256_file
 from hmscale.teacher.fingerprint import teacher_fingerprint
 
@@ -57,6 +57,11 @@ class CachePlan:
     bytes_per_token: float
     total_bytes: int
     fields: dict = field(default_factory=dict)
+
+    def manifest_layout(self) -> dict:
+        """The manifest's ``layout`` of the shards computed for this request (a view's ``own_layout``)."""
+        return {"fields": layout_json(self.fields), "kept_positions": self.spec.kept_positions(self.seq_len),
+                "seq_len": self.seq_len, "bytes_per_token": self.bytes_per_token}
 
     def describe(self) -> str:
         return (
@@ -189,7 +194,7 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
 
     def ok(sid) -> bool:
         entry = recorded[sid]
-        path = manifest.files_dir / entry["file"]
+        path = manifest.shard_path(sid)
         if path.is_symlink():  # never a shard the writer made (it renames regular files): redone in place
             return False
         try:
@@ -226,19 +231,26 @@ def make_cache_dir(cache_dir: Path) -> None:
         raise CacheError(f"the cache directory {cache_dir}: {problem}; set cache.root to a directory you can write")
 
 
-def _reuse_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> bool:
-    """Write a view onto the smallest verified cache under cache.root that covers the request (``reuse``); False when
-    none does."""
+def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> Manifest | None:
+    """A view onto the cache under cache.root that covers the request's capture and holds the most of its shards, all
+    of them intact (``reuse``): saved when it holds every shard (no teacher forward); else returned for the shards
+    it lacks to be computed into it. None when no cache holds any."""
     for source in covering_caches(cfg.cache.root, cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
-        view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids, config_hash=config_hash)
-        if len(existing_shards(view, cp.shard_ids, log=lambda *_: None)) < len(cp.shard_ids):
+        view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids,
+                             own_layout=cp.manifest_layout(), config_hash=config_hash)
+        held = sorted(view.shards)
+        if len(existing_shards(view, held, log=lambda *_: None)) < len(held):
             continue  # a source shard missing or altered: not this one
-        make_cache_dir(cp.cache_dir)
-        view.save()
-        log(f"cache: reusing {source.cache_dir.name} as a view ({describe_view(cp.spec, source)}): "
-            f"{len(cp.shard_ids)} shards verified; no teacher forward needed")
-        return True
-    return False
+        what = (f"cache: reusing {source.cache_dir.name} as a view ({describe_view(cp.spec, source)}): "
+                f"{len(held)} shards read from it, verified")
+        if view.complete:
+            make_cache_dir(cp.cache_dir)
+            view.save()
+            log(f"{what}; no teacher forward needed")
+        else:
+            log(f"{what}; the other {len(cp.shard_ids) - len(held)} are computed for this view, at its own capture")
+        return view
+    return None
 
 
 def _clean_temporaries(cache_dir: Path) -> None:
@@ -284,28 +296,33 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
         raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
     lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
     if manifest is not None and manifest.view_of:
-        present = len(existing_shards(manifest, cp.shard_ids, log=lambda *_: None))
-        if present == len(cp.shard_ids):
-            log(f"cache: reusing {cache_dir} (a view onto {manifest.view_of}): all {len(cp.shard_ids)} shards verified; "
-                "no teacher forward needed")
+        theirs = {s for s, e in manifest.shards.items() if not e.get("own")}  # (recorded: read from the source)
+        present = existing_shards(manifest, cp.shard_ids, log=lambda *_: None)
+        if len(present) == len(cp.shard_ids):
+            log(f"cache: reusing {cache_dir} (a view onto {manifest.view_of}: {shards_line(manifest, cp.shard_ids)}): "
+                f"all {len(cp.shard_ids)} shards verified; no teacher forward needed")
             return cache_dir
-        # under the build lock: another build may be replacing it too (it then holds, or is writing, its own shards)
-        with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")):
-            try:
-                still_view = Manifest.load(cache_dir).view_of
-            except CacheError:
-                still_view = None
-            if still_view:
-                log(f"cache: the view {cp.key} onto {manifest.view_of} holds {present} of the {len(cp.shard_ids)} "
-                    "shards requested; replacing it with a cache of its own (its teacher forward runs on every shard, "
-                    "unless another cache under cache.root covers the request)")
-                shutil.rmtree(cache_dir)
-        try:
-            manifest = Manifest.load(cache_dir)  # (what another build wrote meanwhile, else none)
+        lost = sorted(s for s in cp.shard_ids if s in theirs and s not in present)
+        if lost:  # the source lost shards the view reads: replaced (shards it merely lacks are added to it, below)
+            # under the build lock: another build may be replacing it too (it then holds, or is writing, its own shards)
+            with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")):
+                try:
+                    still_view = Manifest.load(cache_dir).view_of
+                except CacheError:
+                    still_view = None
+                if still_view:
+                    log(f"cache: the view {cp.key} onto {manifest.view_of} finds {len(lost)} of the shards it reads "
+                        f"there missing or altered (e.g. {shard_name(lost[0])}); replacing it with a cache of its own "
+                        "(its teacher forward runs on every shard, unless another cache under cache.root holds them)")
+                    shutil.rmtree(cache_dir)
+        try:  # (what another build wrote meanwhile, else none; a view's own shards found bad are named, redone below)
+            manifest = Manifest.load(cache_dir)
         except CacheError:
             manifest = None
-    if manifest is None and _reuse_covering_cache(cfg, cp, config_hash, log):
-        return cache_dir
+    if manifest is None:
+        manifest = _view_onto_covering_cache(cfg, cp, config_hash, log)
+        if manifest is not None and manifest.complete:
+            return cache_dir
     if manifest is None:
         manifest = Manifest.new(
             cache_dir,
@@ -316,8 +333,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             plan={"hash": plan.hash, "num_shards": plan.num_shards, "seq_len": plan.seq_len,
                   "sequences_per_shard": plan.sequences_per_shard},
             capture=cp.spec.to_json(),
-            layout={"fields": layout_json(cp.fields), "kept_positions": cp.spec.kept_positions(plan.seq_len),
-                    "seq_len": plan.seq_len, "bytes_per_token": cp.bytes_per_token},
+            layout=cp.manifest_layout(),
             config_hash=config_hash,
         )
 
@@ -345,13 +361,18 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
     """Compute the shards of ``cp`` that ``manifest`` lacks (or holds damaged), recording each as it lands."""
     cache_dir = cp.cache_dir
     done = existing_shards(manifest, cp.shard_ids, log=log)
+    if manifest.view_of:  # shards its source holds by now are read from it; only the others are computed, for the view
+        done |= existing_shards(manifest, borrow(manifest, [s for s in cp.shard_ids if s not in done]), log=log)
+        manifest.data.setdefault("own_layout", cp.manifest_layout())  # (a view written before views had own shards)
     pending = [s for s in cp.shard_ids if s not in done]
     if not pending:
         if not (manifest.complete and set(manifest.data["requested_shards"]) >= set(cp.shard_ids)):
             manifest.set_requested(cp.shard_ids)
             manifest.update_complete()
             manifest.save()
-        log(f"cache: reusing {cache_dir}: all {len(cp.shard_ids)} shards present and verified; no teacher forward needed")
+        view = f" (a view onto {manifest.view_of}: {shards_line(manifest, cp.shard_ids)})" if manifest.view_of else ""
+        log(f"cache: reusing {cache_dir}{view}: all {len(cp.shard_ids)} shards present and verified; no teacher "
+            "forward needed")
         return cache_dir
 
     missing = int(cp.total_bytes * len(pending) / max(len(cp.shard_ids), 1))
@@ -359,7 +380,10 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
     manifest.set_requested(cp.shard_ids)
     manifest.update_complete()
     manifest.save()
-    if done:
+    if manifest.view_of:
+        log(f"cache: a view onto {manifest.view_of} ({shards_line(manifest, done)}): computing the other "
+            f"{len(pending)} shards for it, at its own capture, into {cache_dir}")
+    elif done:
         log(f"cache: {len(done)} shards already done in {cache_dir}; computing the other {len(pending)}")
 
     progress = Progress(len(cp.shard_ids), len(done), log=log)
@@ -406,7 +430,8 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
         raise CacheError(f"cache {cache_dir} lacks {len(left)} of this run's shards after the run (e.g. "
                          f"{shard_name(left[0])}); rerun {BUILDERS}, whichever was building it (same config), "
                          "to finish it")
-    log(f"cache: done: {progress.line().removeprefix('cache: ')} -> {cache_dir}")
+    log(f"cache: done: {progress.line().removeprefix('cache: ')} -> {cache_dir}"
+        + (f" (a view: {shards_line(manifest, cp.shard_ids)})" if manifest.view_of else ""))
     return cache_dir
 
 

@@ -42,7 +42,7 @@ class CacheEntry:
     bytes: int = 0
     complete: bool = False
     updated: str = ""
-    view_of: str = ""  # the key of the cache whose shards a view reads ("" for a cache with its own shards)
+    view_of: str = ""  # the key of the cache whose shards a view reads ("" for a cache of its own)
     temporaries: list[Path] = field(default_factory=list)
 
     def row(self) -> dict:
@@ -91,7 +91,8 @@ def _entry(d: Path) -> CacheEntry:
     e.shards_requested = len(data.get("requested_shards", []))
     e.tokens = sum(int(s.get("tokens", 0)) for s in shards.values())
     e.view_of = m.view_of or ""
-    e.bytes = 0 if e.view_of else sum(int(s.get("bytes", 0)) for s in shards.values())
+    # its own bytes: a view's are the shards computed for it (those its source lacks), none of its source's
+    e.bytes = sum(int(s.get("bytes", 0)) for s in shards.values() if s.get("own") or not e.view_of)
     e.complete = m.complete
     e.updated = str(data.get("updated", ""))
     return e

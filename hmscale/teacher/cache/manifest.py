@@ -90,9 +90,24 @@ def structure_problem(data: dict) -> str | None:
     if view is not None and not (isinstance(view, str) and _DIR_NAME.match(view) and view not in (".", "..")):
         return f"view_of {view!r} is not the name of a sibling cache directory"
     return (_layout_problem(data["layout"]) or _fields_problem(spec, data["layout"]["fields"])
-            or _stored_problem(data, spec)
+            or _stored_problem(data, spec) or _own_problem(data, spec)
             or next((p for p in (_shard_problem(k, e, data["layout"]["seq_len"]) for k, e in data["shards"].items())
                      if p), None))
+
+
+def _own_problem(data: dict, spec: CaptureSpec) -> str | None:
+    """A view's own shards (``"own": true``: computed for the view, in its directory, at its own capture) and their
+    ``own_layout`` (exactly what a cache built for the view's capture stores), or what is wrong with them."""
+    own = [k for k, e in data["shards"].items() if isinstance(e, dict) and "own" in e]
+    if own and data["shards"][own[0]]["own"] is not True:
+        return f"shards[{own[0]}].own is {data['shards'][own[0]]['own']!r}, not true"
+    if (own or "own_layout" in data) and data.get("view_of") is None:
+        return "own_layout / shards[].own belong to a view (view_of), and this manifest is not one"
+    if "own_layout" not in data:
+        return f"shards[{own[0]}] is the view's own, but the manifest has no own_layout" if own else None
+    problem = (_layout_problem(data["own_layout"]) or _fields_problem(spec, data["own_layout"]["fields"])
+               or _stored_problem({**data, "layout": data["own_layout"], "view_of": None}, spec))
+    return f"own_layout: {problem}" if problem else None
 
 
 _LAYER_FIELD = re.compile(r"^l(\d{3})_(attn_input|attn_output)$")
@@ -232,12 +247,31 @@ class Manifest:
     def shards(self) -> dict[int, dict]:
         return {int(k): v for k, v in self.data["shards"].items()}
 
+    def shard_path(self, shard: int) -> Path:
+        """Where a recorded shard's file lies: ``files_dir``, except a view's own shards (computed for it, in its own
+        directory: shards its source does not hold)."""
+        entry = self.data["shards"][str(shard)]
+        return (self.cache_dir if entry.get("own") else self.files_dir) / entry["file"]
+
+    def shard_fields(self, shard: int) -> dict:
+        """The fields (``layout.fields`` form) a recorded shard's file holds: ``layout``'s (for a view, its source's),
+        or ``own_layout``'s for a view's own shards (what a cache built for the view's capture holds)."""
+        own = self.data["shards"][str(shard)].get("own")
+        return self.data["own_layout" if own else "layout"]["fields"]
+
+    def own_counts(self, shard_ids) -> tuple[int, int]:
+        """(read from the source, the view's own) among the recorded ``shard_ids``."""
+        entries = self.shards
+        own = sum(1 for s in shard_ids if s in entries and entries[s].get("own"))
+        return sum(1 for s in shard_ids if s in entries) - own, own
+
     @property
     def complete(self) -> bool:
         return bool(self.data.get("complete"))
 
     def add_shard(self, info: ShardInfo) -> None:
-        self.data["shards"][str(info.shard)] = info.manifest_entry()
+        """Record a shard written into this directory (for a view: one of its own, at its own capture)."""
+        self.data["shards"][str(info.shard)] = {**info.manifest_entry(), **({"own": True} if self.view_of else {})}
 
     def drop_shard(self, shard: int) -> None:
         self.data["shards"].pop(str(shard), None)

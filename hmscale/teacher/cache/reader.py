@@ -58,8 +58,6 @@ class CacheReader:
         self.seq_len = int(m["layout"]["seq_len"])
         self.teacher = m["teacher"]
         self.verify = verify
-        v = self.manifest.view_of  # where a bad shard lies, for the errors: a view's shards are its source's
-        self._where = f"{self.manifest.files_dir} (read through the view {self.dir})" if v else self.dir
         self.shard_ids = sorted(self._entries)
         self._counts = {s: int(self._entries[s]["samples"]) for s in self.shard_ids}
         self._verified: set[int] = set()
@@ -82,7 +80,12 @@ class CacheReader:
     # ------------------------------------------------------------------ shard access
 
     def _shard_path(self, sid: int) -> Path:
-        return self.manifest.files_dir / self._entries[sid]["file"]
+        return self.manifest.shard_path(sid)  # (a view's shards lie in its source, but for those computed for it)
+
+    def _where(self, sid: int):
+        """Where a bad shard lies, for the errors: a view's shards are its source's, but for its own."""
+        path = self._shard_path(sid).parent
+        return f"{path} (read through the view {self.dir})" if self.manifest.view_of and path != self.dir else self.dir
 
     def verify_shard(self, sid: int) -> None:
         """Size and sha256 against the manifest; raises CacheCorruptError naming the shard."""
@@ -90,16 +93,16 @@ class CacheReader:
             return
         entry, path = self._entries[sid], self._shard_path(sid)
         if path.is_symlink():  # the writer renames regular files into place: never read through a link
-            raise CacheCorruptError(entry["file"], "the file is a symbolic link, not a shard the cache wrote", self._where)
+            raise CacheCorruptError(entry["file"], "the file is a symbolic link, not a shard the cache wrote", self._where(sid))
         if not path.exists():
-            raise CacheCorruptError(entry["file"], "the file is missing", self._where)
+            raise CacheCorruptError(entry["file"], "the file is missing", self._where(sid))
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise CacheCorruptError(entry["file"], f"{size} bytes on disk, the manifest says {entry['bytes']} (truncated?)", self._where)
+            raise CacheCorruptError(entry["file"], f"{size} bytes on disk, the manifest says {entry['bytes']} (truncated?)", self._where(sid))
         if self.verify:
             got = sha256_file(path)
             if got != entry["sha256"]:
-                raise CacheCorruptError(entry["file"], f"sha256 {got[:16]}... does not match the manifest's {entry['sha256'][:16]}...", self._where)
+                raise CacheCorruptError(entry["file"], f"sha256 {got[:16]}... does not match the manifest's {entry['sha256'][:16]}...", self._where(sid))
         self._verified.add(sid)
 
     def _shard_index(self, sid: int) -> dict:
@@ -113,19 +116,19 @@ class CacheReader:
             with tarfile.open(self._shard_path(sid), mode="r:") as tf:
                 members = tf.getmembers()
         except tarfile.TarError as err:
-            raise CacheCorruptError(name, f"not a readable tar ({err})", self._where) from None
+            raise CacheCorruptError(name, f"not a readable tar ({err})", self._where(sid)) from None
         index = {}
         for ti in members:  # regular .npy members only, each once (a second copy would silently replace the first)
             if not ti.isfile():
-                raise CacheCorruptError(name, f"member {ti.name!r} is not a regular file", self._where)
+                raise CacheCorruptError(name, f"member {ti.name!r} is not a regular file", self._where(sid))
             if ti.name in index:
-                raise CacheCorruptError(name, f"member {ti.name!r} appears twice", self._where)
+                raise CacheCorruptError(name, f"member {ti.name!r} appears twice", self._where(sid))
             index[ti.name] = (ti.offset_data, ti.size)
         # in the tar's order, which is the plan's row order (a sort by name would put row 10000 before row 9999 once
         # a shard holds that many rows: the keys' row number has 4 digits)
         keys = list(dict.fromkeys(n.split(".", 1)[0] for n in index))
         if len(keys) != self._counts[sid]:
-            raise CacheCorruptError(name, f"{len(keys)} samples, the manifest says {self._counts[sid]}", self._where)
+            raise CacheCorruptError(name, f"{len(keys)} samples, the manifest says {self._counts[sid]}", self._where(sid))
         self._index[sid] = {"members": index, "keys": keys}
         while len(self._index) > self._max_open:
             self._index.popitem(last=False)
@@ -136,7 +139,7 @@ class CacheReader:
         name = self._entries[sid]["file"]
         member = f"{key}.{field}.npy"
         if member not in idx["members"]:
-            raise CacheCorruptError(name, f"sample {key} has no {field}", self._where)
+            raise CacheCorruptError(name, f"sample {key} has no {field}", self._where(sid))
         off, size = idx["members"][member]
         with open(self._shard_path(sid), "rb") as f:
             f.seek(off)
@@ -144,17 +147,17 @@ class CacheReader:
         try:
             arr = load_npy(data)
         except ValueError as err:
-            raise CacheCorruptError(name, f"{member} is not a plain .npy array ({err})", self._where) from None
-        spec = self.fields[field]
+            raise CacheCorruptError(name, f"{member} is not a plain .npy array ({err})", self._where(sid)) from None
+        spec = self.manifest.shard_fields(sid)[field]  # (a view's own shards: its capture's shapes, not the source's)
         if list(arr.shape) != spec["shape"] or arr.dtype != np.dtype(spec["npy_dtype"]):
             raise CacheCorruptError(
-                name, f"{member} has shape {list(arr.shape)} {arr.dtype}, expected {spec['shape']} {spec['npy_dtype']}", self._where
+                name, f"{member} has shape {list(arr.shape)} {arr.dtype}, expected {spec['shape']} {spec['npy_dtype']}", self._where(sid)
             )
         return arr
 
     def _tensor(self, sid, key, field, dtype=None) -> torch.Tensor:
         arr = self._read(sid, key, field)
-        storage = self.fields[field]["storage"]
+        storage = self.manifest.shard_fields(sid)[field]["storage"]
         scale = self._read(sid, key, field + "_scale") if storage == "fp8_e4m3" else None
         return decode(arr, storage, scale, dtype)
 

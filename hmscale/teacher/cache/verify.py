@@ -97,14 +97,15 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
     except CacheError as err:
         report.problems.append(str(err))
         return report
-    fields = manifest.data["layout"]["fields"]
     entries = manifest.shards
     owner: dict[str, str] = {}
     sids = sorted(entries)
     # shards are checked concurrently (sha256 and file reads release the GIL), reported in shard order
     workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(sids) or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-verify") as ex:
-        results = list(ex.map(lambda sid: _check_shard(manifest.files_dir / entries[sid]["file"], entries[sid], fields), sids))
+        # each shard where it lies, against the fields it holds (a view's: its source's, or its own capture's for the
+        # shards computed for it)
+        results = list(ex.map(lambda s: _check_shard(manifest.shard_path(s), entries[s], manifest.shard_fields(s)), sids))
     for sid, (reason, keys) in zip(sids, results):
         entry = entries[sid]
         if reason:
@@ -122,12 +123,12 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
     if missing:
         report.problems.append(f"{len(missing)} requested shard(s) not built yet (e.g. shard {missing[0]}); "
                                f"rerun {BUILDERS} (same config)")
-    known = {e["file"] for e in entries.values()}
-    for p in sorted(path.iterdir()):  # (a view's shards lie in its source, which holds other shards too)
+    here = {e["file"] for e in entries.values() if e.get("own") or not manifest.view_of}  # (a view's others: the source's)
+    for p in sorted(path.iterdir()):
         if p.name == MANIFEST or p.name.startswith("."):  # hidden: temporaries of shards and manifests being written
             continue
-        if _SHARD_RE.match(p.name) and not manifest.view_of:
-            if p.name not in known:
+        if _SHARD_RE.match(p.name):
+            if p.name not in here:
                 report.problems.append(f"{p.name} is not in the manifest (stray shard)")
         else:
             report.problems.append(f"{p.name} is not part of the cache (a cache directory holds {MANIFEST} and "
