@@ -52,6 +52,11 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
     problem = stage1_cache_problem(cfg)
     if problem:
         typer.echo(f"hmscale: note: `hmscale run` and `hmscale stage1` refuse this config: {problem}", err=True)
+    from hmscale.train.stage1 import short_cache_note
+
+    note = short_cache_note(cfg)  # (a cache shorter than stage 1's share: other rows than online, revisited)
+    if note and not problem:
+        typer.echo(f"hmscale: note: {note}", err=True)
 
 
 @app.command()
