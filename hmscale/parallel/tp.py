@@ -61,6 +61,26 @@ def _mixer_input_hook(mesh: ParallelMesh):
     return hook
 
 
+_SHARDED_LINEARS = ("mixer.in_proj", "mixer.dt_proj", "mixer.z_proj", "mixer.out_proj", "mlp.dense_h_to_4h",
+                    "mlp.dense_4h_to_h")
+
+
+def _check_plain_linears(model: nn.Module, vocab_parallel: bool) -> None:
+    """A one-line ValueError where a layer to shard is not a plain ``nn.Linear`` (a ``LoRALinear``): the shards are
+    rebuilt from its weight and bias alone, and whatever else it holds (the adapters) would be dropped silently.
+    (Layers sharded already pass: the loop below says the model is already sharded.)"""
+    layers = [(f"{bn}.{ln}" if bn else ln, block.get_submodule(ln.split(".")[0]), ln.split(".")[1])
+              for bn, block in model.named_modules() if isinstance(block, HedgeMambaBlock) for ln in _SHARDED_LINEARS]
+    if vocab_parallel:
+        layers.append(("lm_head", model, "lm_head"))
+    for name, parent, attr in layers:
+        layer = getattr(parent, attr, None)
+        if layer is not None and type(layer) not in (nn.Linear, ColumnParallelLinear, RowParallelLinear):
+            raise ValueError(f"apply_tensor_parallel: {name} is a {type(layer).__name__}, not a plain nn.Linear (LoRA "
+                             "adapters train with parallel.tp=1 only); sharding it would drop what it adds to the "
+                             "linear layer")
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, vocab_parallel: bool = False) -> nn.Module:
     """Shard a ``HedgeMambaForCausalLM`` (or ``HedgeMambaModel``) in place over ``mesh``'s tp group; returns it.
 
@@ -70,6 +90,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, vocab_paralle
     check_tp_divides(cfg.num_attention_heads, tp, cfg.intermediate_size)
     if vocab_parallel and tp > 1 and cfg.vocab_size % tp:
         raise ValueError(f"parallel.tp: {tp} does not divide the vocabulary ({cfg.vocab_size}); pick a divisor of it")
+    if tp > 1:
+        _check_plain_linears(model, vocab_parallel)  # before anything changes
     model.tp_mesh = mesh
     if tp == 1:
         return model
