@@ -1,15 +1,12 @@
 """DeepSpeed takes the mesh's mpu: ZeRO-2 with tp=2 (two gloo processes) sees the true gradient norm
 (replicated parameters counted once) and trains like the unsharded model."""
 
-import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_hedgemamba import make_model  # noqa: E402
@@ -31,8 +28,7 @@ def _ids():
     return torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5))
 
 
-def _worker(rank, port, model, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+def _worker(rank, model, out_dir):
     torch.set_num_threads(1)
     import deepspeed
 
@@ -57,11 +53,11 @@ def _worker(rank, port, model, out_dir):
 
 
 def test_deepspeed_zero2_with_tp2_matches_unsharded(tmp_path):
+    from hmscale.train.launch import spawn_workers
+
     model = make_model()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, model, str(tmp_path)), nprocs=2, start_method="fork", join=True)
+    # (spawned, not forked: a forked child inherits a process group an earlier test of this pytest process left open)
+    spawn_workers(_worker, 2, model, str(tmp_path))
     res = torch.load(tmp_path / "ds.pt", weights_only=False)
     # the same two steps, unsharded, plain PyTorch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
