@@ -44,7 +44,8 @@ def _config(path, overrides, stage1: bool = False):
 @app.command()
 def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """Validate a config and print the resolved tree (and, on stderr, what would stop stage 1 from training from the
-    cache the config captures: `hmscale cache` and `stage2` take such a config, `hmscale run` and `stage1` refuse it)."""
+    cache the config captures: `hmscale cache` and `stage2` take such a config, `hmscale run` and `stage1` refuse it;
+    and a cache shorter than a stage's rows: other rows than without the cache, revisited)."""
     import yaml
 
     cfg = _config(config, overrides)
@@ -52,11 +53,14 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
     problem = stage1_cache_problem(cfg)
     if problem:
         typer.echo(f"hmscale: note: `hmscale run` and `hmscale stage1` refuse this config: {problem}", err=True)
-    from hmscale.train.stage1 import short_cache_note
+    from hmscale.train.common import short_cache_note
 
-    note = short_cache_note(cfg)  # (a cache shorter than stage 1's share: other rows than online, revisited)
-    if note and not problem:
-        typer.echo(f"hmscale: note: {note}", err=True)
+    # a cache shorter than a stage's rows (stage 1's share; the budget, for stage 2 with cached KD): other rows than
+    # without the cache, revisited (stage 1's only where it may train from the cache; `stage2` takes the config)
+    for stage in ("stage2",) if problem else ("stage1", "stage2"):
+        note = short_cache_note(cfg, stage=stage)
+        if note:
+            typer.echo(f"hmscale: note: {note}", err=True)
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""Pieces shared by the two stages: process layout (dp x tp), run-dir paths, seeding, HF export."""
+"""Pieces shared by the two stages: process layout (dp x tp), run-dir paths, seeding, HF export, step counts, the note
+on a teacher cache shorter than a stage's rows."""
 
 from __future__ import annotations
 
@@ -53,6 +54,95 @@ def setup_layout(cfg, *, tp: int | None = None, zero_stage: int | None = None) -
 
     mesh = build_mesh(tp=tp)
     return Layout(rank, world, mesh.dp_rank, mesh.dp_size, mesh.tp_rank, mesh.tp_size, device, mesh, MeshMPU(mesh))
+
+
+def stage1_steps(cfg, tokens_per_step: int) -> int:
+    """Optimizer steps: stage1.steps, else stage1.epochs passes over budget.stage1_tokens. A stage-1 share of nothing
+    (``budget.split=[0.0, 1.0]``, the paper's 0/100) is no step: the feature maps are exported as initialised."""
+    if cfg.stage1.steps:
+        return int(cfg.stage1.steps)
+    if cfg.budget.stage1_tokens <= 0:
+        return 0
+    epochs = int(getattr(cfg.stage1, "epochs", 1))
+    return max(1, epochs * cfg.budget.stage1_tokens // max(tokens_per_step, 1))
+
+
+def stage2_steps(cfg, tokens_per_step: int) -> int:
+    """Optimizer steps: stage2.steps, else stage2.epochs passes over budget.stage2_tokens. A stage-2 share of
+    nothing (``budget.split=[1.0, 0.0]``, the paper's 100/0) is no step at all: the converted stage-1 model is
+    exported as it is (at least one step for any positive share)."""
+    steps = getattr(cfg.stage2, "steps", None)
+    if steps:
+        return int(steps)
+    if cfg.budget.stage2_tokens <= 0:
+        return 0
+    epochs = int(getattr(cfg.stage2, "epochs", 1))
+    return max(1, epochs * cfg.budget.stage2_tokens // max(tokens_per_step, 1))
+
+
+def _reads_from_cache(cfg, stage: str) -> bool:
+    """Whether the stage draws its rows from the teacher cache: stage 1 with source=cache; stage 2 with cached KD (its
+    top-k log-probs; without KD, or with online KD, it reads the data plan's rows)."""
+    if stage == "stage1":
+        return cfg.stage1.source == "cache" and cfg.cache.enabled
+    s2 = cfg.stage2
+    return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache" and cfg.cache.capture.topk > 0
+
+
+def _stage_reads(cfg, stage: str, seq_len: int) -> int:
+    """The tokens a stage reads (steps x tokens per step) as the config sets it (all workers)."""
+    if stage == "stage1":
+        s1 = cfg.stage1
+        per_step = s1.micro_batch_size * (1 if s1.layer_parallel else cfg.parallel.num_workers) * seq_len
+        return stage1_steps(cfg, per_step) * per_step
+    s2, par = cfg.stage2, cfg.parallel
+    per_step = s2.micro_batch_size * s2.grad_accum * max(1, par.num_workers // max(1, par.tp)) * seq_len
+    return stage2_steps(cfg, per_step) * per_step
+
+
+def short_cache_note(cfg, plan_meta: dict | None = None, reads: int | None = None, *,
+                     stage: str = "stage1") -> str | None:
+    """One line when ``stage`` reading from the teacher cache reads other rows than it does without it (None when
+    it reads the same, or reads no cache): a ``cache.max_tokens`` below the tokens whose shards the stage draws from
+    (``stage_tokens``: stage 1's share of the budget; stage 2's whole budget) caches fewer of the plan's shards than
+    those, so a cached stage 1 (a stage 2 with cached KD) draws its rows from the shards held, revisiting them when it
+    reads more than they hold, an online stage 1 (a stage 2 without KD or with online KD) from all of them. A warning,
+    not a refusal: a short cache is a choice (fewer bytes, rows revisited), but it breaks the promise that every
+    source gives the same rows, and says so.
+
+    ``plan_meta``: the plan's num_shards, sequences_per_shard and seq_len (the cache's manifest's ``plan``); without it
+    (``hmscale check``: no data yet) data.sequences_per_shard and data.seq_len, the corpus taken as long enough.
+    ``reads``: the tokens the stage reads (steps x tokens per step); default from the config (``stage1_steps``,
+    ``stage2_steps``)."""
+    from hmscale.teacher.cache.build import run_shard_ids, stage_shard_ids, stage_tokens
+
+    tokens = stage_tokens(cfg, stage)  # (refuses a stage other than stage1 / stage2)
+    c = cfg.cache
+    if not _reads_from_cache(cfg, stage) or not c.max_tokens:
+        return None
+    meta = plan_meta or {"num_shards": 1 << 62, "sequences_per_shard": cfg.data.sequences_per_shard,
+                         "seq_len": cfg.data.seq_len}
+    share = stage_shard_ids(cfg, meta, stage)
+    held = sorted(set(run_shard_ids(cfg, meta)) & set(share))
+    if len(held) >= len(share):
+        return None
+    L = int(meta["seq_len"])
+    if reads is None:
+        reads = _stage_reads(cfg, stage, L)
+    if reads <= 0:
+        return None
+    held_tokens = len(held) * int(meta["sequences_per_shard"]) * L  # (whole: the plan's last, short, is not held)
+    passes = f"{reads / held_tokens:.1f}" if reads >= held_tokens else f"{reads / held_tokens:.2f}"
+    if stage == "stage1":
+        share_is, other, whole = (f"stage 1's {tokens:,}-token share of the budget", "an online stage 1",
+                                  "with stage 1's whole share cached")
+    else:
+        share_is, other, whole = (f"the {tokens:,}-token budget stage 2 draws its rows from",
+                                  "a stage 2 without cached KD (no KD, or online KD)", "with the whole budget cached")
+    return (f"{stage[:-1]} {stage[-1]} reads {reads:,} tokens from a teacher cache holding {held_tokens:,} for it "
+            f"(cache.max_tokens={c.max_tokens:,}: {len(held)} of the {len(share)} shards of {share_is}): "
+            f"{passes} passes over them, on other rows than {other} reads (the two read the same rows only "
+            f"{whole}); set cache.max_tokens to at least {tokens:,}, or unset it, to read the same rows")
 
 
 def stage_dir(run_dir, stage: str) -> Path:

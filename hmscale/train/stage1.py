@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hmscale.atomic import atomic_write_json
-from hmscale.train.common import seed_everything, setup_layout, stage_dir
+from hmscale.train.common import seed_everything, setup_layout, short_cache_note, stage1_steps, stage_dir
 from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
                                    resumed_totals, train_loop)
@@ -159,54 +159,6 @@ class Stage1Trainable(nn.Module):
         mixer = self.mixers[str(l)]
         o_t = teacher_attention_output(attn, x, self._config) if with_teacher else None
         return mixer.head_outputs(x.to(mixer.in_proj.weight.dtype), rope), o_t
-
-
-def stage1_steps(cfg, tokens_per_step: int) -> int:
-    """Optimizer steps: stage1.steps, else stage1.epochs passes over budget.stage1_tokens. A stage-1 share of nothing
-    (``budget.split=[0.0, 1.0]``, the paper's 0/100) is no step: the feature maps are exported as initialised."""
-    if cfg.stage1.steps:
-        return int(cfg.stage1.steps)
-    if cfg.budget.stage1_tokens <= 0:
-        return 0
-    epochs = int(getattr(cfg.stage1, "epochs", 1))
-    return max(1, epochs * cfg.budget.stage1_tokens // max(tokens_per_step, 1))
-
-
-def short_cache_note(cfg, plan_meta: dict | None = None, reads: int | None = None) -> str | None:
-    """One line when a cached stage 1 reads other rows than an online one (None when it reads the same): a
-    ``cache.max_tokens`` below stage 1's share of the budget caches fewer of the plan's shards than that share spans,
-    so a cached stage 1 draws its rows from those (revisiting them when it reads more than they hold), an online one
-    from its whole share. A warning, not a refusal: a short cache is a choice (fewer bytes, rows revisited), but it
-    breaks the promise that the two read the same rows, and says so.
-
-    ``plan_meta``: the plan's num_shards, sequences_per_shard and seq_len (the cache's manifest's ``plan``); without it
-    (``hmscale check``: no data yet) data.sequences_per_shard and data.seq_len, the corpus taken as long enough.
-    ``reads``: the tokens stage 1 reads (steps x tokens per step); default from the config (``stage1_steps``)."""
-    from hmscale.teacher.cache.build import run_shard_ids, stage_shard_ids
-
-    s1, c = cfg.stage1, cfg.cache
-    if s1.source != "cache" or not c.enabled or not c.max_tokens:
-        return None
-    meta = plan_meta or {"num_shards": 1 << 62, "sequences_per_shard": cfg.data.sequences_per_shard,
-                         "seq_len": cfg.data.seq_len}
-    share = stage_shard_ids(cfg, meta, "stage1")
-    held = sorted(set(run_shard_ids(cfg, meta)) & set(share))
-    if len(held) >= len(share):
-        return None
-    L = int(meta["seq_len"])
-    if reads is None:
-        per_step = s1.micro_batch_size * (1 if s1.layer_parallel else cfg.parallel.num_workers) * L
-        reads = stage1_steps(cfg, per_step) * per_step
-    if reads <= 0:
-        return None
-    held_tokens = len(held) * int(meta["sequences_per_shard"]) * L  # (whole: the plan's last, short, is not held)
-    passes = f"{reads / held_tokens:.1f}" if reads >= held_tokens else f"{reads / held_tokens:.2f}"
-    return (f"stage 1 reads {reads:,} tokens from a teacher cache holding {held_tokens:,} for it (cache.max_tokens="
-            f"{c.max_tokens:,}: {len(held)} of the {len(share)} shards of stage 1's "
-            f"{cfg.budget.stage1_tokens:,}-token share of the budget): "
-            f"{passes} passes over them, on other rows than an online stage 1 reads (the two read the same rows only "
-            f"with stage 1's whole share cached); set cache.max_tokens to at least {cfg.budget.stage1_tokens:,}, or "
-            "unset it, to read the same rows")
 
 
 def _teacher_ref(cfg, teacher) -> str | None:
@@ -432,7 +384,7 @@ def run_stage1(
     # the tokens each layer trains on per step (the budget's unit): layer-parallel workers read the same rows
     tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len
     total_steps = stage1_steps(cfg, tokens_per_step)
-    note = cache_plan and short_cache_note(cfg, cache_plan, reads=total_steps * tokens_per_step)
+    note = cache_plan and short_cache_note(cfg, cache_plan, reads=total_steps * tokens_per_step, stage="stage1")
     if note and layout.rank == 0:
         print(f"stage1: note: {note}", flush=True)
     spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,

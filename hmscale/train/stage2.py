@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 import kernels
 from hmscale.atomic import atomic_write_json
-from hmscale.train.common import Layout, export_hf, seed_everything, setup_layout, stage_dir
-from hmscale.train.data import BatchPlan, CacheSource, PlanSource, Sampler, get_batch, plan_rows, token_share
+from hmscale.train.common import (Layout, export_hf, seed_everything, setup_layout, short_cache_note, stage2_steps,
+                                  stage_dir)
+from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (
     Checkpointer,
     MetricsLogger,
@@ -246,19 +247,6 @@ def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feat
     return [{"params": buckets[k], "lr": lr * scales[k], "name": k} for k in ("base", "new", "feature_map") if buckets[k]]
 
 
-def stage2_steps(cfg, tokens_per_step: int) -> int:
-    """Optimizer steps: stage2.steps, else stage2.epochs passes over budget.stage2_tokens. A stage-2 share of
-    nothing (``budget.split=[1.0, 0.0]``, the paper's 100/0) is no step at all: the converted stage-1 model is
-    exported as it is (at least one step for any positive share)."""
-    steps = getattr(cfg.stage2, "steps", None)
-    if steps:
-        return int(steps)
-    if cfg.budget.stage2_tokens <= 0:
-        return 0
-    epochs = int(getattr(cfg.stage2, "epochs", 1))
-    return max(1, epochs * cfg.budget.stage2_tokens // max(tokens_per_step, 1))
-
-
 def _cached_kd(s2) -> bool:
     return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache"
 
@@ -443,8 +431,11 @@ def run_stage2(
 
             keep_gradients_out_of_graph_pool(model)  # param.grad accumulates over micro-batches there
 
+    cache_plan = None  # the data plan of the cache this stage opens (its manifest's), when it opens one
     if source is None:
         source = _source_for(cfg, data, cache_dir)
+        if isinstance(source, CacheSource):
+            cache_plan = source.reader.manifest.data["plan"]
     if _cached_kd(s2) and not source.has_topk:
         raise TrainingError("stage2.kd_weight > 0 but the training rows carry no teacher top-k; set cache.capture.topk > 0 "
                             "or stage2.kd_source=online")
@@ -461,6 +452,9 @@ def run_stage2(
     seq_len = source.seq_len
     tokens_per_step = s2.micro_batch_size * s2.grad_accum * layout.dp_size * seq_len
     total_steps = stage2_steps(cfg, tokens_per_step)
+    note = cache_plan and short_cache_note(cfg, cache_plan, reads=total_steps * tokens_per_step, stage="stage2")
+    if note and layout.rank == 0:  # (a cache shorter than the budget: other rows than without cached KD, revisited)
+        print(f"stage2: note: {note}", flush=True)
     spec = OptimSpec(
         lr=s2.lr, micro_batch_size=s2.micro_batch_size, grad_accum=s2.grad_accum, warmup_steps=s2.warmup_steps,
         total_steps=total_steps, min_lr_ratio=s2.min_lr_ratio, weight_decay=s2.weight_decay, grad_clip=s2.grad_clip,

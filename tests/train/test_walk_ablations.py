@@ -45,7 +45,7 @@ def _trained_student(teacher):
 
 
 def test_stage2_share_of_nothing_is_no_step():
-    from hmscale.train.stage2 import stage2_steps
+    from hmscale.train.common import stage2_steps
 
     assert stage2_steps(build_config({}, ["budget.split=[1.0,0.0]"]), 256) == 0
     assert stage2_steps(build_config({}, ["budget.split=[1.0,0.0]", "stage2.epochs=3"]), 256) == 0
