@@ -8,8 +8,9 @@ Also the decode step against its memory floor (state read + write at the measure
 mamba_ssm is imported from /tmp/anchors (``source .whl/preamble.sh`` unpacks it there, after ``make gpu-wheels``);
 without it the benchmark stops at once, unless ``--ours-only`` (no baselines). Needs a CUDA GPU: without one it
 stops at once (the CPU has ``ssd_gpu_check.py --cpu`` for numerics and ``ssd_registers.py`` for registers, no timing).
-FLOP counts are those of the chunked algorithm at chunk 64 (fwd: 2Q(N+P) + 4PN per token and head;
-bwd counted as 2x fwd); SDPA: causal, 2 * 2 * l^2/2 * P per head fwd, 2.5x that for fwd+bwd.
+FLOP counts are those of the chunked algorithm at chunk 64 (fwd: 2QN per token and B/C group for C.B^T, plus
+2QP + 4PN per token and head; bwd counted as 2x fwd, so fwd+bwd = 3x fwd); SDPA: causal, 2 * 2 * l^2/2 * P per
+head fwd, fwd+bwd 3x that under the same convention (FlashAttention's own, which counts the recomputed QK^T, is 3.5x).
 Peak memory: max allocated during the call minus what was allocated before it (inputs excluded).
 """
 
@@ -66,8 +67,18 @@ def peak_mem(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def ssd_flops(b, l, h, p, n, Q=64):
-    fwd = b * l * h * (2 * Q * (n + p) + 4 * p * n)
+def ssd_flops(b, l, h, p, n, Q=64, g=None):
+    """(fwd, fwd+bwd) FLOPs of the chunked SSD: per token, C.B^T once per group (2QN), then per head the masked
+    (C B^T) x (2QP), the chunk state B^T x (2PN) and the output C S (2PN); the backward counted as 2x the forward."""
+    g = h if g is None else g
+    fwd = b * l * (g * 2 * Q * n + h * (2 * Q * p + 4 * p * n))
+    return fwd, 3 * fwd
+
+
+def sdpa_flops(b, h, l, p):
+    """(fwd, fwd+bwd) FLOPs of causal attention: QK^T and PV, 2 l^2 P each per head, halved by the mask; the
+    backward counted as 2x the forward, as the SSD's."""
+    fwd = b * h * 2 * 2 * l * l / 2 * p
     return fwd, 3 * fwd
 
 
@@ -98,10 +109,10 @@ def case(name, H, G, P, N, L, mamba, chunks, rows, sdpa=True):
         fb = lambda: torch.autograd.grad(mamba(x, dt, A, B, C, chunk_size=64), ins, gy)  # noqa: E731
         fb()
         res["mamba"] = (bench(f), bench(fb), peak_mem(fb))
-    fl_f, fl_fb = ssd_flops(b, L, H, P, N)
-    sd_f = b * H * 2 * 2 * L * L / 2 * P
+    fl_f, fl_fb = ssd_flops(b, L, H, P, N, g=G)
+    sd_f, sd_fb = sdpa_flops(b, H, L, P)
     if not sdpa:
-        rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_f * 2.5))
+        rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_fb))
         return
     q = torch.randn(b, H, L, P, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn_like(q, requires_grad=True)
@@ -112,7 +123,7 @@ def case(name, H, G, P, N, L, mamba, chunks, rows, sdpa=True):
         fb = lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], go)  # noqa: E731
         fb()
         res["sdpa"] = (bench(f), bench(fb), peak_mem(fb))
-    rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_f * 2.5))
+    rows.append((name, H, G, P, N, L, b, res, fl_f, fl_fb, sd_f, sd_fb))
 
 
 def decode_bench(rows):
