@@ -1,14 +1,11 @@
 """Tensor parallelism: tp=2 over two gloo processes on CPU equals tp=1 (outputs and gradients, fp32)."""
 
-import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_hedgemamba import make_model  # noqa: E402
@@ -22,14 +19,9 @@ from hmscale.parallel import (  # noqa: E402
     gather_tensor_parallel_state_dict,
     trivial_mesh,
 )
+from hmscale.train.launch import spawn_workers  # noqa: E402
 
 VOCAB = 97
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs():
@@ -48,10 +40,9 @@ def _run(model, ids):
     return out.logits.detach(), torch.cat([pre, *steps], 1)
 
 
-def _worker(rank, world, port, model, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, model, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     try:
         mesh = build_mesh(tp=2)
         mpu = MeshMPU(mesh)
@@ -76,7 +67,8 @@ def _rel(a, b):
 def test_tp2_equals_tp1(tmp_path, parallel):
     model = make_model(parallel=parallel)  # recurrent parts perturbed away from identity
     ref_sd = {k: v.clone() for k, v in model.state_dict().items()}
-    mp.start_processes(_worker, args=(2, _free_port(), model, str(tmp_path)), nprocs=2, start_method="fork", join=True)
+    # (spawned, not forked: a forked child inherits a process group an earlier test of this pytest process left open)
+    spawn_workers(_worker, 2, model, str(tmp_path))
     ref_logits, ref_decoded = _run(model, _inputs())
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -108,6 +100,11 @@ def test_tp_must_divide_heads():
 
 
 def test_trivial_mesh_and_mpu_without_distributed():
+    # in a process of its own: an in-process stage earlier in this pytest process may have left a process group
+    spawn_workers(_trivial_mesh_case, 1)
+
+
+def _trivial_mesh_case(rank):
     assert not dist.is_initialized()
     mesh = build_mesh(tp=1)
     assert mesh == trivial_mesh()
