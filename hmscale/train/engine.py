@@ -63,6 +63,9 @@ def device_for(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
+_OWN_GROUP = "HMSCALE_SINGLE_PROCESS_GROUP_PORT"  # set beside MASTER_PORT when init_distributed made the group itself
+
+
 def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
     """Make sure torch.distributed and deepspeed.comm are up; returns (rank, world_size).
 
@@ -73,9 +76,13 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
 
     backend = "nccl" if (use_gpu and torch.cuda.is_available()) else "gloo"
     if not dist.is_initialized():
-        if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        # (the variables a parent process set for its own one-process group are not a group to join: a process it
+        # starts, e.g. a Ray head and the jobs it runs, would bind the parent's port, in use)
+        inherited = os.environ.get(_OWN_GROUP) is not None and os.environ.get(_OWN_GROUP) == os.environ.get("MASTER_PORT")
+        if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ or inherited:
+            port = str(free_port())
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **{_OWN_GROUP: port})
         os.environ.setdefault("LOCAL_RANK", "0")
     elif "LOCAL_RANK" not in os.environ:  # DeepSpeed insists on it; an existing one-node group: rank
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())

@@ -30,3 +30,20 @@ print(sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_
     assert lines[-2] == "(0, 1)" and lines[-1] == "[]"
     assert "built successfully" not in r.stdout + r.stderr
     assert not (Path(tmp_path) / "ext").exists()  # nothing compiled
+
+
+def test_a_process_started_after_a_one_process_group_makes_its_own(tmp_path):
+    """init_distributed's one-process group put RANK / MASTER_* in the environment, and a process started afterwards
+    (a Ray head started from a notebook after a local run, and the jobs it runs) took them for a group to join: it
+    bound the parent's port, in use (EADDRINUSE). It makes its own group on a free port."""
+    code = """
+import os, subprocess, sys
+from hmscale.train.engine import init_distributed
+print(init_distributed(False), flush=True)
+child = "from hmscale.train.engine import init_distributed; print(init_distributed(False))"
+sys.exit(subprocess.run([sys.executable, "-c", child], timeout=120).returncode)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                             "LOCAL_RANK", "HMSCALE_SINGLE_PROCESS_GROUP_PORT")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("(0, 1)\n") == 2, (r.stdout + r.stderr)[-2000:]
