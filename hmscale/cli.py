@@ -364,12 +364,42 @@ from scaling.cli import scale_app  # noqa: E402  (scaling studies: `hmscale scal
 app.add_typer(scale_app, name="scale")
 
 
+def _quiet_hub_progress_bars() -> None:
+    """HMSCALE_NO_PROGRESS=1 (batch logs) also turns off transformers' / the hub's progress bars ("Loading weights",
+    "Writing model shards"): in this process, and in the workers it starts (they inherit the environment)."""
+    if os.environ.get("HMSCALE_NO_PROGRESS") != "1":
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # (read as transformers is imported)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import errno
+
+    _quiet_hub_progress_bars()
     try:
-        app(args=argv, standalone_mode=True)
-    except SystemExit as e:  # typer exits through SystemExit
+        rv = app(args=argv, prog_name="hmscale", standalone_mode=False)
+    except typer.TyperException as e:  # (typer's click exceptions: a bad option or command, or no arguments)
+        if type(e).__name__ == "NoArgsIsHelpError":  # `hmscale` / `hmscale scale` alone: the help is printed
+            return e.exit_code
+        # one line, as every other error (not typer's five-line box, its message wrapped at 80 columns)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        typer.echo(f"hmscale: error: {' '.join(e.format_message().split())}{hint}", err=True)
+        return e.exit_code
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        return 1
+    except SystemExit as e:
         return int(e.code or 0)
-    return 0
+    except OSError as e:  # (stdout closed early, as by `| head`: what click's standalone mode does)
+        if e.errno != errno.EPIPE:
+            raise
+        return 1
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0  # (typer.Exit's code; commands return None)
 
 
 if __name__ == "__main__":

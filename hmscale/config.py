@@ -263,6 +263,9 @@ class Stage2Config(_Section):
         if not self.lora_rank and self.lora_alpha != Stage2Config.model_fields["lora_alpha"].default:
             raise ValueError(f"stage2.lora_alpha: {self.lora_alpha} scales LoRA adapters, but stage2.lora_rank=0 adds "
                              "none; set stage2.lora_rank > 0 (e.g. 8) or remove the lora_alpha setting")
+        if not self.lora_rank and self.lora_targets != Stage2Config.model_fields["lora_targets"].default_factory():
+            raise ValueError(f"stage2.lora_targets: {self.lora_targets} names layers to adapt, but stage2.lora_rank=0 "
+                             "adds no adapters; set stage2.lora_rank > 0 (e.g. 8) or remove the lora_targets setting")
         comp = self.components
         if not comp.conv and comp.conv_width != ComponentsConfig.model_fields["conv_width"].default:
             raise ValueError(f"stage2.components.conv_width: {comp.conv_width} sets the width of the conv, which "

@@ -173,6 +173,7 @@ class OptimSpec:
     ds_config: str | None = None  # path; None = ds_configs/zero{stage}.json
     # auto | fused | foreach | deepspeed: which Adam steps the ZeRO partitions (resolve_adam)
     adam: str = "auto"
+    stage: str = ""  # "stage1" | "stage2": the config section the warnings name (warmup_note)
 
 
 def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
@@ -272,8 +273,12 @@ def warmup_note(spec: OptimSpec) -> str | None:
     reaches its peak, silently; else None."""
     if spec.total_steps and spec.warmup_steps > spec.total_steps:
         peak = lr_multiplier(spec.total_steps - 1, spec.warmup_steps, spec.total_steps, spec.min_lr_ratio)
-        return (f"[train] warning: warmup_steps={spec.warmup_steps} is longer than the stage's {spec.total_steps} "
-                f"steps: the lr peaks at {peak:.0%} of lr={spec.lr:g}; lower warmup_steps (or raise the budget)")
+        # the field by its section where the stage is known: the other stage's warmup may be set already
+        field = f"{spec.stage}.warmup_steps" if spec.stage else "warmup_steps"
+        lr = f"{spec.stage}.lr" if spec.stage else "lr"
+        stage = f"stage {spec.stage.removeprefix('stage')}'s" if spec.stage else "the stage's"
+        return (f"[train] warning: {field}={spec.warmup_steps} is longer than {stage} {spec.total_steps} "
+                f"steps: the lr peaks at {peak:.0%} of {lr}={spec.lr:g}; lower {field} (or raise the budget)")
     return None
 
 

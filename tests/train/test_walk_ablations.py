@@ -166,7 +166,8 @@ def test_a_lora_target_that_the_model_lacks_stops_before_stage1(extra, says):
 
     with pytest.raises(ConfigError, match="stage2.lora_targets: " + says):
         build_config({}, ["stage2.lora_rank=4", *extra])
-    build_config({}, ["stage2.lora_rank=0", *extra])  # (without LoRA the targets are not read)
+    with pytest.raises(ConfigError, match="stage2.lora_rank=0 adds no adapters"):  # (without LoRA, a target setting
+        build_config({}, ["stage2.lora_rank=0", *extra])                     # is refused as lora_alpha is)
 
 
 # ---------------------------------------------------------------- --stage1-from

@@ -206,6 +206,9 @@ class Manifest:
     @classmethod
     def load(cls, cache_dir) -> "Manifest":
         path = Path(cache_dir) / MANIFEST
+        if not Path(cache_dir).is_dir():  # (a mistyped path is not "a directory without a manifest")
+            raise CacheError(f"{cache_dir} does not exist or is not a directory; name a cache directory "
+                             "(`hmscale cache list ROOT` lists a root's caches)")
         if not path.exists():
             raise CacheError(f"{cache_dir} has no {MANIFEST}; it is not a teacher cache (build one with `hmscale cache CONFIG`)")
         try:
