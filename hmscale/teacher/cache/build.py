@@ -8,6 +8,7 @@ Either way only this driver writes the manifest.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -245,12 +246,37 @@ def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) ->
                 f"{len(held)} shards read from it, verified")
         if view.complete:
             make_cache_dir(cp.cache_dir)
-            view.save()
+            # under the build lock: the directory may hold shards of an earlier cache or view of this key whose manifest
+            # was lost (removed, under another build writing there: the save takes in what it recorded meanwhile)
+            lock_path = cp.cache_dir.parent / ".locks" / f"{cp.cache_dir.name}.lock"
+            with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cp.cache_dir.name}; "
+                                                       "waiting for it")):
+                try:  # a cache of its own that another build wrote meanwhile is kept, never made a view
+                    theirs = Manifest.load(cp.cache_dir)
+                except CacheError:
+                    theirs = None
+                if theirs is not None and theirs.data.get("key") == cp.key and not theirs.view_of:
+                    return theirs
+                view.save()
+                _remove_unrecorded_shards(view)
             log(f"{what}; no teacher forward needed")
         else:
             log(f"{what}; the other {len(cp.shard_ids) - len(held)} are computed for this view, at its own capture")
         return view
     return None
+
+
+def _remove_unrecorded_shards(view: Manifest) -> None:
+    """Remove the shard files in a view's directory that its manifest does not record as its own (an own shard found
+    bad and now read from the source; one a killed build renamed into place but never recorded; the shards of an
+    earlier cache of this key whose manifest was lost): no entry names them, so nothing reads them, and verify would
+    call them strays for ever. Called under the view's build lock (no build of it is writing meanwhile)."""
+    if view.files_dir.resolve() == view.cache_dir.resolve():  # (a manifest naming itself as its source: leave it)
+        return
+    own = {e["file"] for e in view.shards.values() if e.get("own")}
+    for p in view.cache_dir.glob("shard-*.tar"):
+        if p.name not in own and re.fullmatch(r"shard-\d{6}\.tar", p.name):
+            p.unlink(missing_ok=True)
 
 
 def _clean_temporaries(cache_dir: Path) -> None:
@@ -360,13 +386,17 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
               device=None, devices=None, processes=False) -> Path:
     """Compute the shards of ``cp`` that ``manifest`` lacks (or holds damaged), recording each as it lands."""
     cache_dir = cp.cache_dir
+    recorded = dict(manifest.data["shards"])
     done = existing_shards(manifest, cp.shard_ids, log=log)
     if manifest.view_of:  # shards its source holds by now are read from it; only the others are computed, for the view
         done |= existing_shards(manifest, borrow(manifest, [s for s in cp.shard_ids if s not in done]), log=log)
         manifest.data.setdefault("own_layout", cp.manifest_layout())  # (a view written before views had own shards)
+        _remove_unrecorded_shards(manifest)
     pending = [s for s in cp.shard_ids if s not in done]
     if not pending:
-        if not (manifest.complete and set(manifest.data["requested_shards"]) >= set(cp.shard_ids)):
+        # (also when a bad shard was dropped, or a source's taken in its place: the manifest must say so)
+        if manifest.data["shards"] != recorded or not (manifest.complete and set(manifest.data["requested_shards"])
+                                                       >= set(cp.shard_ids)):
             manifest.set_requested(cp.shard_ids)
             manifest.update_complete()
             manifest.save()

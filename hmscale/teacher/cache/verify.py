@@ -24,6 +24,9 @@ class VerifyReport:
     shards_ok: list[str] = field(default_factory=list)
     bad: dict[str, str] = field(default_factory=dict)  # shard file -> reason
     problems: list[str] = field(default_factory=list)  # cache-level problems
+    # a view's shards: shard file -> where it lies ("in DIR, the view's own" / "in DIR, read through this view"), so a
+    # bad one is looked for in the right directory (its source's, unless computed for the view)
+    where: dict[str, str] = field(default_factory=dict)
     samples: int = 0
     bytes: int = 0
 
@@ -35,7 +38,8 @@ class VerifyReport:
         if self.ok:
             return f"ok: {self.cache_dir}: {len(self.shards_ok)} shards, {self.samples:,} samples, {self.bytes:,} bytes verified"
         lines = [f"FAILED: {self.cache_dir}: {len(self.bad)} bad shard(s), {len(self.problems)} other problem(s)"]
-        lines += [f"  bad shard {name}: {why}" for name, why in sorted(self.bad.items())]
+        lines += [f"  bad shard {name}{f' ({self.where[name]})' if name in self.where else ''}: {why}"
+                  for name, why in sorted(self.bad.items())]
         lines += [f"  {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -106,6 +110,10 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
         # each shard where it lies, against the fields it holds (a view's: its source's, or its own capture's for the
         # shards computed for it)
         results = list(ex.map(lambda s: _check_shard(manifest.shard_path(s), entries[s], manifest.shard_fields(s)), sids))
+    if manifest.view_of:
+        report.where = {entries[s]["file"]: (f"in {manifest.shard_path(s).parent}, the view's own" if entries[s].get("own")
+                                             else f"in {manifest.shard_path(s).parent}, read through this view")
+                        for s in sids}
     for sid, (reason, keys) in zip(sids, results):
         entry = entries[sid]
         if reason:
