@@ -590,6 +590,11 @@ def _format_error(err: ValidationError) -> str:
     if msg.split(":")[0].strip() and "." in msg.split(":")[0] and " " not in msg.split(":")[0]:
         return msg  # our own validators already name the field
     got = e.get("input")
+    parent, _, index = loc.rpartition(".")
+    if e["type"] == "missing" and index.isdigit() and parent:  # a fixed-length list given too few values
+        return f"{parent}: too few values, item {index} is missing (got {got!r})"
+    if got is None and "input" in e:  # `-s field=` or a YAML key left empty: null
+        return f"{loc}: {msg} (got an empty value, null; give one or remove the setting for its default)"
     return f"{loc}: {msg}" + (f" (got {got!r})" if got is not None and not isinstance(got, dict) else "")
 
 

@@ -176,3 +176,16 @@ def test_tp_must_divide_a_local_teachers_mlp_width_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 does not divide the teacher's MLP width 250"):
         build_config({}, [f"teacher.name_or_path={tmp_path}", "parallel.tp=4", "parallel.num_workers=4"])
     assert build_config({}, [f"teacher.name_or_path={tmp_path}", "parallel.tp=2", "parallel.num_workers=2"])
+
+
+def test_a_short_list_and_an_empty_value_are_named_plainly():
+    """`budget.split=[1]` said "budget.split.1: Field required"; `output_dir=` (null) "Input should be a valid string"
+    without the value given: both say what was given."""
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["budget.split=[1]"])
+    assert str(err.value) == "budget.split: too few values, item 1 is missing (got [1])"
+    for override, field in (("output_dir=", "output_dir"), ("stage2.lr=", "stage2.lr")):
+        with pytest.raises(ConfigError) as err:
+            build_config({}, [override])
+        assert str(err.value).startswith(f"{field}: ") and "got an empty value, null" in str(err.value)
+    assert build_config({}, ["cache.max_tokens="]).cache.max_tokens is None  # (where null is a value: taken)
