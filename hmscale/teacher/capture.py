@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hmscale.models.neox_attention import check_default_rope, qkv_with_rotary, softmax_attention
+from hmscale.models.neox_attention import check_default_rope, qkv_with_rotary
 
 
 @dataclass
