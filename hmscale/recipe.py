@@ -391,7 +391,10 @@ def _sample_lines(results: dict) -> list[str]:
     """The greedy samples (``eval.generate_tokens``) as report lines: the prompt, then each model's continuation."""
     s, labels = results["samples"], model_labels(results)
     fence = lambda text: ["```text", text.replace("```", "` ` `"), "```"]  # noqa: E731
-    lines = [f"Greedy continuations ({s['new_tokens']} tokens, `eval.generate_tokens`) of a held-out prompt:", ""]
+    asked = s.get("requested_tokens", s["new_tokens"])  # (results.json written before it was kept: as made)
+    count = (f"{s['new_tokens']} tokens, `eval.generate_tokens`" if asked == s["new_tokens"] else
+             f"{s['new_tokens']} tokens: `eval.generate_tokens` {asked}, kept within the training rows with the prompt")
+    lines = [f"Greedy continuations ({count}) of a held-out prompt:", ""]
     lines += ["prompt:"] + fence(s["prompt"])
     for name, text in _in_order(s["continuations"], labels):  # (results.json keeps its keys sorted)
         lines += [f"{labels.get(name, name)}:"] + fence(text)

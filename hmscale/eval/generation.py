@@ -132,4 +132,4 @@ def recipe_samples(models: dict, tokenizer, row, new_tokens: int, seq_len: int) 
     text = {name: tokenizer.decode(greedy_continuation(model, ids, n), skip_special_tokens=True)
             for name, model in models.items()}
     return {"prompt": tokenizer.decode(ids[0].tolist(), skip_special_tokens=True), "new_tokens": n,
-            "continuations": text}
+            "requested_tokens": int(new_tokens), "continuations": text}

@@ -46,7 +46,11 @@ def test_recipe_samples_stay_within_the_training_length_and_land_in_the_report()
     s["continuations"]["teacher"] = "code ``` fence"
     lines = _sample_lines({"samples": s})
     text = "\n".join(lines)
-    assert "Greedy continuations (24 tokens" in text and "HedgeMamba (stage 2):" in text
+    assert "HedgeMamba (stage 2):" in text
+    # (the 100 asked for were cut to 24: the report said "24 tokens, `eval.generate_tokens`", as if the setting were 24)
+    assert "Greedy continuations (24 tokens: `eval.generate_tokens` 100, kept within the training rows" in text
+    s2 = recipe_samples(models, _Tok(), row, new_tokens=5, seq_len=32)
+    assert "Greedy continuations (5 tokens, `eval.generate_tokens`) of" in "\n".join(_sample_lines({"samples": s2}))
     assert text.count("```") == 2 * 4  # prompt and three models, each fenced once; a fence inside is broken up
 
 
