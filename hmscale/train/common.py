@@ -56,28 +56,22 @@ def setup_layout(cfg, *, tp: int | None = None, zero_stage: int | None = None) -
     return Layout(rank, world, mesh.dp_rank, mesh.dp_size, mesh.tp_rank, mesh.tp_size, device, mesh, MeshMPU(mesh))
 
 
-def stage1_steps(cfg, tokens_per_step: int) -> int:
-    """Optimizer steps: stage1.steps, else stage1.epochs passes over budget.stage1_tokens. A stage-1 share of nothing
-    (``budget.split=[0.0, 1.0]``, the paper's 0/100) is no step: the feature maps are exported as initialised."""
-    if cfg.stage1.steps:
-        return int(cfg.stage1.steps)
-    if cfg.budget.stage1_tokens <= 0:
+def stage_steps(cfg, stage: str, tokens_per_step: int) -> int:
+    """Optimizer steps of ``stage``: its ``steps``, else its ``epochs`` passes over its share of the budget
+    (``budget.stage1_tokens`` / ``stage2_tokens``). A share of nothing (``budget.split`` of ``[0.0, 1.0]`` or
+    ``[1.0, 0.0]``, the paper's 0/100 and 100/0) is no step: the stage's model is exported as it starts (at least one
+    step for any positive share)."""
+    section, tokens = getattr(cfg, stage), getattr(cfg.budget, f"{stage}_tokens")
+    if getattr(section, "steps", None):
+        return int(section.steps)
+    if tokens <= 0:
         return 0
-    epochs = int(getattr(cfg.stage1, "epochs", 1))
-    return max(1, epochs * cfg.budget.stage1_tokens // max(tokens_per_step, 1))
+    return max(1, int(getattr(section, "epochs", 1)) * tokens // max(tokens_per_step, 1))
 
 
-def stage2_steps(cfg, tokens_per_step: int) -> int:
-    """Optimizer steps: stage2.steps, else stage2.epochs passes over budget.stage2_tokens. A stage-2 share of
-    nothing (``budget.split=[1.0, 0.0]``, the paper's 100/0) is no step at all: the converted stage-1 model is
-    exported as it is (at least one step for any positive share)."""
-    steps = getattr(cfg.stage2, "steps", None)
-    if steps:
-        return int(steps)
-    if cfg.budget.stage2_tokens <= 0:
-        return 0
-    epochs = int(getattr(cfg.stage2, "epochs", 1))
-    return max(1, epochs * cfg.budget.stage2_tokens // max(tokens_per_step, 1))
+def cached_kd(s2) -> bool:
+    """Whether stage 2 (``cfg.stage2``) takes a KD term from the teacher cache's top-k log-probs."""
+    return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache"
 
 
 def _reads_from_cache(cfg, stage: str) -> bool:
@@ -85,19 +79,17 @@ def _reads_from_cache(cfg, stage: str) -> bool:
     top-k log-probs; without KD, or with online KD, it reads the data plan's rows)."""
     if stage == "stage1":
         return cfg.stage1.source == "cache" and cfg.cache.enabled
-    s2 = cfg.stage2
-    return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache" and cfg.cache.capture.topk > 0
+    return cached_kd(cfg.stage2) and cfg.cache.capture.topk > 0
 
 
 def _stage_reads(cfg, stage: str, seq_len: int) -> int:
     """The tokens a stage reads (steps x tokens per step) as the config sets it (all workers)."""
+    s1, s2, par = cfg.stage1, cfg.stage2, cfg.parallel
     if stage == "stage1":
-        s1 = cfg.stage1
-        per_step = s1.micro_batch_size * (1 if s1.layer_parallel else cfg.parallel.num_workers) * seq_len
-        return stage1_steps(cfg, per_step) * per_step
-    s2, par = cfg.stage2, cfg.parallel
-    per_step = s2.micro_batch_size * s2.grad_accum * max(1, par.num_workers // max(1, par.tp)) * seq_len
-    return stage2_steps(cfg, per_step) * per_step
+        per_step = s1.micro_batch_size * (1 if s1.layer_parallel else par.num_workers) * seq_len
+    else:
+        per_step = s2.micro_batch_size * s2.grad_accum * max(1, par.num_workers // max(1, par.tp)) * seq_len
+    return stage_steps(cfg, stage, per_step) * per_step
 
 
 def short_cache_note(cfg, plan_meta: dict | None = None, reads: int | None = None, *,
@@ -112,8 +104,7 @@ def short_cache_note(cfg, plan_meta: dict | None = None, reads: int | None = Non
 
     ``plan_meta``: the plan's num_shards, sequences_per_shard and seq_len (the cache's manifest's ``plan``); without it
     (``hmscale check``: no data yet) data.sequences_per_shard and data.seq_len, the corpus taken as long enough.
-    ``reads``: the tokens the stage reads (steps x tokens per step); default from the config (``stage1_steps``,
-    ``stage2_steps``)."""
+    ``reads``: the tokens the stage reads (steps x tokens per step); default from the config (``stage_steps``)."""
     from hmscale.teacher.cache.build import run_shard_ids, stage_shard_ids, stage_tokens
 
     tokens = stage_tokens(cfg, stage)  # (refuses a stage other than stage1 / stage2)

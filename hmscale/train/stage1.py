@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hmscale.atomic import atomic_write_json
-from hmscale.train.common import seed_everything, setup_layout, short_cache_note, stage1_steps, stage_dir
+from hmscale.train.common import seed_everything, setup_layout, short_cache_note, stage_dir, stage_steps
 from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
                                    resumed_totals, train_loop)
@@ -383,7 +383,7 @@ def run_stage1(
             params.append({"params": groups["added"], "lr": s1.lr * s1.new_params_lr_scale, "name": "new"})
     # the tokens each layer trains on per step (the budget's unit): layer-parallel workers read the same rows
     tokens_per_step = s1.micro_batch_size * dp_size * source.seq_len
-    total_steps = stage1_steps(cfg, tokens_per_step)
+    total_steps = stage_steps(cfg, "stage1", tokens_per_step)
     note = cache_plan and short_cache_note(cfg, cache_plan, reads=total_steps * tokens_per_step, stage="stage1")
     if note and layout.rank == 0:
         print(f"stage1: note: {note}", flush=True)

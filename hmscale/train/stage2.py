@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 import kernels
 from hmscale.atomic import atomic_write_json
-from hmscale.train.common import (Layout, export_hf, seed_everything, setup_layout, short_cache_note, stage2_steps,
-                                  stage_dir)
+from hmscale.train.common import (Layout, cached_kd, export_hf, seed_everything, setup_layout, short_cache_note,
+                                  stage_dir, stage_steps)
 from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (
     Checkpointer,
@@ -247,10 +247,6 @@ def param_groups(model: torch.nn.Module, lr: float, new_scale: float = 1.0, feat
     return [{"params": buckets[k], "lr": lr * scales[k], "name": k} for k in ("base", "new", "feature_map") if buckets[k]]
 
 
-def _cached_kd(s2) -> bool:
-    return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache"
-
-
 def _online_kd(s2) -> bool:
     return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "online"
 
@@ -261,10 +257,10 @@ def _source_for(cfg, data, cache_dir):
     if cache_dir is not None and not (_online_kd(cfg.stage2) and data is not None):
         from hmscale.teacher.cache import open_for_run
 
-        return CacheSource(open_for_run(cfg, cache_dir, stage="stage2"), topk=_cached_kd(cfg.stage2))
+        return CacheSource(open_for_run(cfg, cache_dir, stage="stage2"), topk=cached_kd(cfg.stage2))
     if data is None:
         raise TrainingError("stage 2 needs training data: pass data=prepare_data(cfg) or a cache directory")
-    if _cached_kd(cfg.stage2):
+    if cached_kd(cfg.stage2):
         raise TrainingError("stage2.kd_weight > 0 with kd_source=cache needs the teacher cache (top-k log-probs); "
                             "enable cache and set cache.capture.topk, or set stage2.kd_source=online")
     from hmscale.teacher.cache.build import plan_meta, stage_shard_ids
@@ -436,7 +432,7 @@ def run_stage2(
         source = _source_for(cfg, data, cache_dir)
         if isinstance(source, CacheSource):
             cache_plan = source.reader.manifest.data["plan"]
-    if _cached_kd(s2) and not source.has_topk:
+    if cached_kd(s2) and not source.has_topk:
         raise TrainingError("stage2.kd_weight > 0 but the training rows carry no teacher top-k; set cache.capture.topk > 0 "
                             "or stage2.kd_source=online")
     hidden_weight = float(getattr(s2, "hidden_weight", 0.0))
@@ -451,7 +447,7 @@ def run_stage2(
         source = token_share(source, cfg.budget.stage2_tokens, seed=cfg.seed + 2) or source
     seq_len = source.seq_len
     tokens_per_step = s2.micro_batch_size * s2.grad_accum * layout.dp_size * seq_len
-    total_steps = stage2_steps(cfg, tokens_per_step)
+    total_steps = stage_steps(cfg, "stage2", tokens_per_step)
     note = cache_plan and short_cache_note(cfg, cache_plan, reads=total_steps * tokens_per_step, stage="stage2")
     if note and layout.rank == 0:  # (a cache shorter than the budget: other rows than without cached KD, revisited)
         print(f"stage2: note: {note}", flush=True)

@@ -45,12 +45,12 @@ def _trained_student(teacher):
 
 
 def test_stage2_share_of_nothing_is_no_step():
-    from hmscale.train.common import stage2_steps
+    from hmscale.train.common import stage_steps
 
-    assert stage2_steps(build_config({}, ["budget.split=[1.0,0.0]"]), 256) == 0
-    assert stage2_steps(build_config({}, ["budget.split=[1.0,0.0]", "stage2.epochs=3"]), 256) == 0
-    assert stage2_steps(build_config({}, ["budget.split=[1.0,0.0]", "stage2.steps=5"]), 256) == 5  # explicit wins
-    assert stage2_steps(build_config({}, ["budget.split=[0.9999,0.0001]"]), 10**6) == 1  # a positive share: >= 1 step
+    assert stage_steps(build_config({}, ["budget.split=[1.0,0.0]"]), "stage2", 256) == 0
+    assert stage_steps(build_config({}, ["budget.split=[1.0,0.0]", "stage2.epochs=3"]), "stage2", 256) == 0
+    assert stage_steps(build_config({}, ["budget.split=[1.0,0.0]", "stage2.steps=5"]), "stage2", 256) == 5  # explicit wins
+    assert stage_steps(build_config({}, ["budget.split=[0.9999,0.0001]"]), "stage2", 10**6) == 1  # a positive share: >= 1 step
 
 
 def test_split_100_0_exports_the_converted_stage1_model(tmp_path):
