@@ -8,7 +8,6 @@ Either way only this driver writes the manifest.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import time
@@ -20,6 +19,7 @@ from hmscale.atomic import exclusive_lock, writable_dir_problem
 from hmscale.teacher.cache.format import (
     BUILDERS,
     MANIFEST,
+    SHARD_FILE,
     CacheError,
     CaptureSpec,
     ShardInfo,
@@ -30,6 +30,7 @@ from hmscale.teacher.cache.format import (
     human_bytes,
     layout,
     layout_json,
+    lock_path,
     shard_name,
 )
 from hmscale.teacher.cache.manifest import Manifest
@@ -248,9 +249,7 @@ def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) ->
             make_cache_dir(cp.cache_dir)
             # under the build lock: the directory may hold shards of an earlier cache or view of this key whose manifest
             # was lost (removed, under another build writing there: the save takes in what it recorded meanwhile)
-            lock_path = cp.cache_dir.parent / ".locks" / f"{cp.cache_dir.name}.lock"
-            with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cp.cache_dir.name}; "
-                                                       "waiting for it")):
+            with _build_lock(cp.cache_dir, log):
                 try:  # a cache of its own that another build wrote meanwhile is kept, never made a view
                     theirs = Manifest.load(cp.cache_dir)
                 except CacheError:
@@ -266,6 +265,12 @@ def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) ->
     return None
 
 
+def _build_lock(cache_dir: Path, log=_log):
+    """One build of a cache at a time (``exclusive_lock`` on ``lock_path``), saying so while it waits."""
+    return exclusive_lock(lock_path(cache_dir), lambda: log(f"cache: another process is building {cache_dir.name}; "
+                                                            "waiting for it"))
+
+
 def _remove_unrecorded_shards(view: Manifest) -> None:
     """Remove the shard files in a view's directory that its manifest does not record as its own (an own shard found
     bad and now read from the source; one a killed build renamed into place but never recorded; the shards of an
@@ -275,7 +280,7 @@ def _remove_unrecorded_shards(view: Manifest) -> None:
         return
     own = {e["file"] for e in view.shards.values() if e.get("own")}
     for p in view.cache_dir.glob("shard-*.tar"):
-        if p.name not in own and re.fullmatch(r"shard-\d{6}\.tar", p.name):
+        if p.name not in own and SHARD_FILE.match(p.name):
             p.unlink(missing_ok=True)
 
 
@@ -320,7 +325,6 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             log(f"cache: {err}: starting a new manifest (its shards are redone, to the same bytes)")
     if manifest is not None and manifest.data.get("key") != cp.key:
         raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
-    lock_path = cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
     if manifest is not None and manifest.view_of:
         theirs = {s for s, e in manifest.shards.items() if not e.get("own")}  # (recorded: read from the source)
         present = existing_shards(manifest, cp.shard_ids, log=lambda *_: None)
@@ -331,7 +335,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
         lost = sorted(s for s in cp.shard_ids if s in theirs and s not in present)
         if lost:  # the source lost shards the view reads: replaced (shards it merely lacks are added to it, below)
             # under the build lock: another build may be replacing it too (it then holds, or is writing, its own shards)
-            with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")):
+            with _build_lock(cache_dir, log):
                 try:
                     still_view = Manifest.load(cache_dir).view_of
                 except CacheError:
@@ -375,7 +379,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
                 "no teacher forward needed")
             return cache_dir
     make_cache_dir(cache_dir)  # (one line for an unwritable root, before its lock file is made)
-    with exclusive_lock(lock_path, lambda: log(f"cache: another process is building {cache_dir.name}; waiting for it")) as waited:
+    with _build_lock(cache_dir, log) as waited:
         if waited and (cache_dir / MANIFEST).exists():  # the other build's shards, now recorded
             manifest = Manifest.load(cache_dir)
         return _complete(cfg, plan, teacher, cp, manifest, engine, log=log, capture_fn=capture_fn, device=device,

@@ -17,7 +17,7 @@ try:
 except ImportError:  # not POSIX: no file locks, so no way to tell a build at work
     fcntl = None
 
-from hmscale.teacher.cache.format import MANIFEST, CacheError, human_bytes
+from hmscale.teacher.cache.format import MANIFEST, CacheError, human_bytes, lock_path
 from hmscale.teacher.cache.manifest import Manifest
 
 __all__ = ["CacheEntry", "list_caches", "format_catalog"]
@@ -158,7 +158,7 @@ def _not_being_built(dirs):
     so a build starting meanwhile waits for the removal instead of writing into a directory being deleted."""
     with contextlib.ExitStack() as stack:
         for d in dirs:
-            lock = d.parent / ".locks" / f"{d.name}.lock"
+            lock = lock_path(d)
             held = [lock] if lock.is_file() and _held_by_another(stack.enter_context(open(lock, "rb"))) else []
             for tmp in [] if held else sorted(d.glob(".shard-*.tmp")):
                 try:

@@ -16,6 +16,7 @@ import json
 import re
 import zlib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,6 +65,16 @@ class CacheCorruptError(CacheError):
 
 def shard_name(shard_id: int) -> str:
     return f"shard-{shard_id:06d}.tar"
+
+
+SHARD_FILE = re.compile(r"^shard-\d{6}\.tar$")  # the names `shard_name` gives
+
+
+def lock_path(cache_dir) -> Path:
+    """The file a build of ``cache_dir`` holds locked: under the root's ``.locks/`` (a cache holds shards and its
+    manifest only)."""
+    cache_dir = Path(cache_dir)
+    return cache_dir.parent / ".locks" / f"{cache_dir.name}.lock"
 
 
 def layer_field(layer: int, tensor: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -11,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hmscale.teacher.cache.format import BUILDERS, MANIFEST, CacheError, load_npy
+from hmscale.teacher.cache.format import BUILDERS, MANIFEST, SHARD_FILE, CacheError, load_npy
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.writer import sha256_file
 
-_SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
 
 
 @dataclass
@@ -135,7 +133,7 @@ def verify_cache(path, threads: int | None = None) -> VerifyReport:
     for p in sorted(path.iterdir()):
         if p.name == MANIFEST or p.name.startswith("."):  # hidden: temporaries of shards and manifests being written
             continue
-        if _SHARD_RE.match(p.name):
+        if SHARD_FILE.match(p.name):
             if p.name not in here:
                 report.problems.append(f"{p.name} is not in the manifest (stray shard)")
         else:
