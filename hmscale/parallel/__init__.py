@@ -7,7 +7,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import ParallelMesh, build_mesh, trivial_mesh
 from .mpu import MeshMPU, count_tp_shards_in_grad_norm
 from .tp import apply_tensor_parallel, check_tp_divides, full_numel, gather_tensor_parallel_state_dict
-from .vocab import VocabShard, shard_lm_head
+from .vocab import VocabShard, shard_lm_head, whole_head_note
 
 __all__ = [
     "apply_compile",
@@ -26,4 +26,5 @@ __all__ = [
     "full_numel",
     "VocabShard",
     "shard_lm_head",
+    "whole_head_note",
 ]

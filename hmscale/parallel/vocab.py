@@ -24,7 +24,7 @@ from torch import nn
 
 from .layers import ColumnParallelLinear, reduce_from_tp_region
 
-__all__ = ["VocabShard", "shard_lm_head", "vocab_logsumexp", "vocab_gather", "vocab_shard_sum"]
+__all__ = ["VocabShard", "shard_lm_head", "whole_head_note", "vocab_logsumexp", "vocab_gather", "vocab_shard_sum"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,17 @@ class VocabShard:
     @property
     def size(self) -> int:
         return self.end - self.start
+
+
+def whole_head_note(vocab_size: int, tp: int) -> str | None:
+    """One line when a tp group keeps the LM head whole because ``tp`` does not divide the vocabulary (every rank
+    then computes all the logits and the loss over them), None otherwise."""
+    if tp <= 1 or vocab_size % tp == 0:
+        return None
+    fits = [d for d in range(2, min(tp * 4, vocab_size) + 1) if vocab_size % d == 0][:3]
+    hint = f"a tp of {' or '.join(map(str, fits))} would shard it" if fits else "no small tp divides it"
+    return (f"parallel.tp={tp} does not divide the vocabulary ({vocab_size:,} rows): the LM head stays whole on every "
+            f"tp rank (each computes all the logits and the loss); {hint}")
 
 
 def shard_lm_head(model: nn.Module, mesh) -> VocabShard:

@@ -416,6 +416,9 @@ def run_stage2(
         # the LM head by vocabulary rows too whenever tp divides the vocabulary (Pythia's 50,304 always)
         model = hp.apply_tensor_parallel(model, layout.mesh,
                                          vocab_parallel=model.config.vocab_size % layout.tp_size == 0)
+        note = hp.whole_head_note(model.config.vocab_size, layout.tp_size)
+        if note and layout.rank == 0:
+            print(f"stage2: note: {note}", flush=True)
     model.to(layout.device)
     model.train()
     if par.compile:

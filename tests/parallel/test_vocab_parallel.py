@@ -82,3 +82,13 @@ def test_labels_with_a_sharded_head_is_a_clear_error():
     ids = torch.randint(0, 16, (1, 5))
     with pytest.raises(ValueError, match="sharded by vocabulary"):
         model(input_ids=ids, labels=ids)
+
+
+def test_whole_head_note_only_when_tp_does_not_divide_the_vocabulary():
+    from hmscale.parallel import whole_head_note
+
+    assert whole_head_note(50304, 1) is None and whole_head_note(50304, 2) is None and whole_head_note(50304, 8) is None
+    note = whole_head_note(50257, 2)  # GPT-2's odd vocabulary
+    assert "parallel.tp=2" in note and "50,257" in note and "stays whole" in note
+    assert "would shard it" in whole_head_note(100, 3)  # 2, 4, 5 divide 100
+    assert "4" in whole_head_note(100, 3).split("tp of ")[1]
