@@ -81,6 +81,7 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
     from hmscale.ray_cluster import connect
 
     own = connect(cfg.parallel.ray_address, log=log)
+    actors: dict = {}
     try:
         res = ray.cluster_resources()
         gpus = int(res.get("GPU", 0))
@@ -106,7 +107,7 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                 teacher_ref, plan_ref, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, capture_fn, threads, writers
             )
 
-        actors = {i: start() for i in range(n)}
+        actors.update((i, start()) for i in range(n))
         generation = {i: 0 for i in range(n)}  # bumped when the actor is replaced
         log(f"cache: {n} Ray teacher-forward workers ({'1 GPU' if gpus else '1 CPU'} each, up to {writers} "
             f"shard{'s' if writers > 1 else ''} in flight each), {len(pending)} shards to do")
@@ -171,9 +172,14 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
             if gen == generation[a]:
                 fresh.discard(a)
             on_done(info)
-        for actor in actors.values():
-            ray.kill(actor)
     finally:
+        # also when a shard's error ends the build: on a joined cluster the actors would hold their CPUs (and GPUs)
+        # for as long as the driver lives (the error's traceback keeps their handles)
+        for actor in actors.values():
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
         if own:
             ray.shutdown()
 

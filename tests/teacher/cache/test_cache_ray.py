@@ -110,3 +110,10 @@ def test_a_teacher_computing_nan_on_an_actor_is_not_retried(ray_cluster, tmp_pat
         build_cache(cfg, data, teacher, engine="ray", capture_fn=_nan_everywhere, log=logs.append)
     assert "\n" not in str(err.value)
     assert not any("retry" in line for line in logs), logs
+    # the failed build's actors are gone: their CPUs come back while the error (and its traceback) is still held
+    import time
+
+    deadline = time.time() + 10
+    while ray_cluster.available_resources().get("CPU", 0) < ray_cluster.cluster_resources().get("CPU", 0):
+        assert time.time() < deadline, "the failed build left its teacher-forward actors holding the cluster's CPUs"
+        time.sleep(0.2)
