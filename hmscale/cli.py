@@ -41,7 +41,7 @@ def _config(path, overrides, stage1: bool = False):
     return cfg
 
 
-@app.command()
+@app.command(short_help="Validate a config and print the resolved tree (notes on stderr).")
 def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """Validate a config and print the resolved tree (and, on stderr, what would stop stage 1 from training from the
     cache the config captures: `hmscale cache` and `stage2` take such a config, `hmscale run` and `stage1` refuse it;
@@ -63,7 +63,7 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
             typer.echo(f"hmscale: note: {note}", err=True)
 
 
-@app.command()
+@app.command(short_help="Cache the teacher's tensors; `cache verify DIR`, `cache list [ROOT]`, `cache rm DIR`.")
 def cache(
     config: Optional[str] = ConfigArg,
     target: Optional[str] = typer.Argument(None, help="with `verify` / `rm`: the cache directory; with `list`: "
@@ -133,7 +133,7 @@ def cache(
     typer.echo(str(path))
 
 
-@app.command()
+@app.command(short_help="Prepare the data only (tokenizer, token stream, shard plan): a CPU step.")
 def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = OverridesOpt):
     """Prepare the data only (tokenizer, tokenised stream, shard plan; cached and reused by every later command): a
     CPU step to run before the GPU jobs. Reports how far the train stream covers the token budget."""
@@ -205,7 +205,7 @@ def stage2(
     _run_stages(config, overrides, ("stage2",), stage1_from=stage1_from)
 
 
-@app.command("eval")
+@app.command("eval", short_help="Perplexity of teacher and students; lm-eval-harness tasks; CONFIG may be a run dir.")
 def eval_(
     config: Optional[str] = ConfigArg,
     overrides: Optional[List[str]] = OverridesOpt,
