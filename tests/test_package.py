@@ -46,3 +46,16 @@ print("ok", "triton" in sys.modules and sys.modules["triton"] is None)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "ok True"
+
+
+def test_the_cli_and_the_config_import_no_torch(tmp_path):
+    """`hmscale --help`, `hmscale check` and config errors answer without the ML stack's imports (the config imported
+    the teacher package, whose loader imported the models, transformers and torch: ~5 s for `hmscale --help`)."""
+    code = ("import sys, hmscale.cli, hmscale.config, hmscale.teacher.flavors; "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'ray') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    r = subprocess.run([sys.executable, "-c", "from hmscale.teacher import load_teacher; print(callable(load_teacher))"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "True", r.stderr

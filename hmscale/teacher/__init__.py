@@ -12,9 +12,18 @@ import json
 from pathlib import Path
 
 from hmscale.data.cachedir import resumable_dir, stable_hash
-from hmscale.teacher.load import load_teacher
 
 __all__ = ["get_teacher", "load_teacher", "teacher_cache_dir"]
+
+
+def __getattr__(name):
+    # the loader (models, transformers: seconds of imports) on first use: the config imports this package's flavors,
+    # and with them every command, `hmscale --help` included
+    if name == "load_teacher":
+        from hmscale.teacher.load import load_teacher
+
+        return load_teacher
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def teacher_cache_dir(cfg, data) -> Path:
@@ -26,6 +35,8 @@ def teacher_cache_dir(cfg, data) -> Path:
 
 def get_teacher(cfg, data, device=None, log=print):
     """The run's teacher, frozen and in eval mode (see the module docstring)."""
+    from hmscale.teacher.load import load_teacher
+
     t = cfg.teacher
     if device is None:
         device = "cuda" if cfg.parallel.use_gpu else "cpu"
