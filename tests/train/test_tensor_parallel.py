@@ -11,14 +11,24 @@ def rel_err(a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def test_tp2_equals_tp1(launch_job, tmp_path):
-    common = ["stage2.steps=5", "stage2.micro_batch_size=4", "stage2.warmup_steps=2", "stage2.lr=3e-3",
-              "parallel.checkpoint_every=100", "parallel.zero_stage=1"]
-    (ref,) = launch_job({"runs": [{"overrides": common, "run_dir": str(tmp_path / "tp1")}]}, world=1)
-    (tp2,) = launch_job({"runs": [{"overrides": common + ["parallel.tp=2", "parallel.num_workers=2"],
-                                   "run_dir": str(tmp_path / "tp2"), "export": True}]}, world=2)
-    assert len(ref) == len(tp2) == 5
-    assert rel_err(tp2, ref) <= 1e-5, (ref, tp2)
+def test_tp2_equals_tp1_with_and_without_online_kd(launch_job, tmp_path):
+    """Both runs in one launch per layout (process start-up is most of their time): plain stage 2, 5 steps, with the
+    tp run's HF export; and the vocabulary-parallel LM head's KD path end to end, online KD from the live teacher's
+    logits at temperature 2 with a reduced CE weight, 4 steps. tp=2 x dp=1 against tp=1, fp32."""
+    base = ["stage2.micro_batch_size=4", "stage2.lr=3e-3", "parallel.checkpoint_every=100", "parallel.zero_stage=1"]
+    plain = base + ["stage2.steps=5", "stage2.warmup_steps=2"]
+    kd = base + ["stage2.steps=4", "stage2.warmup_steps=1", "stage2.kd_source=online", "stage2.kd_weight=2",
+                 "stage2.kd_temperature=2", "stage2.ce_weight=0.5"]
+    tp2 = ["parallel.tp=2", "parallel.num_workers=2"]
+    ref, ref_kd = launch_job({"runs": [{"overrides": plain, "run_dir": str(tmp_path / "tp1")},
+                                       {"overrides": kd, "run_dir": str(tmp_path / "tp1_kd")}]}, world=1)
+    got, got_kd = launch_job({"runs": [{"overrides": plain + tp2, "run_dir": str(tmp_path / "tp2"), "export": True},
+                                       {"overrides": kd + tp2, "run_dir": str(tmp_path / "tp2_kd")}]}, world=2)
+    assert len(ref) == len(got) == 5
+    assert rel_err(got, ref) <= 1e-5, ("plain", ref, got)
+    assert len(ref_kd) == len(got_kd) == 4
+    assert rel_err(got_kd, ref_kd) <= 1e-5, ("online KD", ref_kd, got_kd)
+    assert len(set(ref_kd)) == 4  # the loss moves: not a constant that would match trivially
     # the tp run exports one full (unsharded) HF model
     import torch
     from transformers import AutoModelForCausalLM
@@ -28,20 +38,6 @@ def test_tp2_equals_tp1(launch_job, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tp2" / "stage2" / "hf"))
     out = model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     assert out.logits.shape == (1, 8, model.config.vocab_size)
-
-
-def test_tp2_with_online_kd_equals_tp1(launch_job, tmp_path):
-    """The vocabulary-parallel LM head's KD path end to end: online KD from the live teacher's logits at
-    temperature 2 (and a reduced CE weight), tp=2 x dp=1 against tp=1, fp32, 4 steps."""
-    common = ["stage2.steps=4", "stage2.micro_batch_size=4", "stage2.warmup_steps=1", "stage2.lr=3e-3",
-              "stage2.kd_source=online", "stage2.kd_weight=2", "stage2.kd_temperature=2", "stage2.ce_weight=0.5",
-              "parallel.checkpoint_every=100", "parallel.zero_stage=1"]
-    (ref,) = launch_job({"runs": [{"overrides": common, "run_dir": str(tmp_path / "tp1")}]}, world=1)
-    (tp2,) = launch_job({"runs": [{"overrides": common + ["parallel.tp=2", "parallel.num_workers=2"],
-                                   "run_dir": str(tmp_path / "tp2")}]}, world=2)
-    assert len(ref) == len(tp2) == 4
-    assert rel_err(tp2, ref) <= 1e-5, (ref, tp2)
-    assert len(set(ref)) == 4  # the loss moves: not a constant that would match trivially
 
 
 def test_tp_with_zero3_is_a_clear_error():
