@@ -9,19 +9,30 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("transfer,export", [("attention", "feature_maps.safetensors"),
-                                             ("mixer", "mixers.safetensors")])
-def test_layer_parallel_matches_single_worker(launch_job, tmp_path, transfer, export):
-    common = ["stage1.steps=5", "stage1.micro_batch_size=4", "stage1.lr=0.05", "stage1.warmup_steps=1",
-              "stage1.source=online", "parallel.checkpoint_every=100", "parallel.zero_stage=2",
-              f"stage1.transfer={transfer}"]
-    (one,) = launch_job({"runs": [{"overrides": common, "run_dir": str(tmp_path / "one"), "stage": "stage1"}]}, world=1)
-    (two,) = launch_job({"runs": [{"overrides": common + ["stage1.layer_parallel=true", "parallel.num_workers=2"],
-                                   "run_dir": str(tmp_path / "two"), "stage": "stage1"}]}, world=2)
-    assert len(one) == len(two) == 5 and len(one[0]) == 2  # 5 steps x 2 layers
+EXPORTS = {"attention": "feature_maps.safetensors", "mixer": "mixers.safetensors"}
+
+
+def test_layer_parallel_matches_single_worker(launch_job, tmp_path):
+    """Both transfers (attention: the feature maps; mixer: the whole HedgeMamba mixer) in one launch per layout."""
+    def common(transfer):
+        return ["stage1.steps=5", "stage1.micro_batch_size=4", "stage1.lr=0.05", "stage1.warmup_steps=1",
+                "stage1.source=online", "parallel.checkpoint_every=100", "parallel.zero_stage=2",
+                f"stage1.transfer={transfer}"]
+
+    lp = ["stage1.layer_parallel=true", "parallel.num_workers=2"]
+    ones = launch_job({"runs": [{"overrides": common(t), "run_dir": str(tmp_path / t / "one"), "stage": "stage1"}
+                                for t in EXPORTS]}, world=1)
+    twos = launch_job({"runs": [{"overrides": common(t) + lp, "run_dir": str(tmp_path / t / "two"), "stage": "stage1"}
+                                for t in EXPORTS]}, world=2)
+    for (transfer, export), one, two in zip(EXPORTS.items(), ones, twos):
+        _check(tmp_path / transfer, transfer, export, one, two)
+
+
+def _check(tmp_path, transfer, export, one, two):
+    assert len(one) == len(two) == 5 and len(one[0]) == 2, transfer  # 5 steps x 2 layers
     for a, b in zip(one, two):
         for x, y in zip(a, b):
-            assert abs(x - y) <= 1e-4 * abs(x) + 1e-9, (one, two)
+            assert abs(x - y) <= 1e-4 * abs(x) + 1e-9, (transfer, one, two)
     assert one[-1] != one[0]
     meta = json.loads((tmp_path / "two" / "stage1" / "summary.json").read_text())
     assert meta["layer_parallel"] and meta["done"]
