@@ -233,18 +233,23 @@ def make_cache_dir(cache_dir: Path) -> None:
         raise CacheError(f"the cache directory {cache_dir}: {problem}; set cache.root to a directory you can write")
 
 
-def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) -> Manifest | None:
+def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log, kept=None) -> Manifest | None:
     """A view onto the cache under cache.root that covers the request's capture and holds the most of its shards, all
     of them intact (``reuse``): saved when it holds every shard (no teacher forward); else returned for the shards
-    it lacks to be computed into it. None when no cache holds any."""
+    it lacks to be computed into it. None when no cache holds any. ``kept``: shards already in the directory (the own
+    shards of a view being replaced, verified), recorded as the view's own where the source lacks them."""
     for source in covering_caches(cfg.cache.root, cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
         view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids,
                              own_layout=cp.manifest_layout(), config_hash=config_hash)
         held = sorted(view.shards)
         if len(existing_shards(view, held, log=lambda *_: None)) < len(held):
             continue  # a source shard missing or altered: not this one
+        mine = {s: {**e, "own": True} for s, e in (kept or {}).items() if s not in view.shards}
+        view.data["shards"].update({str(s): e for s, e in sorted(mine.items())})
+        mine = existing_shards(view, sorted(mine), log=lambda *_: None)  # (another build may have removed one since)
+        view.update_complete()
         what = (f"cache: reusing {source.cache_dir.name} as a view ({describe_view(cp.spec, source)}): "
-                f"{len(held)} shards read from it, verified")
+                f"{len(held)} shards read from it, verified" + (f", {len(mine)} kept of its own" if mine else ""))
         if view.complete:
             make_cache_dir(cp.cache_dir)
             # under the build lock: the directory may hold shards of an earlier cache or view of this key whose manifest
@@ -260,7 +265,8 @@ def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log) ->
                 _remove_unrecorded_shards(view)
             log(f"{what}; no teacher forward needed")
         else:
-            log(f"{what}; the other {len(cp.shard_ids) - len(held)} are computed for this view, at its own capture")
+            log(f"{what}; the other {len(cp.shard_ids) - len(view.shards)} are computed for this view, at its own "
+                "capture")
         return view
     return None
 
@@ -325,8 +331,10 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             log(f"cache: {err}: starting a new manifest (its shards are redone, to the same bytes)")
     if manifest is not None and manifest.data.get("key") != cp.key:
         raise CacheError(f"{cache_dir}/manifest.json belongs to cache {manifest.data.get('key')}, not {cp.key}; remove the directory")
+    kept: dict[int, dict] = {}  # the own shards of a view replaced below (entries of a cache of its own)
     if manifest is not None and manifest.view_of:
         theirs = {s for s, e in manifest.shards.items() if not e.get("own")}  # (recorded: read from the source)
+        checked = (manifest.view_of, dict(manifest.data["shards"]))  # (what was found broken, before any drop)
         present = existing_shards(manifest, cp.shard_ids, log=lambda *_: None)
         if len(present) == len(cp.shard_ids):
             log(f"cache: reusing {cache_dir} (a view onto {manifest.view_of}: {shards_line(manifest, cp.shard_ids)}): "
@@ -334,23 +342,35 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             return cache_dir
         lost = sorted(s for s in cp.shard_ids if s in theirs and s not in present)
         if lost:  # the source lost shards the view reads: replaced (shards it merely lacks are added to it, below)
-            # under the build lock: another build may be replacing it too (it then holds, or is writing, its own shards)
+            # under the build lock: another build may be replacing it too (it then holds, or is writing, its own shards,
+            # or is a view again: onto another cache, or with shards of its own for those lost): only the view found
+            # broken above is deleted, never what another build made of it meanwhile
             with _build_lock(cache_dir, log):
                 try:
-                    still_view = Manifest.load(cache_dir).view_of
+                    now = Manifest.load(cache_dir)
+                    still_view = (now.view_of, now.data["shards"]) == checked
                 except CacheError:
-                    still_view = None
+                    still_view = False
                 if still_view:
+                    # its own shards (verified above) are what a cache of its own holds, byte for byte: kept for
+                    # what replaces it, never computed again
+                    kept = {s: {k: v for k, v in e.items() if k != "own"} for s, e in now.shards.items()
+                            if e.get("own") and s in present}
                     log(f"cache: the view {cp.key} onto {manifest.view_of} finds {len(lost)} of the shards it reads "
                         f"there missing or altered (e.g. {shard_name(lost[0])}); replacing it with a cache of its own "
-                        "(its teacher forward runs on every shard, unless another cache under cache.root holds them)")
-                    shutil.rmtree(cache_dir)
+                        f"(keeping the {len(kept)} shards computed for it; its teacher forward runs on the others, "
+                        "unless another cache under cache.root holds them)")
+                    (cache_dir / MANIFEST).unlink()
+                    files = {e["file"] for e in kept.values()}
+                    for p in cache_dir.glob("shard-*.tar"):
+                        if p.name not in files:
+                            p.unlink(missing_ok=True)
         try:  # (what another build wrote meanwhile, else none; a view's own shards found bad are named, redone below)
             manifest = Manifest.load(cache_dir)
         except CacheError:
             manifest = None
     if manifest is None:
-        manifest = _view_onto_covering_cache(cfg, cp, config_hash, log)
+        manifest = _view_onto_covering_cache(cfg, cp, config_hash, log, kept=kept)
         if manifest is not None and manifest.complete:
             return cache_dir
     if manifest is None:
@@ -366,6 +386,7 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             layout=cp.manifest_layout(),
             config_hash=config_hash,
         )
+        manifest.data["shards"].update({str(s): e for s, e in sorted(kept.items())})  # (verified again below)
 
     # one build of a cache at a time: concurrent runs asking for it (ablations started together, a sweep's sizes) wait
     # for the first and find its shards, instead of computing every one again; the lock under the root's .locks/ (the

@@ -126,7 +126,8 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
         state = "complete" if e.complete else "partial"
         if e.view_of:
             gone = not (e.path.resolve().parent / e.view_of / MANIFEST).is_file()  # (`cache list .` in the view)
-            state = f"view of {e.view_of}" + (" (source missing: the next build replaces it)" if gone else "")
+            state = (f"view of {e.view_of}" + ("" if e.complete else ", partial")  # (its own shards interrupted)
+                     + (" (source missing: the next build replaces it)" if gone else ""))
         lines.append(f"{e.key:<26} {teacher:<22} {e.layers:<9} {e.tensors:<22} {e.dtype:<9} {e.token_fraction:>4g} "
                      f"{e.topk:>5} {e.shards_done:>5}/{e.shards_requested:<5} {e.tokens:>13,} {human_bytes(e.bytes):>10}  "
                      f"{state:<9} {e.updated}" + (f"  ({len(e.temporaries)} temporary files, {human_bytes(tmp)})" if e.temporaries else ""))

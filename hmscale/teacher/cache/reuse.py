@@ -11,7 +11,7 @@ The request's own directory then gets a manifest with ``view_of: <source key>``:
 source's entries (file, bytes, sha256) for the requested shards it holds. Readers of the view open the source's files
 (``Manifest.files_dir``), read only the view's layers and tensors and the first k of the top-k: what a cache built for
 the request would return, bit for bit (tested), without its teacher forward or its bytes. A view whose source lost a
-shard is found by the same checks as any cache (size and sha256 before use) and is rebuilt.
+shard is found by the same checks as any cache (size and sha256 before use) and is rebuilt (keeping its own shards).
 
 A request that asks for shards the source does not hold (a larger token budget, ``cache.max_tokens``) still reads
 those it does from the source: only the others get a teacher forward, at the request's own capture, into the view's
