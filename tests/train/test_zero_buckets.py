@@ -39,14 +39,17 @@ def test_one_rank_trains_exactly_as_deepspeed(stage, tiny, tmp_path):
     _same(compare(stage, ds_config(tmp_path, stage), tiny=tiny))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_two_ranks_train_exactly_as_deepspeed(stage, tmp_path, launch_job):
-    res = launch_job(dict(stage=stage, config=ds_config(tmp_path, stage)), 2, timeout=300, job=CASE)
-    r0, r1 = res["ranks"]
-    _same(r0)
-    _same(r1)
-    assert r0["lo"] != r1["lo"]  # the ranks saw different data, and hold the same parameters
-    assert res["params_equal_across_ranks"]
+def test_two_ranks_train_exactly_as_deepspeed(tmp_path, launch_job):
+    """ZeRO-1 and ZeRO-2, one launch."""
+    cases = [dict(stage=stage, config=ds_config(tmp_path, stage)) for stage in (1, 2)]
+    got = launch_job(dict(cases=cases), 2, timeout=300, job=CASE)
+    assert len(got) == 2
+    for res in got:
+        r0, r1 = res["ranks"]
+        _same(r0)
+        _same(r1)
+        assert r0["lo"] != r1["lo"]  # the ranks saw different data, and hold the same parameters
+        assert res["params_equal_across_ranks"]
 
 
 def test_other_configurations_keep_deepspeeds_code(tmp_path):

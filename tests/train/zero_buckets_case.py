@@ -77,17 +77,19 @@ def main(spec_path):
     deepspeed.init_distributed("gloo", verbose=False)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        r = compare(spec["stage"], spec["config"], dp_world=world, rank=rank)
-        mine = dict(lo=r["lo"], lt=r["lt"], no=r["no"], nt=r["nt"],
-                    same_params=all(torch.equal(a, b) for a, b in zip(r["po"], r["pt"])))
-        rows = [None] * world
-        dist.all_gather_object(rows, mine)
-        flat = torch.cat([p.flatten() for p in r["po"]])
-        every = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(every, flat)
+        out = []
+        for case in spec["cases"]:  # (several in one launch: the process start-up is most of a case's time)
+            r = compare(case["stage"], case["config"], dp_world=world, rank=rank)
+            mine = dict(lo=r["lo"], lt=r["lt"], no=r["no"], nt=r["nt"],
+                        same_params=all(torch.equal(a, b) for a, b in zip(r["po"], r["pt"])))
+            rows = [None] * world
+            dist.all_gather_object(rows, mine)
+            flat = torch.cat([p.flatten() for p in r["po"]])
+            every = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(every, flat)
+            out.append(dict(ranks=rows, params_equal_across_ranks=all(torch.equal(every[0], f) for f in every)))
         if rank == 0:
-            Path(spec["out"]).write_text(json.dumps(dict(
-                ranks=rows, params_equal_across_ranks=all(torch.equal(every[0], f) for f in every))))
+            Path(spec["out"]).write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
