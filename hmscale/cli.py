@@ -53,6 +53,8 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
     problem = stage1_cache_problem(cfg)
     if problem:
         typer.echo(f"hmscale: note: `hmscale run` and `hmscale stage1` refuse this config: {problem}", err=True)
+    if not cfg.cache.max_tokens:  # (the whole budget cached: no note; the note's module imports torch)
+        return
     from hmscale.train.common import short_cache_note
 
     # a cache shorter than a stage's rows (stage 1's share; the budget, for stage 2 with cached KD): other rows than

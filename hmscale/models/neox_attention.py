@@ -27,8 +27,8 @@ def rope_type(config) -> str:
     model's config or of config.json as read (where, as transformers reads it, the legacy rope_scaling wins)."""
     if isinstance(config, dict):
         params = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    else:
-        params = getattr(config, "rope_parameters", None) or {}
+    else:  # (transformers 4 keeps the scaling in rope_scaling: no rope_parameters)
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return str(params.get("rope_type", params.get("type", "default")))
 
 

@@ -61,7 +61,10 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
     transformers refuses (a field of the wrong type, heads that do not divide the hidden size)."""
     import json
 
-    from huggingface_hub.errors import StrictDataclassError
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # huggingface_hub < 0.32 (transformers 4 may install one): no strict configs, nothing to catch
+        StrictDataclassError = ()
     from safetensors import SafetensorError
     from transformers import GPTNeoXForCausalLM, PretrainedConfig
 
