@@ -7,11 +7,13 @@ cross-field validation, and the resolved tree saved into the run directory
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
 import re
 import typing
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -506,17 +508,40 @@ def looks_like_path(name_or_path: str, base: str | os.PathLike | None = None) ->
     return s.startswith((".", "/", "~")) or s.count("/") > 1 or (Path(base or ".") / s).exists()
 
 
+_INPUTS_ROOT: contextvars.ContextVar = contextvars.ContextVar("hmscale_inputs_root", default=None)
+
+
+@contextmanager
+def inputs_root(base: str | os.PathLike | None):
+    """Inside the block a relative local teacher folder that is not found from the working directory is looked for
+    under ``base`` by the config's checks: `hmscale eval RUN_DIR` from another folder validates the run's config.yaml,
+    whose inputs are relative to where the run was made (results.json's inputs_dir)."""
+    token = _INPUTS_ROOT.set(str(base) if base else None)
+    try:
+        yield
+    finally:
+        _INPUTS_ROOT.reset(token)
+
+
+def _local_dir(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    root = _INPUTS_ROOT.get()
+    if root and not path.is_absolute() and not path.exists() and (Path(root) / path).exists():
+        return Path(root) / path
+    return path
+
+
 def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
     """(attention heads, layers) of a teacher, from the flavour registry or a local config; (None, None) for a hub id
     this process cannot see yet."""
     for f in FLAVORS.values():
         if f.hub_id == name_or_path:
             return f.n_heads, f.n_layers
-    cfg = Path(name_or_path).expanduser() / "config.json"
+    cfg = _local_dir(name_or_path) / "config.json"
     if cfg.exists():
         tree = json.loads(cfg.read_text())
         return tree.get("num_attention_heads"), tree.get("num_hidden_layers")
-    if Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~")):
+    if _local_dir(name_or_path).exists() or name_or_path.startswith((".", "/", "~")):
         raise ValueError(f"teacher.name_or_path: {name_or_path!r} has no config.json; point it at a saved GPTNeoX model or a hub id")
     return None, None
 
@@ -524,7 +549,7 @@ def _shape_of(name_or_path: str) -> tuple[int | None, int | None]:
 def _mlp_width_of(name_or_path: str) -> int | None:
     """A local teacher's MLP width (config.json's intermediate_size); None for a hub id or a published flavour (4 x
     d_model, which every tp that divides the heads divides)."""
-    cfg = Path(name_or_path).expanduser() / "config.json"
+    cfg = _local_dir(name_or_path) / "config.json"
     if not cfg.exists():
         return None
     width = json.loads(cfg.read_text()).get("intermediate_size")
