@@ -56,3 +56,18 @@ def shard_bytes(cache_dir):
 def tools():
     """The factories, for tests that need more than one teacher / plan / config."""
     return SimpleNamespace(make_teacher=make_teacher, make_data=make_data, make_cfg=make_cfg, shard_bytes=shard_bytes)
+
+
+@pytest.fixture
+def forwarded(monkeypatch):
+    """The shard ids that get a teacher forward in this process (the local engine goes through run_shards)."""
+    from hmscale.teacher.cache.worker import ShardWorker
+
+    seen, real = [], ShardWorker.run_shards
+
+    def spy(self, shard_ids, *a, **k):
+        seen.extend(shard_ids)
+        return real(self, shard_ids, *a, **k)
+
+    monkeypatch.setattr(ShardWorker, "run_shards", spy)
+    return seen

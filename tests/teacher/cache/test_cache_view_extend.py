@@ -18,21 +18,6 @@ SOURCE = {"cache.capture.topk": 8, "cache.max_tokens": 2 * SHARD}  # shards 0, 1
 WANT = {"cache.capture.topk": 4, "cache.capture.layers": "[1]", "cache.capture.tensors": "[attn_input]"}
 
 
-@pytest.fixture
-def forwarded(monkeypatch):
-    """The shard ids that get a teacher forward (every engine path of these tests goes through run_shards)."""
-    from hmscale.teacher.cache.worker import ShardWorker
-
-    seen, real = [], ShardWorker.run_shards
-
-    def spy(self, shard_ids, *a, **k):
-        seen.extend(shard_ids)
-        return real(self, shard_ids, *a, **k)
-
-    monkeypatch.setattr(ShardWorker, "run_shards", spy)
-    return seen
-
-
 def _equal_reads(got_dir, ref_dir, layers=(1,)):
     got, ref = CacheReader(got_dir), CacheReader(ref_dir)
     assert got.shard_ids == ref.shard_ids

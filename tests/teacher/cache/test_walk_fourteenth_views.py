@@ -9,21 +9,6 @@ from hmscale.teacher.cache.manifest import Manifest
 SHARD = 3 * 32  # tokens of one shard of the fixture's plan (3 rows of 32); the plan has 4
 
 
-@pytest.fixture
-def forwarded(monkeypatch):
-    """The shard ids that get a teacher forward (the local engine goes through run_shards)."""
-    from hmscale.teacher.cache.worker import ShardWorker
-
-    seen, real = [], ShardWorker.run_shards
-
-    def spy(self, shard_ids, *a, **k):
-        seen.extend(shard_ids)
-        return real(self, shard_ids, *a, **k)
-
-    monkeypatch.setattr(ShardWorker, "run_shards", spy)
-    return seen
-
-
 def test_a_view_another_build_already_replaced_is_not_deleted_again(tmp_path, teacher, data, tools, forwarded,
                                                                      monkeypatch):
     """Two runs find their view's source damaged: the first replaces the view (here by a view onto another cache,
