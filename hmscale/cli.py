@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from hmscale.config import ConfigError, load_config, stage1_cache_problem
+from hmscale.config import ConfigError, load_config, stage1_cache_problem, unused_settings
 
 app = typer.Typer(
     add_completion=False,
@@ -53,6 +53,8 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
     problem = stage1_cache_problem(cfg)
     if problem:
         typer.echo(f"hmscale: note: `hmscale run` and `hmscale stage1` refuse this config: {problem}", err=True)
+    for line in unused_settings(cfg):
+        typer.echo(f"hmscale: note: {line}", err=True)
     if not cfg.cache.max_tokens:  # (the whole budget cached: no note; the note's module imports torch)
         return
     from hmscale.train.common import short_cache_note

@@ -484,6 +484,25 @@ class RunConfig(_Section):
         return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def unused_settings(cfg: RunConfig) -> list[str]:
+    """One line per setting given a value that this config never uses (a warning, not a refusal: ablations override
+    them wholesale): the KD temperature without a KD term, a teacher's pretraining settings with a teacher loaded
+    from a path or the hub."""
+    out = []
+    s2 = cfg.stage2
+    if s2.kd_weight == 0 and s2.kd_temperature != type(s2).model_fields["kd_temperature"].default:
+        out.append(f"stage2.kd_temperature={s2.kd_temperature:g} has no effect with stage2.kd_weight=0 (no KD term); "
+                   "set stage2.kd_weight > 0 to distill the teacher's log-probs")
+    t = cfg.teacher
+    if t.name_or_path:
+        fields = type(t).model_fields
+        given = [f"teacher.{k}" for k in fields if k.startswith("pretrain_") and getattr(t, k) != fields[k].default]
+        if given:
+            out.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with teacher.name_or_path "
+                       f"set (only a teacher.flavor miniature is pretrained here)")
+    return out
+
+
 def stage1_cache_problem(cfg: RunConfig) -> str | None:
     """Why stage 1 cannot train from the teacher cache this config captures (every layer's attn_input), in one line;
     None when it can or reads no cache. (`hmscale cache` alone may capture less: checked where stage 1 runs.)"""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hmscale.atomic import (atomic_write_json, flock_waiting, remove_temporaries, storage_error_line,
                             writable_dir_problem)
-from hmscale.config import RunConfig, save_resolved, stage1_cache_problem
+from hmscale.config import RunConfig, save_resolved, stage1_cache_problem, unused_settings
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
 
@@ -161,6 +161,8 @@ def _run_recipe(cfg: RunConfig, log=print) -> dict:
     if problem:
         raise RecipeError(problem)
     check_local_gpu(cfg)
+    for line in unused_settings(cfg):
+        log(f"[recipe] note: {line}")
     cfg = cfg.with_absolute_paths()
     run_dir = Path(cfg.output_dir)
     problem = writable_dir_problem(run_dir)

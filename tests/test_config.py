@@ -189,3 +189,19 @@ def test_a_short_list_and_an_empty_value_are_named_plainly():
             build_config({}, [override])
         assert str(err.value).startswith(f"{field}: ") and "got an empty value, null" in str(err.value)
     assert build_config({}, ["cache.max_tokens="]).cache.max_tokens is None  # (where null is a value: taken)
+
+
+def test_settings_this_config_never_uses_are_named():
+    """A KD temperature without a KD term, pretraining settings with a loaded teacher: accepted (ablations override
+    them wholesale), but `hmscale check` and `hmscale run` name them instead of ignoring them silently."""
+    from hmscale.config import unused_settings
+
+    assert unused_settings(build_config({}, [])) == []
+    (line,) = unused_settings(build_config({}, ["stage2.kd_temperature=2"]))
+    assert line.startswith("stage2.kd_temperature=2 has no effect with stage2.kd_weight=0")
+    assert unused_settings(build_config({}, ["stage2.kd_temperature=2", "stage2.kd_weight=1",
+                                             "cache.capture.topk=8"])) == []
+    over = ["teacher.name_or_path=EleutherAI/pythia-160m", "teacher.pretrain_steps=10", "teacher.pretrain_lr=1e-3"]
+    (line,) = unused_settings(build_config({}, over))
+    assert line.startswith("teacher.pretrain_steps, teacher.pretrain_lr have no effect with teacher.name_or_path")
+    assert unused_settings(build_config({}, ["teacher.pretrain_steps=10"])) == []  # the flavour teacher uses them
