@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import sys
 import time
 from pathlib import Path
@@ -424,11 +425,19 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
         ),
     )
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    sigint = signal.getsignal(signal.SIGINT)
     try:
         result = trainer.fit()
         failure = result.error
     except TrainingFailedError as err:  # (Ray Train's fit() raises its result's error itself)
         result, failure = None, err
+    finally:
+        # fit() installs its own SIGINT handler (Ctrl-C: abort this run) and leaves it: afterwards a Ctrl-C in this
+        # process (the recipe's evaluation) only asked the finished run to abort, and the handler kept its controller
+        # actor alive for as long as the process lived
+        if (sigint is not None and signal.getsignal(signal.SIGINT) is not sigint
+                and threading.current_thread() is threading.main_thread()):  # (only the main thread may set it)
+            signal.signal(signal.SIGINT, sigint)
     if failure is not None:
         _raise_recorded_error(run_dir)  # a deterministic worker error, recorded by the worker, wins
         # workers that died (a node lost, a killed process) once the restarts FailureConfig allows are used up: Ray

@@ -464,22 +464,33 @@ def run_sweep(
             _warm(ray, [cfgs[s.name] for s in todo], cpus_per_size, log)
         remote = ray.remote(run_size)
         pending = {}
-        for s in todo:
-            r = res_of[s.name]
-            log(f"[scale] {s.name}: submitting (num_cpus={r['num_cpus']}, num_gpus={r['num_gpus']})")
-            ref = remote.options(**task_options[s.name]).remote(cfgs[s.name].model_dump(mode="json"), recipe, s.name)
-            pending[ref] = s.name
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                name = pending.pop(ref)
+        try:
+            for s in todo:
+                r = res_of[s.name]
+                log(f"[scale] {s.name}: submitting (num_cpus={r['num_cpus']}, num_gpus={r['num_gpus']})")
+                ref = remote.options(**task_options[s.name]).remote(cfgs[s.name].model_dump(mode="json"), recipe,
+                                                                    s.name)
+                pending[ref] = s.name
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    name = pending.pop(ref)
+                    try:
+                        finish(name, ray.get(ref), "done")
+                        log(f"[scale] {name}: done")
+                    except Exception as err:  # noqa: BLE001
+                        msg = str(err).strip().splitlines()
+                        log(f"[scale] {name}: failed: {msg[-1] if msg else err!r}")
+                        finish(name, None, "failed", f"{type(err).__name__}: {msg[-1] if msg else ''}")
+        finally:
+            # stopped part-way (Ctrl-C, a table that could not be written): the sizes still running would train on,
+            # holding their CPUs (GPUs), for as long as this process lives; stopped (force: Ray's plain cancel left a
+            # running task running), a rerun resumes each from its last checkpoint
+            for ref in pending:
                 try:
-                    finish(name, ray.get(ref), "done")
-                    log(f"[scale] {name}: done")
-                except Exception as err:  # noqa: BLE001
-                    msg = str(err).strip().splitlines()
-                    log(f"[scale] {name}: failed: {msg[-1] if msg else err!r}")
-                    finish(name, None, "failed", f"{type(err).__name__}: {msg[-1] if msg else ''}")
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - (finished meanwhile): the error that stopped the loop goes on up
+                    pass
     table = [rows[s.name] for s in sizes_]
     _write_table(out, table)
     if plots:

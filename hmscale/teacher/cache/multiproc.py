@@ -15,18 +15,29 @@ import copy
 import os
 import pickle
 import queue as queue_mod
+import signal
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
+from hmscale.teacher.cache.writer import remove_stale_temporary
 
 
 def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads):
     """Runs in the spawned process: ("ready", index, None) once its teacher is on the device, ("done", index,
     ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback, os_error)) on a
     failure, ``os_error`` (errno, strerror) when it was a file-system error (a full disk), else None."""
+    # a driver killed (SIGKILL, or SIGTERM: no cleanup runs) interrupts its workers, as torch's spawn does the training
+    # engine's: they worked on, orphaned, through every shard dealt to them, holding their devices
+    try:
+        from torch.multiprocessing import _prctl_pr_set_pdeathsig  # (torch's own spawn uses it; Linux only, else no-op)
+
+        _prctl_pr_set_pdeathsig(signal.SIGINT)
+    except (ImportError, AttributeError):  # a torch without it: the workers are not tied to the driver's life
+        pass
     try:
         if threads:
             torch.set_num_threads(int(threads))
@@ -119,4 +130,8 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
         for p in procs:
             p.join(timeout=10)
         results.close()
+        # the shard temporaries of the workers that died or were stopped (a live writer's stay locked and are kept);
+        # the build removes them after a success only
+        for tmp in Path(cp.cache_dir).glob(".shard-*.tmp"):
+            remove_stale_temporary(tmp)
     return startup
