@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,30 +22,57 @@ def _port():
 
 def launch(spec: dict, world: int, tmp: Path, timeout: int = 110, job: Path = JOB):
     """Run `job` (default tests/train/dist_job.py: rank 0's per-run losses) on `world` processes with `spec`;
-    returns what rank 0 wrote as JSON to `spec["out"]`."""
+    returns what rank 0 wrote as JSON to `spec["out"]`. A rank that fails ends the launch at once with its log (its
+    peers would wait for it in a collective until the timeout); a port another process took between `_port()` and
+    rank 0's bind (the suite runs launches side by side) gets one retry on a fresh port."""
     spec = dict(spec, out=str(tmp / "losses.json"))
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    for attempt in (1, 2):
+        codes, logs = _run_ranks(spec_path, world, tmp, timeout, job)
+        busy = any(c and ("EADDRINUSE" in log or "address already in use" in log.lower()) for c, log in zip(codes, logs))
+        if not (busy and attempt == 1):
+            break
+    # the rank that failed on its own first (a negative code: stopped by us, or killed)
+    for c, r in sorted(((c, r) for r, c in enumerate(codes) if c != 0), key=lambda cr: (cr[0] < 0, cr[1])):
+        raise AssertionError(f"rank {r} of {world} exited {c}:\n{logs[r][-4000:]}")
+    return json.loads((tmp / "losses.json").read_text())
+
+
+def _run_ranks(spec_path: Path, world: int, tmp: Path, timeout: float, job: Path):
+    """(exit codes, logs) of one launch; output to files (a pipe nobody reads while polling could fill and block)."""
     port = _port()
-    procs = []
+    procs, files = [], []
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HMSCALE_NO_PROGRESS="1")
+        f = open(tmp / f"rank{r}.log", "w")
+        files.append(f)
         procs.append(subprocess.Popen([sys.executable, str(job), str(spec_path)], cwd=str(REPO), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
-    return json.loads((tmp / "losses.json").read_text())
+                                      stdout=f, stderr=subprocess.STDOUT, text=True))
+    deadline, failed_at = time.time() + timeout, None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.time()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now  # the others get a moment to report their own error, then are stopped
+            if now > deadline or (failed_at is not None and now > failed_at + 10):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in files:
+            f.close()
+    logs = [(tmp / f"rank{r}.log").read_text(errors="replace") for r in range(world)]
+    if failed_at is None and any(c != 0 for c in (p.returncode for p in procs)) and time.time() > deadline:
+        raise AssertionError(f"the {world}-rank launch did not finish in {timeout} s; rank logs:\n"
+                             + "\n".join(f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs)))
+    return [p.returncode for p in procs], logs
 
 
 @pytest.fixture
