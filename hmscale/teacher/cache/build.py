@@ -479,7 +479,8 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
             # a shard failed (or the run was interrupted): that error, on its way up, is the one to see; the manifest's
             # own (often the same full disk) would replace it. The rerun redoes the shards the manifest lacks
             log(f"cache: the manifest could not be saved after the failure either ({type(err).__name__}: {err})")
-    _clean_temporaries(cache_dir)
+        # after a failure too: the temporaries of workers that died or were stopped (a live writer's stay locked)
+        _clean_temporaries(cache_dir)
     left = [s for s in cp.shard_ids if s not in manifest.shards]  # this run's shards (others may ask for more)
     if left:
         raise CacheError(f"cache {cache_dir} lacks {len(left)} of this run's shards after the run (e.g. "

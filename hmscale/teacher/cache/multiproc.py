@@ -18,12 +18,10 @@ import queue as queue_mod
 import signal
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
 from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
-from hmscale.teacher.cache.writer import remove_stale_temporary
 
 
 def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads):
@@ -130,8 +128,4 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
         for p in procs:
             p.join(timeout=10)
         results.close()
-        # the shard temporaries of the workers that died or were stopped (a live writer's stay locked and are kept);
-        # the build removes them after a success only
-        for tmp in Path(cp.cache_dir).glob(".shard-*.tmp"):
-            remove_stale_temporary(tmp)
     return startup
