@@ -237,12 +237,11 @@ def eval_(
              "score a saved model with `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` "
              "or `hmscale generate DIR`")
     from hmscale.config import inputs_root
+    from hmscale.recipe import RecipeError, evaluate_run, run_inputs_dir
 
     # the run's relative inputs (a teacher folder) are checked where the run was made (results.json's inputs_dir)
-    with inputs_root(_inputs_dir(Path(config).parent) if run_dir else None):
+    with inputs_root(run_inputs_dir(Path(config).parent) if run_dir else None):
         cfg = _config(config, run_dir + list(overrides or []) + extra)
-        from hmscale.recipe import RecipeError, evaluate_run
-
         task_list = [t for t in (tasks or "").split(",") if t]
         tasks_from = "--tasks" if task_list else "eval.tasks"
         task_list = task_list or list(cfg.eval.tasks)
@@ -253,15 +252,6 @@ def eval_(
         except (RecipeError, ValueError) as err:
             fail(str(err))
     typer.echo(json.dumps(res, indent=2))
-
-
-def _inputs_dir(run_dir: Path) -> str | None:
-    """The folder a finished run read its relative inputs from (results.json's inputs_dir), if it says."""
-    try:
-        base = json.loads((run_dir / "results.json").read_text()).get("inputs_dir")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return base if isinstance(base, str) else None
 
 
 @app.command()

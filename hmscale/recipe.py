@@ -479,13 +479,22 @@ def evaluate_models(cfg: RunConfig, data, models: dict, log=print) -> dict:
     return out
 
 
+def run_inputs_dir(run_dir: Path) -> str | None:
+    """The folder a finished run read its relative inputs from (results.json's inputs_dir), if it says."""
+    try:
+        base = json.loads((Path(run_dir) / "results.json").read_text()).get("inputs_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return base if isinstance(base, str) else None
+
+
 def _inputs_as_run(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """``cfg`` with the relative inputs it shares with the run's config.yaml (data.paths, a teacher or tokenizer
     folder) read where the run read them (results.json's inputs_dir), so that `hmscale eval RUN_DIR` scores the run's
     own data and teacher from any folder; inputs given otherwise stay as given."""
     from hmscale.run_identity import saved_tree
 
-    base = json.loads((run_dir / "results.json").read_text()).get("inputs_dir")
+    base = run_inputs_dir(run_dir)
     tree = saved_tree(run_dir)
     if not base or tree is None or not Path(base).is_dir() or Path(base).resolve() == Path.cwd().resolve():
         return cfg
