@@ -431,6 +431,10 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
         failure = result.error
     except TrainingFailedError as err:  # (Ray Train's fit() raises its result's error itself)
         result, failure = None, err
+    except SystemExit:
+        # Ctrl-C: fit()'s own SIGINT handler aborts the run's workers and then exits through sys.exit, which Ray's
+        # interrupted get turns into SystemExit(1): an interrupt, so the recipe says how to resume (not a silent end)
+        raise KeyboardInterrupt from None
     finally:
         # fit() installs its own SIGINT handler (Ctrl-C: abort this run) and leaves it: afterwards a Ctrl-C in this
         # process (the recipe's evaluation) only asked the finished run to abort, and the handler kept its controller
