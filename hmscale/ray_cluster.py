@@ -124,6 +124,22 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     return True
 
 
+def stop_embedded(log=print) -> None:
+    """Stop the embedded cluster this process started (``connect``), if it is still up; a no-op on a joined cluster,
+    inside a Ray task or job, and where the caller's own ``ray.init`` came first. A run stops it once its Ray work is
+    done, so the evaluation after the training (and a notebook's next cell) does not keep the cluster's processes,
+    idle workers and object store."""
+    global _started_embedded
+    if not _started_embedded:
+        return
+    _started_embedded = False
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+        log("[ray] embedded local cluster stopped")
+
+
 def process_cpus() -> int:
     """CPU threads for this process's own compute: inside a Ray task or actor, the CPUs Ray granted it (a sweep
     size's task asks for `cpus_per_size`, and its neighbours on the node use the rest), else every core.

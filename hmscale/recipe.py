@@ -127,7 +127,18 @@ def check_local_gpu(cfg: RunConfig) -> None:
 
 def run_recipe(cfg: RunConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the contents of results.json. Ctrl-C says how to resume (on stderr; the
-    training loop adds where its stage stands) and goes on up."""
+    training loop adds where its stage stands) and goes on up. An embedded Ray cluster the run started is stopped
+    once the training is done, and when the run fails."""
+    try:
+        return _run_recipe_errors(cfg, log)
+    finally:
+        from hmscale.ray_cluster import stop_embedded
+
+        stop_embedded(log)  # (after a failure too: a notebook's next cell gets the machine back)
+
+
+def _run_recipe_errors(cfg: RunConfig, log) -> dict:
+    """``_run_recipe``, its failures as the one-line errors of the CLI (and the resume line on Ctrl-C)."""
     from hmscale.teacher.cache.format import CacheError
 
     try:
@@ -243,6 +254,11 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
                 stages[name] = {"seconds": round(float(summary.get("seconds", 0.0)), 2),
                                 "tokens": int(summary.get("tokens", 0)), "summary": _plain(summary)}
         record("distill", t0, earlier_seconds=earlier_seconds(res), engine=cfg.parallel.engine)
+    # the evaluation runs in this process: an embedded Ray cluster's processes and object store (the training's, a
+    # Ray cache build's) go now
+    from hmscale.ray_cluster import stop_embedded
+
+    stop_embedded(log)
 
     if not done("eval"):
         t0 = time.time()

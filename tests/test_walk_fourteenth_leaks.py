@@ -149,8 +149,11 @@ def test_ray_training_gives_back_ctrl_c_and_its_controller(ray_cluster, tmp_path
 
     gc.collect()
     deadline = time.time() + 15
-    while (alive := [a for a in list_actors(filters=[("class_name", "=", "TrainController")]) if a.state == "ALIVE"]) \
-            and time.time() < deadline:
+    # (this cluster's address: with none, the state API looks for every Ray on the host and refuses when a test
+    # beside this one runs another)
+    address = ray_cluster.get_runtime_context().gcs_address
+    while (alive := [a for a in list_actors(address=address, filters=[("class_name", "=", "TrainController")])
+                     if a.state == "ALIVE"]) and time.time() < deadline:
         time.sleep(0.5)
     assert not alive, "the training's controller actor outlived it"
 
