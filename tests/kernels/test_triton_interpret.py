@@ -639,3 +639,43 @@ def test_register_caps(monkeypatch):
         monkeypatch.setenv("HMSCALE_SSD_MAXNREG", bad)
         with pytest.raises(ValueError, match="HMSCALE_SSD_MAXNREG"):
             cap("dbc", bf16)
+
+
+def test_an_unused_final_state_costs_no_zero_gradient():
+    """The core's autograd Function let autograd materialise the unused final state's gradient: a (b, h, p, n) fp32
+    tensor allocated and zero-filled on every backward (a kernel launch and host time on the GPU), then read by the
+    backward walk. Now it arrives as None; gradients of y alone and of the final state alone match the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ins, _ = make_inputs(1, 40, 2, 2, 16, 16, dtype=torch.float32, init=True)
+    dev_ins, _ = on_triton_device(ins)
+    names = list(dev_ins)
+    leaves = [t.clone().requires_grad_() for t in dev_ins.values()]
+    ref_leaves = [t.double().clone().requires_grad_() for t in ins.values()]
+    y, s = ssd(**dict(zip(names, leaves)), chunk_size=16, return_final_state=True, backend="triton")
+    yr, sr = ssd_reference(**dict(zip(names, ref_leaves)), return_final_state=True)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ops = Ops()
+    with ops:
+        g = torch.autograd.grad(y, leaves, gy.to(y.dtype).to(y.device), retain_graph=True)
+    assert not [n for n in ops.names if "zeros" in n or "fill" in n], ops.names
+    gr = torch.autograd.grad(yr, ref_leaves, gy, retain_graph=True)
+    for k, a, r in zip(names, g, gr):
+        assert rel(a, r) < TOL, (k, rel(a, r))
+    gs = torch.randn(s.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    g = torch.autograd.grad(s, leaves, gs.to(s.device).float())  # y unused: its gradient is zeros inside
+    gr = torch.autograd.grad(sr, ref_leaves, gs, allow_unused=True)  # (C does not reach the final state)
+    for k, a, r in zip(names, g, gr):
+        if r is None:
+            assert not a.abs().max(), k
+        else:
+            assert rel(a, r) < TOL, (k, rel(a, r))
