@@ -67,6 +67,25 @@ def check(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = Ov
             typer.echo(f"hmscale: note: {note}", err=True)
 
 
+def _cache_flags_problem(sub, target, overrides, engine, as_json, force) -> str | None:
+    """The first option given that this `hmscale cache` form (build, verify, list or rm) does nothing with, in one line:
+    each was ignored without a word (`--force` on a build forced nothing; `-s cache.root=...` beside `list ROOT`)."""
+    form = sub if sub in ("verify", "list", "rm") else "build"
+    unused = {
+        "--engine": (engine is not None and form != "build", "applies to `hmscale cache CONFIG` only"),
+        "--json": (as_json and form != "list", "applies to `hmscale cache list` only"),
+        "--force": (force and form != "rm", "applies to `hmscale cache rm` only"),
+        "--set": (bool(overrides) and form != "build" and not (form == "list" and not target),
+                  "applies to `hmscale cache CONFIG`, and to `hmscale cache list` without ROOT (its cache.root), only"),
+    }
+    flag = next((f for f, (given, _) in unused.items() if given), None)
+    if flag is None:
+        return None
+    rebuild = (flag, form) == ("--force", "build")
+    again = " (to build a cache again, delete it first: `hmscale cache rm DIR`)" if rebuild else ""
+    return f"{'cache' if form == 'build' else f'cache {form}'}: {flag} {unused[flag][1]}; remove it{again}"
+
+
 @app.command(short_help="Cache the teacher's tensors; `cache verify DIR`, `cache list [ROOT]`, `cache rm DIR`.")
 def cache(
     config: Optional[str] = ConfigArg,
@@ -84,6 +103,9 @@ def cache(
 
     if engine not in (None, "local", "ray"):
         fail(f"cache --engine: {engine!r} is not an engine; use local or ray")
+    problem = _cache_flags_problem(config, target, overrides, engine, as_json, force)
+    if problem:
+        fail(problem)
 
     if config == "list":
         from hmscale.teacher.cache.catalog import format_catalog, list_caches

@@ -28,7 +28,7 @@ from collections import deque
 import ray
 
 from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
-from hmscale.teacher.cache.worker import FAULT_ENV, WRITERS_ENV, NonFiniteCapture
+from hmscale.teacher.cache.worker import FAULT_ENV, WRITERS_ENV, NonFiniteCapture, writers_from_env
 
 
 @ray.remote
@@ -58,9 +58,9 @@ class CacheWorkerActor:
 def actor_writers(gpus: int, cpus: float) -> int:
     """Shards in flight per actor: $HMSCALE_CACHE_WRITERS, else 1 for CPU actors (the forward needs the
     cores) and the node's cores per GPU / 4, clamped to [2, 8], for GPU actors."""
-    env = os.environ.get(WRITERS_ENV)
-    if env:
-        return max(1, int(env))
+    env = writers_from_env()
+    if env is not None:
+        return env
     if not gpus:
         return 1
     return max(2, min(8, int(cpus // max(gpus, 1)) // 4))
@@ -102,9 +102,13 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
         # CPU actors share the node's cores (the whole cluster's on one node; capped by this node's)
         threads = None if gpus else max(1, min(os.cpu_count() or 1, int(res.get("CPU", 1)) // max(n, 1)))
 
+        # absolute: an actor's working directory is where its node's Ray started, not this driver's (a relative
+        # cache.root put the shards under the cluster's directory, the manifest here: every rerun redid them)
+        cache_dir = os.path.abspath(cp.cache_dir)
+
         def start():
             return CacheWorkerActor.options(**opts).remote(
-                teacher_ref, plan_ref, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, capture_fn, threads, writers
+                teacher_ref, plan_ref, cp.spec, cache_dir, cfg.cache.batch_size, capture_fn, threads, writers
             )
 
         actors.update((i, start()) for i in range(n))

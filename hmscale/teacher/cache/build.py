@@ -68,7 +68,7 @@ class CachePlan:
     def describe(self) -> str:
         return (
             f"cache {self.key}: {len(self.shard_ids)} shards, {self.tokens:,} tokens x {len(self.spec.layers)} layers "
-            f"({','.join(self.spec.tensors) or 'no layer tensors'}, {self.spec.dtype}"
+            f"({','.join(self.spec.tensors) if self.spec.stores_layers else 'no layer tensors'}, {self.spec.dtype}"
             f"{', top-%d' % self.spec.topk if self.spec.topk else ''}"
             f"{', %.0f%% of positions' % (100 * self.spec.token_fraction) if self.spec.token_fraction < 1 else ''}): "
             f"{self.bytes_per_token:,.0f} bytes/token, {human_bytes(self.total_bytes)} in total"
@@ -137,7 +137,7 @@ def plan_cache(cfg, plan, teacher, fingerprint: str | None = None) -> CachePlan:
     per_sample = bytes_per_sample(fields)
     total = per_sample * sequences + 10240 * n  # + end-of-archive record per shard
     return CachePlan(
-        cache_dir=Path(cfg.cache.root) / key, key=key, spec=spec, shape=shape, fingerprint=fp, plan_hash=plan.hash,
+        cache_dir=cache_root(cfg) / key, key=key, spec=spec, shape=shape, fingerprint=fp, plan_hash=plan.hash,
         shard_ids=ids, seq_len=plan.seq_len, tokens=tokens, bytes_per_token=per_sample / plan.seq_len,
         total_bytes=total, fields=fields,
     )
@@ -217,6 +217,12 @@ def existing_shards(manifest: Manifest, shard_ids, log=_log) -> set[int]:
     return good
 
 
+def cache_root(cfg) -> Path:
+    """cache.root, with a leading ``~`` expanded as `hmscale run` does (``RunConfig.with_absolute_paths``): left as it
+    was, `hmscale cache` built into a folder named ``~`` in the working directory, where no run ever looked."""
+    return Path(cfg.cache.root).expanduser()
+
+
 def check_root(root) -> None:
     """Refuse a cache.root that can never hold a cache (it, or a folder above it, is a file), before any teacher work."""
     probe = Path(root)
@@ -228,6 +234,9 @@ def check_root(root) -> None:
 
 def make_cache_dir(cache_dir: Path) -> None:
     """Create the cache directory, or stop with one line naming it and why (a file in the way, no permission, ...)."""
+    if cache_dir.is_symlink() and not cache_dir.exists():  # (mkdir said "File exists", and to set cache.root elsewhere)
+        raise CacheError(f"the cache directory {cache_dir} is a link to {os.readlink(cache_dir)}, which does not exist "
+                         "(moved or removed); remove the link, or put back the directory it names")
     problem = writable_dir_problem(cache_dir)
     if problem:
         raise CacheError(f"the cache directory {cache_dir}: {problem}; set cache.root to a directory you can write")
@@ -238,7 +247,7 @@ def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log, ke
     of them intact (``reuse``): saved when it holds every shard (no teacher forward); else returned for the shards
     it lacks to be computed into it. None when no cache holds any. ``kept``: shards already in the directory (the own
     shards of a view being replaced, verified), recorded as the view's own where the source lacks them."""
-    for source in covering_caches(cfg.cache.root, cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
+    for source in covering_caches(cache_root(cfg), cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
         view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids,
                              own_layout=cp.manifest_layout(), config_hash=config_hash)
         held = sorted(view.shards)
@@ -305,7 +314,10 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
     Reuses a finished cache with the same (teacher fingerprint, plan hash, capture spec) without any
     teacher forward; a partial one is completed (finished shards are verified and skipped).
     """
-    check_root(cfg.cache.root)
+    check_root(cache_root(cfg))
+    from hmscale.teacher.cache.worker import writers_from_env
+
+    writers_from_env()  # (a bad $HMSCALE_CACHE_WRITERS: refused before the data, the teacher and the manifest)
     if data is None:
         from hmscale.data import prepare_data
 
@@ -400,11 +412,20 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
                 "no teacher forward needed")
             return cache_dir
     make_cache_dir(cache_dir)  # (one line for an unwritable root, before its lock file is made)
-    with _build_lock(cache_dir, log) as waited:
-        if waited and (cache_dir / MANIFEST).exists():  # the other build's shards, now recorded
-            manifest = Manifest.load(cache_dir)
+    with _build_lock(cache_dir, log):
+        manifest = _latest(manifest)  # (what another build recorded since: waited for, or finished meanwhile)
         return _complete(cfg, plan, teacher, cp, manifest, engine, log=log, capture_fn=capture_fn, device=device,
                          devices=devices, processes=processes)
+
+
+def _latest(manifest: Manifest) -> Manifest:
+    """The cache's manifest as saved now, when another build of it saved one since ``manifest`` was read (one this
+    build waited for, or one that finished meanwhile: its shards are not computed again), else ``manifest``."""
+    try:
+        saved = Manifest.load(manifest.cache_dir)
+    except CacheError:  # none, or damaged (this build's new one replaces it)
+        return manifest
+    return saved if saved.data.get("key") == manifest.data.get("key") else manifest
 
 
 def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str, *, log=_log, capture_fn=None,
@@ -425,6 +446,7 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
             manifest.set_requested(cp.shard_ids)
             manifest.update_complete()
             manifest.save()
+        _clean_temporaries(cache_dir)  # (of a writer killed mid-shard whose shard got done since: else kept for ever)
         view = f" (a view onto {manifest.view_of}: {shards_line(manifest, cp.shard_ids)})" if manifest.view_of else ""
         log(f"cache: reusing {cache_dir}{view}: all {len(cp.shard_ids)} shards present and verified; no teacher "
             "forward needed")

@@ -9,6 +9,7 @@ temporary shard files (a worker killed mid-shard; the next build of that cache r
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ except ImportError:  # not POSIX: no file locks, so no way to tell a build at wo
     fcntl = None
 
 from hmscale.teacher.cache.format import MANIFEST, CacheError, human_bytes, lock_path
-from hmscale.teacher.cache.manifest import Manifest
+from hmscale.teacher.cache.manifest import Manifest, source_dir
 
 __all__ = ["CacheEntry", "list_caches", "format_catalog"]
 
@@ -100,12 +101,20 @@ def _entry(d: Path) -> CacheEntry:
 
 def list_caches(root) -> list[CacheEntry]:
     """Every directory directly under ``root`` (and ``root`` itself if it is a cache), in name order."""
-    root = Path(root)
+    root = Path(root).expanduser()  # (cache.root from a config: `hmscale cache list` without ROOT)
     if not root.is_dir():
         raise CacheError(f"{root} is not a directory; pass a cache root such as .cache/hmscale/teacher (cache.root)")
     if (root / MANIFEST).exists():
         return [_entry(root)]
-    return [_entry(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")]
+    return [_entry(d) if d.is_dir() else _dangling(d) for d in sorted(root.iterdir())
+            if not d.name.startswith(".") and (d.is_dir() or (d.is_symlink() and not d.exists()))]
+
+
+def _dangling(d: Path) -> CacheEntry:
+    """A link in the root whose directory is gone (a cache moved to another disk, then removed there): a build of that
+    key stops on it, so it is listed."""
+    return CacheEntry(path=d, error=f"a link to {os.readlink(d)}, which does not exist (moved or removed); remove the "
+                                    "link, or put back the directory it names")
 
 
 def format_catalog(entries: list[CacheEntry], root) -> str:
@@ -125,7 +134,7 @@ def format_catalog(entries: list[CacheEntry], root) -> str:
         teacher = f"{e.teacher[-13:]}@{e.fingerprint[:8]}"
         state = "complete" if e.complete else "partial"
         if e.view_of:
-            gone = not (e.path.resolve().parent / e.view_of / MANIFEST).is_file()  # (`cache list .` in the view)
+            gone = not (source_dir(e.path, e.view_of) / MANIFEST).is_file()  # (`cache list .` in the view)
             state = (f"view of {e.view_of}" + ("" if e.complete else ", partial")  # (its own shards interrupted)
                      + (" (source missing: the next build replaces it)" if gone else ""))
         lines.append(f"{e.key:<26} {teacher:<22} {e.layers:<9} {e.tensors:<22} {e.dtype:<9} {e.token_fraction:>4g} "
@@ -180,19 +189,42 @@ def remove_cache(path, force: bool = False) -> list[Path]:
     it; without ``force`` a cache that views read is refused, naming them. A cache (or view) a running build is
     writing is refused, ``force`` or not: deleting it under the build broke the build and left a manifest naming
     the deleted shards. Returns what was removed."""
-    import shutil
-
-    if Path(path).is_symlink():
-        raise CacheError(f"{path} is a link; pass the cache directory itself")
-    path = Path(path).resolve()  # `.` or `x/..` name the directory, its key and its root properly
+    path = _cache_dir_named(path)
     if not (path / MANIFEST).is_file():
         Manifest.load(path)  # raises CacheError for a directory that is not a cache
     # a manifest that no longer loads (damaged, edited, another format version) still marks a cache: removable
-    views = [e.path for e in list_caches(path.parent) if e.view_of == path.name and not e.path.is_symlink()]
+    # (a view moved to another disk and linked back into the root reads this cache too: it counts, and goes with it)
+    views = [e.path for e in list_caches(path.parent) if e.view_of == path.name]
     if views and not force:
         raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "
                          "pass --force to remove them too (their runs would otherwise rebuild them with a teacher pass)")
     with _not_being_built([*views, path]):
         for d in [*views, path]:
-            shutil.rmtree(d)
+            _remove_dir(d)
     return [*views, path]
+
+
+def _cache_dir_named(path) -> Path:
+    """The cache directory ``path`` names, as its root holds it: `.` or `x/..` resolved (their lexical parent is not the
+    root); a link in the root to a directory of its own name (a cache moved to another disk) as the link, so that the
+    views and the build lock under that root are found (given the moved directory itself, neither was). Any other
+    link (another name for a cache) is refused."""
+    given = Path(path)
+    if not given.is_symlink():
+        return given.resolve()
+    target = given.resolve()
+    if target.name != given.name or not target.is_dir():
+        raise CacheError(f"{path} is a link; pass the cache directory itself")
+    return Path(os.path.abspath(given))
+
+
+def _remove_dir(d: Path) -> None:
+    """Delete a cache directory; for a link in the root (a view moved elsewhere), the directory it names, and the
+    link."""
+    import shutil
+
+    target = d.resolve() if d.is_symlink() else d
+    if target.is_dir():  # (gone already when another link in the root named it too)
+        shutil.rmtree(target)
+    if d.is_symlink():
+        d.unlink()

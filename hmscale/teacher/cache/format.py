@@ -144,6 +144,11 @@ class CaptureSpec:
         d["layers"], d["tensors"] = list(self.layers), list(self.tensors)
         return d
 
+    @property
+    def stores_layers(self) -> bool:
+        """Whether any layer tensor is stored: some layers and some tensors (either list empty: none, top-k only)."""
+        return bool(self.layers and self.tensors)
+
     def kept_positions(self, seq_len: int) -> int:
         return seq_len if self.token_fraction >= 1.0 else max(1, int(round(self.token_fraction * seq_len)))
 
@@ -236,8 +241,9 @@ def encode_tensor(x: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Te
         return x.to(torch.float32).contiguous(), None
     if storage == "fp8_e4m3":
         x = x.to(torch.float32)
-        amax = x.abs().amax(dim=-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+        # 1 for a row of zeros, and for one so small (subnormal) that its scale underflows to 0: 0/0 stored NaN there
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         return q.contiguous(), scale[..., 0].contiguous()
     if storage == "float16":

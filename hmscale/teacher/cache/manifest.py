@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -159,11 +160,14 @@ def _stored_problem(data: dict, spec: CaptureSpec) -> str | None:
     if layout_d.get("kept_positions", spec.kept_positions(L)) != spec.kept_positions(L):
         return f"layout.kept_positions is {layout_d['kept_positions']}, capture keeps {spec.kept_positions(L)}"
     if data.get("view_of") is None:
-        same = (stored.layers, stored.tensors, stored.topk) == (spec.layers if spec.tensors else (), spec.tensors, spec.topk)
-        if not same or (spec.tensors and stored.dtype != spec.dtype) or (spec.topk and stored.topk_dtype != spec.topk_dtype):
+        # (no layer tensor is stored when either list is empty: no layers, or no tensors of them)
+        held = (spec.layers, spec.tensors) if spec.stores_layers else ((), ())
+        same = (stored.layers, stored.tensors, stored.topk) == (*held, spec.topk)
+        if (not same or (spec.stores_layers and stored.dtype != spec.dtype)
+                or (spec.topk and stored.topk_dtype != spec.topk_dtype)):
             return "layout.fields do not hold what capture says this cache stores"
-    elif (spec.tensors and stored.dtype != spec.dtype) or (spec.topk and (stored.topk < spec.topk
-                                                                          or stored.topk_dtype != spec.topk_dtype)):
+    elif (spec.stores_layers and stored.dtype != spec.dtype) or (spec.topk and (stored.topk < spec.topk
+                                                                                or stored.topk_dtype != spec.topk_dtype)):
         return "layout.fields (the source's) do not hold what the view's capture reads"
     return None
 
@@ -174,6 +178,14 @@ def _fields_problem(spec: CaptureSpec, fields: dict) -> str | None:
     need += ["topk_logprobs", "topk_indices"] if spec.topk else []
     missing = [f for f in need if f not in fields]
     return f"layout.fields lacks {missing[0]!r}, which the capture spec holds" if missing else None
+
+
+def source_dir(cache_dir, view_of: str) -> Path:
+    """The directory of a view's source: its sibling ``view_of`` under the cache root the view is reached through (a
+    view directory moved to another disk and linked back into the root reads its source there, not beside the link's
+    target), else beside the directory itself (also when named `.` or `x/..`, whose lexical parent is not the root)."""
+    roots = [Path(os.path.abspath(cache_dir)).parent, Path(cache_dir).resolve().parent]
+    return next((r / view_of for r in roots if (r / view_of).is_dir()), roots[0] / view_of)
 
 
 class Manifest:
@@ -242,9 +254,8 @@ class Manifest:
 
     @property
     def files_dir(self) -> Path:
-        """Where the shard files named in ``shards`` lie: this directory, or for a view its source's (a sibling; of the
-        directory itself, also when named `.` or `x/..`, whose lexical parent is not the cache root)."""
-        return self.cache_dir.resolve().parent / self.view_of if self.view_of else self.cache_dir
+        """Where the shard files named in ``shards`` lie: this directory, or a view's source's (``source_dir``)."""
+        return source_dir(self.cache_dir, self.view_of) if self.view_of else self.cache_dir
 
     @property
     def shards(self) -> dict[int, dict]:

@@ -37,8 +37,8 @@ def covers(source: Manifest, fingerprint: str, plan_hash: str, spec: CaptureSpec
         have = CaptureSpec.from_json(d["capture"])
     except (KeyError, TypeError):
         return False
-    if spec.tensors and (have.dtype != spec.dtype or not set(spec.layers) <= set(have.layers)
-                         or not set(spec.tensors) <= set(have.tensors)):
+    if spec.stores_layers and (have.dtype != spec.dtype or not set(spec.layers) <= set(have.layers)
+                               or not set(spec.tensors) <= set(have.tensors)):
         return False
     if have.token_fraction != spec.token_fraction:  # the kept positions, read by every stage
         return False
@@ -55,7 +55,7 @@ def covering_caches(root, fingerprint: str, plan_hash: str, spec: CaptureSpec, s
         return []
     found = []
     for d in sorted(root.iterdir()):
-        if not d.is_dir() or d.name.startswith("."):
+        if not d.is_dir() or d.name.startswith(".") or _alias(d):
             continue
         try:
             m = Manifest.load(d)
@@ -64,6 +64,13 @@ def covering_caches(root, fingerprint: str, plan_hash: str, spec: CaptureSpec, s
         if covers(m, fingerprint, plan_hash, spec) and want & set(m.shards):
             found.append(m)
     return sorted(found, key=lambda m: (-len(want & set(m.shards)), sum(int(e["bytes"]) for e in m.shards.values())))
+
+
+def _alias(d: Path) -> bool:
+    """A link under another name than the directory it names (a friendly name for a cache): never a view's source, as
+    the view would name the link, which `cache rm` of the cache itself does not know (a cache moved to another disk
+    and linked back under its own name is one)."""
+    return d.is_symlink() and d.resolve().name != d.name
 
 
 def view_manifest(cache_dir, source: Manifest, *, key: str, spec: CaptureSpec, shard_ids, own_layout: dict,
@@ -105,7 +112,7 @@ def shards_line(view: Manifest, shard_ids) -> str:
 def describe_view(spec: CaptureSpec, source: Manifest) -> str:
     have = CaptureSpec.from_json(source.data["capture"])
     parts = []
-    if set(have.layers) != set(spec.layers) and spec.tensors:
+    if set(have.layers) != set(spec.layers) and spec.stores_layers:
         parts.append(f"layers {list(spec.layers)} of {len(have.layers)}")
     if set(have.tensors) != set(spec.tensors):
         parts.append(f"tensors {'+'.join(spec.tensors) or 'none'} of {'+'.join(have.tensors)}")

@@ -53,13 +53,26 @@ FAULT_ENV = "HMSCALE_CACHE_FAULT"  # "SHARD:MARKER": die (os._exit) mid-way thro
 WRITERS_ENV = "HMSCALE_CACHE_WRITERS"  # shards in flight per worker (default: default_writer_threads)
 
 
+def writers_from_env() -> int | None:
+    """$HMSCALE_CACHE_WRITERS as a number of shards in flight (at least 1), or None when unset; anything but an integer
+    is refused in one line naming the variable (int() said only "invalid literal ... 'four'")."""
+    env = os.environ.get(WRITERS_ENV, "").strip()
+    if not env:
+        return None
+    try:
+        return max(1, int(env))
+    except ValueError:
+        raise CacheError(f"{WRITERS_ENV}={env!r} is not a number of shards written at once per worker; set it to a "
+                         "positive integer (e.g. 4), or unset it for the default") from None
+
+
 def default_writer_threads(device) -> int:
     """Shards written concurrently by one worker: $HMSCALE_CACHE_WRITERS, else 1 on CPU (the forward
     itself needs the cores) and cores/4 clamped to [2, 8] on a GPU (each shard keeps ~2 threads busy:
     file writes and sha256)."""
-    env = os.environ.get(WRITERS_ENV)
-    if env:
-        return max(1, int(env))
+    env = writers_from_env()
+    if env is not None:
+        return env
     if torch.device(device).type != "cuda":
         return 1
     return max(2, min(8, (os.cpu_count() or 8) // 4))
