@@ -13,15 +13,21 @@ from __future__ import annotations
 import torch
 
 
+@torch.no_grad()
+def prefill(model, prompt_ids: torch.Tensor):
+    """The prompt through the chunked scan: (the recurrent cache, the logits (b, vocab) for the first new token). Only
+    the last position's logits are made (``logits_to_keep=1``): all (b, prompt length, vocab) of them are GBs at long
+    contexts, and a view of their last position kept them allocated as long as the decoder lived."""
+    out = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1, return_dict=True)
+    return out.cache, out.logits[:, -1]
+
+
 class GraphDecoder:
     def __init__(self, model, prompt_ids: torch.Tensor, warmup: int = 2):
         if prompt_ids.device.type != "cuda":
             raise ValueError("GraphDecoder needs CUDA tensors; on CPU use model.generate()")
         self.model = model.eval()
-        with torch.no_grad():
-            out = model(input_ids=prompt_ids, use_cache=True, return_dict=True)
-        self.cache = out.cache
-        self.next_logits = out.logits[:, -1]
+        self.cache, self.next_logits = prefill(model, prompt_ids)
         self.pos = prompt_ids.shape[1]
         b = prompt_ids.shape[0]
         dev = prompt_ids.device
@@ -59,12 +65,13 @@ class GraphDecoder:
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (b,) or (b, 1); returns the logits for the following position."""
+        """Feed one token per row (b,) or (b, 1); returns the logits for the following position, a tensor of its own
+        (a copy: the graph's output buffer is overwritten by the next step, so kept logits changed under the caller)."""
         self.static_ids.copy_(ids.view(-1, 1))
         self.static_pos.fill_(self.pos)
         self.graph.replay()
         self.pos += 1
-        return self.static_logits
+        return self.static_logits.clone()
 
     @torch.no_grad()
     def greedy(self, n: int) -> torch.Tensor:

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  (before register_model below: see the note there)
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
@@ -43,15 +45,33 @@ def _lm_dtype(dtype) -> torch.dtype | None:
     return _DTYPES[str(dtype)]
 
 
+def _positive_int(value) -> int | None:
+    """``value`` as an int if it is one >= 1 (lm-eval's --model_args pass strings), else None."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 1 and n == float(value) else None
+
+
+# lm-eval fills its model registry with its own models (hf, vllm, ...) on first use only if the registry is still
+# empty: registering "hmscale" first left every other name unknown ("no model for this name found! Supported model
+# names: hmscale") for the rest of the process. Importing lm_eval.models (lazy placeholders, cheap) registers them.
 @register_model("hmscale")
 class HmscaleLM(LM):
     max_gen_toks = 256  # new tokens of a generate_until task that sets no max_gen_toks: lm-eval's hf model's default
 
     def __init__(self, model=None, tokenizer=None, pretrained: str | None = None, batch_size: int | str = 8,
-                 max_length: int = 1024, device: str | None = "cpu", dtype: str | torch.dtype | None = None, **_):
+                 max_length: int = 1024, device: str | None = None, dtype: str | torch.dtype | None = None, **_):
         super().__init__()
+        if device is None and model is not None:  # a model object is scored where it is (as lm-eval's hf model does)
+            device = next(model.parameters()).device  # (a "cpu" default moved a GPU model, in place, to the CPU)
         device = _lm_device(device)
         dtype = _lm_dtype(dtype)
+        if isinstance(tokenizer, (str, Path)):  # (--model_args tokenizer=DIR_OR_ID, as lm-eval's hf model takes it)
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(str(tokenizer)))
         if model is None:
             if pretrained is None:
                 raise ValueError("HmscaleLM needs a model object or pretrained=DIR")
@@ -83,7 +103,10 @@ class HmscaleLM(LM):
             self.batch_size = int(batch_size)
         except (TypeError, ValueError):
             raise ValueError(f"HmscaleLM: batch_size={batch_size!r}; use a number or auto") from None
-        self.max_length = int(max_length)
+        self.max_length = _positive_int(max_length)
+        if self.max_length is None:  # (0 or less: rolling windows of no tokens, every document scored 0.0)
+            raise ValueError(f"HmscaleLM: max_length={max_length!r}; use the tokens a forward may take, 1 or more "
+                             "(e.g. 1024)")
         self._device = device
 
     # ---------------------------------------------------------------- helpers
@@ -162,6 +185,10 @@ class HmscaleLM(LM):
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False):
+        if requests and not callable(getattr(self.model, "generate", None)):
+            # (the stage-1 Hedgehog student is a plain module: it scores tokens, it has no generate())
+            raise ValueError(f"lm-eval: {type(self.model).__name__} has no generate(), so generate_until tasks cannot "
+                             "run on it; score it on loglikelihood tasks, or generate with the teacher or HedgeMamba")
         out = []
         for req in self._progress(requests, disable_tqdm):
             context, kwargs = req.args

@@ -234,6 +234,22 @@ class HedgeMambaCache:
     def nbytes(self) -> int:
         return sum(s.numel() * s.element_size() for st in (self.conv_states, self.ssm_states) for s in st if s is not None)
 
+    @property
+    def batch_size(self) -> int | None:
+        """The rows the states hold (None before the first forward)."""
+        return next((s.shape[0] for st in (self.ssm_states, self.conv_states) for s in st if s is not None), None)
+
+    def check_batch(self, rows: int) -> None:
+        """One-line ValueError when an input of ``rows`` rows would continue states of another batch (the conv's
+        concatenation failed deep inside the first layer)."""
+        held = self.batch_size
+        if held is None or held == rows:
+            return
+        how = (f"cache.batch_repeat_interleave({rows // held}) repeats each of its rows {rows // held} times"
+               if rows % held == 0 else "cache.batch_select_indices(rows) keeps some of its rows")
+        raise ValueError(f"HedgeMamba: the cache holds the state of {held} row(s), the input has {rows}; continue it "
+                         f"with an input of {held} row(s) ({how})")
+
 
 # --------------------------------------------------------------------------- mixer pieces
 
@@ -568,7 +584,13 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
         self.embed_in = value
 
     def forward(self, input_ids=None, inputs_embeds=None, position_ids=None, cache=None, use_cache=False,
-                seq_idx=None, attention_mask=None, output_hidden_states=False, **kwargs) -> HedgeMambaOutput:
+                seq_idx=None, attention_mask=None, output_hidden_states=None, return_dict=None,
+                **kwargs) -> HedgeMambaOutput:
+        # (None: the config's, as transformers' models read them: AutoModel users set them there)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if return_dict is None:
+            return_dict = self.config.return_dict
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("HedgeMamba: pass exactly one of input_ids or inputs_embeds")
         x = self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
@@ -578,6 +600,8 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
         if not use_cache:
             cache = None
         offset = cache.seqlen if cache is not None else 0
+        if cache is not None:
+            cache.check_batch(b)
         token_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
@@ -617,7 +641,26 @@ class HedgeMambaModel(HedgeMambaPreTrainedModel):
             hidden[-1] = x
         if cache is not None:
             cache.seqlen += l
-        return HedgeMambaOutput(last_hidden_state=x, cache=cache, hidden_states=tuple(hidden) if hidden else None)
+        out = HedgeMambaOutput(last_hidden_state=x, cache=cache, hidden_states=tuple(hidden) if hidden else None)
+        return out if return_dict else out.to_tuple()
+
+
+def _generate_cache_key() -> str:
+    """The ``model_kwargs`` name by which transformers' generate() carries a cache between steps and beam search reorders
+    it: the first of its ``ALL_CACHE_NAMES`` ("cache" in 5.24, "past_key_values" in 5.17; read at call time)."""
+    from transformers.generation import utils
+
+    names = getattr(utils, "ALL_CACHE_NAMES", None)
+    return names[0] if names else "past_key_values"
+
+
+def _expand_like_the_input(cache: HedgeMambaCache, rows: int) -> None:
+    """generate() repeats each input row ``k`` times (``num_return_sequences``, ``num_beams``) but not a cache passed in
+    (``generate(ids, cache=prefilled, ...)``): repeat each of its rows ``k`` times alike, so that row ``i * k + j`` of
+    the input continues the state of row ``i``. A cache of one row thus serves a batch that shares its prefix."""
+    held = cache.batch_size
+    if held is not None and held != rows and rows % held == 0:
+        cache.batch_repeat_interleave(rows // held)
 
 
 class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
@@ -632,6 +675,15 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # we bring our own recurrent cache (created in forward when use_cache)
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        """transformers' update, carrying the recurrent cache to the next step under the name this transformers'
+        generate() keeps (and beam search reorders) a cache by: an older one (5.17, the GPU image's) reads no output
+        named ``cache``, so every step recomputed the whole sequence and beams never reordered a cache passed in."""
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        if getattr(outputs, "cache", None) is not None:
+            model_kwargs[_generate_cache_key()] = outputs.cache
+        return model_kwargs
 
     def get_input_embeddings(self):
         return self.backbone.embed_in
@@ -648,7 +700,11 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
                                       use_cache=None, position_ids=None, next_sequence_length=None,
                                       is_first_iteration=False, **kwargs):
+        if cache is None:  # (an older transformers carries it as past_key_values: _update_model_kwargs_for_generation)
+            cache = kwargs.pop(_generate_cache_key(), None)
         past = cache.seqlen if cache is not None else 0
+        if cache is not None:
+            _expand_like_the_input(cache, (input_ids if input_ids is not None else inputs_embeds).shape[0])
         inputs = {}
         # the positions so far: after a prompt given as embeddings, input_ids holds only the generated tokens while the
         # cache counts the prompt's positions too
@@ -695,7 +751,8 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
             return_dict = self.config.return_dict
         out = self.backbone(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
                             cache=cache, use_cache=bool(use_cache) or cache is not None, seq_idx=seq_idx,
-                            attention_mask=attention_mask, output_hidden_states=bool(output_hidden_states))
+                            attention_mask=attention_mask, output_hidden_states=bool(output_hidden_states),
+                            return_dict=True)
         x = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
