@@ -187,13 +187,7 @@ def train_func(config: dict):
     data = teacher = None
     results = {}
     try:
-        if config.get("need_data", True):
-            from hmscale.data import prepare_data
-
-            data = prepare_data(cfg, log=lambda *a, **k: None)
-        from hmscale.teacher import get_teacher
-
-        teacher = get_teacher(cfg, data, log=lambda *a, **k: None)
+        data, teacher = _worker_inputs(cfg, config)
         cache_dir = config.get("cache_dir")
 
         from hmscale.train.stage1 import load_stage1_student, run_stage1
@@ -221,7 +215,8 @@ def train_func(config: dict):
             if student is None:
                 student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
             s2 = run_stage2(cfg, run_dir, data=data, student=student,
-                            cache_dir=cache_dir if cfg.stage2.kd_weight > 0 else None,
+                            teacher=teacher,  # (online KD / hidden alignment: this one, not a copy loaded again)
+                            cache_dir=cache_dir if _needs_cache(cfg, ("stage2",)) else None,
                             resume_from=resume_path if stage == "stage2" else None, resume=False,
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))
             results["stage2"] = s2
@@ -246,6 +241,24 @@ def train_func(config: dict):
     return results
 
 
+def _worker_inputs(cfg, config: dict):
+    """(data, teacher) of a worker: the driver's own when it runs the stages in its process (``config["prepared"]``,
+    engine=local with one worker), else prepared and loaded here. A second copy of the teacher (on the GPU with
+    use_gpu) stayed beside the driver's for the whole training, and stage 2 with a live teacher (online KD, hidden
+    alignment) loaded a third when stage 1 trained mixers."""
+    prepared = config.get("prepared")
+    if prepared is not None:
+        return prepared["data"], prepared["teacher"]
+    data = None
+    if config.get("need_data", True):
+        from hmscale.data import prepare_data
+
+        data = prepare_data(cfg, log=lambda *a, **k: None)
+    from hmscale.teacher import get_teacher
+
+    return data, get_teacher(cfg, data, log=lambda *a, **k: None)
+
+
 def prepare(cfg, log=print, stages=STAGES, check_data=None) -> dict:
     """Driver-side: data plan, teacher (pretrained/stored once), the cache when needed. ``check_data(data)``: the
     caller's checks that need the data, run before any teacher work."""
@@ -263,11 +276,21 @@ def prepare(cfg, log=print, stages=STAGES, check_data=None) -> dict:
         tcfg = teacher.config
         check_tp_divides(tcfg.num_attention_heads, cfg.parallel.tp, tcfg.intermediate_size)
     cache_dir = None
-    if ("stage1" in stages and cfg.stage1.source == "cache" and cfg.cache.enabled) or ("stage2" in stages and cfg.stage2.kd_weight > 0):
+    if _needs_cache(cfg, stages):
         from hmscale.teacher.cache import build_cache
 
         cache_dir = str(build_cache(cfg, data, teacher))
     return {"data": data, "teacher": teacher, "cache_dir": cache_dir}
+
+
+def _needs_cache(cfg, stages) -> bool:
+    """Whether a stage to run reads the teacher cache: stage 1 from it (source=cache), stage 2 for its cached top-k KD.
+    Online KD reads the live teacher: the cache (every layer's attention tensors) was built for it all the same, a
+    teacher pass and its disk for nothing, even with cache.enabled=false."""
+    from hmscale.train.common import cached_kd
+
+    return (("stage1" in stages and cfg.stage1.source == "cache" and cfg.cache.enabled)
+            or ("stage2" in stages and cached_kd(cfg.stage2)))
 
 
 def _check_ray_workers(cfg, log=print) -> None:
@@ -327,7 +350,7 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
 
         linear = F.linear
         try:
-            res = train_func(config)
+            res = train_func({**config, "prepared": prep})  # (in this process: the driver's data and teacher)
         finally:
             # a ZeRO-3 engine replaces torch's F.linear by DeepSpeed's zero3_linear_wrap for the rest of the process:
             # what this process computes next (the recipe's evaluation) must not depend on the training's ZeRO stage

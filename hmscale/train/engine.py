@@ -213,10 +213,28 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
         for k in ("offload_optimizer", "offload_param"):
             if k in zero:
                 zero[k]["pin_memory"] = False
-    for k, v in list(conf.items()):
-        if v == "auto":
-            raise TrainingError(f"{path.name}: field {k!r} is 'auto'; the engine needs real values")
+    auto = _auto_fields(conf)
+    if auto:
+        # (a nested one, e.g. an HF Trainer config's optimizer.params.eps or zero_optimization.reduce_bucket_size, went
+        # through to DeepSpeed or torch: a TypeError traceback, "'<=' not supported between 'float' and 'str'")
+        names = ", ".join(auto[:4]) + (", ..." if len(auto) > 4 else "")
+        raise TrainingError(f"{path.name}: {names} {'is' if len(auto) == 1 else 'are'} 'auto', which only the HF "
+                            f"Trainer fills in; the engine needs real values: put numbers there (as ds_configs/"
+                            f"zero{max(zero['stage'], 1)}.json does)")
     return conf
+
+
+def _auto_fields(tree, prefix: str = "") -> list[str]:
+    """The dotted names of the values that are the string "auto" anywhere in a DeepSpeed config tree."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    out = []
+    for k, v in items:
+        name = f"{prefix}{k}"
+        if v == "auto":
+            out.append(name)
+        elif isinstance(v, (dict, list)):
+            out += _auto_fields(v, name + ".")
+    return out
 
 
 ADAM_CHOICES = ("auto", "fused", "foreach", "deepspeed")
@@ -235,21 +253,25 @@ def resolve_adam(spec: OptimSpec, conf: dict) -> str:
     * ``foreach``: torch's Adam as DeepSpeed builds it from the JSON (``torch_adam``: ~7 elementwise passes).
     * ``deepspeed``: DeepSpeed's own (FusedAdam, a CUDA JIT build; DeepSpeedCPUAdam when the optimizer is offloaded).
     * ``auto``: ``fused`` on CUDA unless the ZeRO config offloads the optimizer (then what the JSON says); on CPU
-      ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds)."""
+      ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds). A JSON whose optimizer is not Adam/AdamW
+      (SGD, Lamb): ``deepspeed``, its own optimizer as DeepSpeed builds it (on CPU ``foreach`` handed torch's SGD a
+      ``torch_adam`` argument: a TypeError traceback)."""
     if spec.adam not in ADAM_CHOICES:
         raise TrainingError(f"parallel.adam: {spec.adam!r}; use one of {', '.join(ADAM_CHOICES)}")
     kind = str(conf.get("optimizer", {}).get("type", "AdamW")).lower()
     offload = _offloads_optimizer(conf)
+    if spec.adam in ("fused", "foreach") and kind not in ("adam", "adamw"):
+        raise TrainingError(f"parallel.adam={spec.adam}: the DeepSpeed JSON's optimizer is {kind!r}, not Adam/AdamW; "
+                            "set parallel.adam=auto")
     if spec.adam == "fused":
-        if kind not in ("adam", "adamw"):
-            raise TrainingError(f"parallel.adam=fused: the DeepSpeed JSON's optimizer is {kind!r}, not Adam/AdamW; "
-                                "set parallel.adam=auto")
         if offload:
             raise TrainingError("parallel.adam=fused: the ZeRO config offloads the optimizer to the CPU (DeepSpeed's "
                                 "CPU Adam steps it there); set parallel.adam=auto or drop offload_optimizer")
         return "fused"
     if spec.adam != "auto":
         return spec.adam
+    if kind not in ("adam", "adamw"):
+        return "deepspeed"
     if not torch.cuda.is_available():
         return "foreach"
     if kind in ("adam", "adamw") and not offload:
@@ -442,6 +464,14 @@ class Checkpointer:
                 out.append(p)
         return sorted(out)
 
+    def prunable(self, step: int) -> list[Path]:
+        """The complete checkpoints a save of ``step`` retires: those beyond the newest ``keep`` of steps up to
+        ``step``. A checkpoint of a later step (a damaged one the resume passed over, delete it once inspected) is
+        neither counted nor removed: counted, it pushed out the checkpoint just written (keep=1), and the run went on
+        with nothing to resume from."""
+        upto = [p for p in self.complete() if _step_of(p) is not None and _step_of(p) <= step]
+        return upto[: -self.keep] if self.keep > 0 else upto
+
     def latest(self, log: Callable[[str], None] | None = None) -> Path | None:
         """The newest complete checkpoint that is whole (``problem``): a damaged one (a file truncated or deleted by
         hand or by a failing disk, meta.json edited) is passed over, with one line on stderr (rank 0) naming it and
@@ -517,7 +547,7 @@ class Checkpointer:
                 f"{name}: {os_error_line(err, f'checkpoint {path.name} ({err.filename or path})', 'rerun into the same output_dir to resume', where=self.root)}"
                 f"; {kept} (a save needs room for one more checkpoint than parallel.keep_checkpoints)") from err
         if self.rank == 0:
-            for old in self.complete()[: -self.keep]:
+            for old in self.prunable(step):
                 shutil.rmtree(old, ignore_errors=True)
             for stale in self.partial(before=step):  # what a killed save left (never resumed from, never counted)
                 shutil.rmtree(stale, ignore_errors=True)
@@ -584,6 +614,14 @@ class Checkpointer:
             raise TrainingError(f"{name}: cannot resume from {path}: it was written with another layout "
                                 f"({', '.join(diffs)}); resume with the settings it was written with, or start "
                                 "the stage over in a new output_dir")
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a ``step_XXXXXXXX`` checkpoint directory (None for another name)."""
+    try:
+        return int(Path(path).name[len("step_"):]) if Path(path).name.startswith("step_") else None
+    except ValueError:
+        return None
 
 
 def checkpoint_layout(path: str | os.PathLike) -> dict | None:
@@ -741,6 +779,7 @@ class LoopResult:
     seconds: float = 0.0  # this call's training time
     tokens: int = 0  # this call's tokens
     resumed: dict = field(default_factory=dict)  # the stage's totals at start_step (`resumed_totals`)
+    last_eval: tuple[int, dict] | None = None  # (steps trained, eval_fn's metrics) of this call's last evaluation
 
     @property
     def stage_tokens(self) -> int:
@@ -905,7 +944,8 @@ def train_loop(
             res.losses.append(loss_val)
             res.end_step = step + 1
             if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == total_steps):
-                logger.log(step, eval_fn(step), kind="eval")
+                res.last_eval = (step + 1, eval_fn(step))
+                logger.log(step, res.last_eval[1], kind="eval")
             if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps or step + 1 == end:
                 # never a checkpoint of non-finite weights: a finite loss whose non-finite gradient the optimizer
                 # applied (ZeRO 0 has no overflow skip) turns them NaN, and every rerun would resume them

@@ -232,6 +232,7 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
         ref = meta["teacher"]
         path = d / ref if not Path(ref).is_absolute() and (d / ref).exists() else ref
         teacher = load_teacher(path, dtype=meta.get("teacher_dtype", "float32"))
+    _check_student_teacher(d, meta, teacher)
     if meta.get("transfer") == "mixer":
         from hmscale.models.convert import load_recurrent_state, to_mixer_student
 
@@ -242,6 +243,30 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
     state = load_file(str(d / "feature_maps.safetensors"))
     student.load_feature_map_state_dict({k: v.to(next(student.feature_maps.parameters()).dtype) for k, v in state.items()})
     return student
+
+
+class TeacherMismatch(TrainingError, ValueError):
+    """The stage-1 student was trained against another teacher than the one given (a ValueError too: `hmscale eval`,
+    which loads the student to score it, reports those in one line)."""
+
+
+def _check_student_teacher(student_dir: Path, meta: dict, teacher) -> None:
+    """Refuse (one line) a teacher other than the one the stage-1 student was trained against (student.json's
+    ``teacher_fingerprint``: its config and every weight): its feature maps (or mixers) put on another teacher's weights
+    made a stage 2 that silently started from another model than stage 1's, e.g. after a time-capped miniature was
+    pretrained again (a moved or emptied data.cache_dir, another machine) or a teacher folder was replaced."""
+    want = meta.get("teacher_fingerprint")
+    if not want:  # (a student exported without one: nothing to compare)
+        return
+    from hmscale.teacher.fingerprint import teacher_fingerprint
+
+    have = teacher_fingerprint(teacher)
+    if have != want:
+        raise TeacherMismatch(
+            f"the stage-1 student in {student_dir} was trained against teacher {want[:12]}, but the teacher loaded now "
+            f"is {have[:12]} (pretrained again, or its folder replaced): its feature maps would run on other weights; "
+            "use the teacher stage 1 ran with (a pretrained miniature is kept under the data.cache_dir it ran with), "
+            "or rerun stage 1 in a new output_dir")
 
 
 def online_source(cfg, plan):

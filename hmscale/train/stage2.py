@@ -513,6 +513,10 @@ def run_stage2(
         return loss, extras
 
     val_tokens = getattr(data, "val_tokens", None) if data is not None else None
+    if val_tokens is not None and len(val_tokens) == 0:
+        # no validation rows (a small corpus): no eval at all (each eval_every wrote an empty eval line to metrics.jsonl
+        # and an empty "stage2 step N:" to the progress)
+        val_tokens = None
 
     def eval_fn(step):
         return validation_loss(engine, val_tokens, layout, s2.micro_batch_size, cfg.eval.max_sequences)
@@ -540,7 +544,9 @@ def run_stage2(
         "checkpoint": res.last_checkpoint, "dp": layout.dp_size, "tp": layout.tp_size, "zero_stage": zero,
     }
     if done and val_tokens is not None:
-        summary.update(eval_fn(res.end_step))
+        # the final weights' validation: the loop's own at its last step (evaluating them again cost a second pass)
+        last = res.last_eval
+        summary.update(last[1] if last is not None and last[0] == res.end_step else eval_fn(res.end_step))
     if done and export:
         hf = export_hf(engine, out / "hf", layout, zero)
         summary["hf"] = str(hf)
