@@ -175,9 +175,11 @@ def prepare(config: Optional[str] = ConfigArg, overrides: Optional[List[str]] = 
     except (ValueError, RuntimeError) as err:
         fail(str(err), code=1)
     have, want = data.plan.total_tokens, cfg.budget.total_tokens
+    caps = [f"data.{k}" for k in ("max_tokens", "max_documents") if getattr(cfg.data, k) is not None]
+    more = "add data" + (f" or raise {' / '.join(caps)}" if caps else "")  # (a cap left unset reads all there is)
     cover = (f"covers budget.total_tokens={want:,} {have / want:.2f}x" if have >= want else
              f"holds {have / want:.0%} of budget.total_tokens={want:,}: the stages will revisit rows "
-             f"(~{want / max(have, 1):.1f} passes); add data or raise data.max_tokens / data.max_documents")
+             f"(~{want / max(have, 1):.1f} passes); {more}")
     typer.echo(f"data: {data.stream_dir}: {have:,} train tokens in plan {data.plan.hash} "
                f"({data.plan.num_shards} shards), {len(data.val_tokens)} validation rows; {cover}")
 
@@ -366,13 +368,18 @@ def submit(
     config: Optional[str] = ConfigArg,
     overrides: Optional[List[str]] = OverridesOpt,
     address: str = typer.Option(..., help="Ray dashboard address, e.g. http://head:8265"),
-    token_file: Optional[str] = typer.Option(None, help="Ray auth token file (default: $RAY_AUTH_TOKEN, ~/.ray/auth_token)"),
+    token_file: Optional[str] = typer.Option(None, help="Ray auth token file (default: $RAY_AUTH_TOKEN, the file "
+                                                        "$RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token)"),
     follow: bool = typer.Option(True, help="stream logs until the job ends"),
-    timeout: Optional[float] = typer.Option(None, help="stop the job after this many seconds"),
+    timeout: Optional[float] = typer.Option(None, help="stop the job after this many seconds of following it "
+                                                       "(not with --no-follow)"),
     install: bool = typer.Option(False, help="have Ray pip-install hmscale's dependencies (not torch, triton, ray) "
                                              "into the job's environment on every node"),
 ):
     """Submit a recipe run to a Ray cluster (job submission API, token auth)."""
+    if timeout is not None and not follow:  # (the timeout is kept by the following loop: the job ran on unstopped)
+        fail(f"--timeout {timeout:g} with --no-follow: the job is stopped after --timeout only while `hmscale submit` "
+             "follows it; drop --no-follow, or --timeout (stop the job yourself with `ray job stop`)")
     if timeout is not None and not timeout > 0:  # (the job was uploaded, started and stopped at its first poll)
         fail(f"--timeout: {timeout:g} s would stop the job as soon as it starts; give a positive number of seconds, "
              "or leave --timeout out to follow the job until it ends")

@@ -48,11 +48,25 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value, info):
+        if not _number_field(cls.model_fields[info.field_name].annotation):
+            return value
         # pydantic's lax mode reads true / false as 1 / 0 for a number; a YAML boolean there is a mistake
-        if _number_field(cls.model_fields[info.field_name].annotation) and (
-                isinstance(value, bool) or isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value)):
+        if isinstance(value, bool) or isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
             raise ValueError("a boolean where a number is expected")
-        return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(_exponent_number(v) for v in value)
+        return _exponent_number(value)
+
+
+_EXPONENT = re.compile(r"[-+]?(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)[eE][-+]?\d+")
+
+
+def _exponent_number(value):
+    """A number written with an exponent (1e6, 2.5e5) as the float it is: YAML 1.1 reads one without a dot and a signed
+    exponent as text, which pydantic refused for an integer field ("unable to parse string as an integer")."""
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        return float(value.strip().replace("_", ""))
+    return value
 
 
 class TeacherConfig(_Section):
@@ -107,6 +121,23 @@ class DataConfig(_Section):
                              "command line, \"1.10\" in YAML)")
         return str(v)
 
+    # the settings each data.source reads (`unused_settings` notes another source's: data.paths without
+    # data.source=files trained on the embedded stdlib corpus, without a word)
+    SOURCE_FIELDS: typing.ClassVar[dict] = {"paths": ("files",), "dataset": ("hf",), "dataset_config": ("hf",),
+                                            "split": ("hf",), "include_site_packages": ("embedded",),
+                                            "text_field": ("files", "hf")}
+
+    def unread_settings(self) -> list[str]:
+        """One line per data setting given a value that ``source`` does not read (another source's)."""
+        out = []
+        for name, sources in self.SOURCE_FIELDS.items():
+            value, default = getattr(self, name), type(self).model_fields[name].get_default(call_default_factory=True)
+            if self.source not in sources and value != default:
+                out.append(f"data.{name}={value!r} has no effect: data.source={self.source} reads other data (it is "
+                           f"read by data.source={' or '.join(sources)}); set data.source={sources[0]}, or remove "
+                           f"the data.{name} setting")
+        return out
+
     @model_validator(mode="after")
     def _check_source(self):
         if self.source == "hf" and not self.dataset:
@@ -119,12 +150,66 @@ class DataConfig(_Section):
         if self.source == "files":
             if not self.paths:
                 raise ValueError("data.paths: list at least one file when data.source=files")
-            import glob
-
             for p in self.paths:
-                if not glob.glob(os.path.expanduser(p), recursive=True):
-                    raise ValueError(f"data.paths: {p!r} does not exist; fix the path or remove it")
+                problem = data_path_problem(p)
+                if problem:
+                    raise ValueError(problem)
         return self
+
+
+DATA_FILE_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")  # what data.source=files reads
+_SUFFIXES_TEXT = ", ".join(DATA_FILE_SUFFIXES[:-1]) + f" or {DATA_FILE_SUFFIXES[-1]}"
+
+
+def expand_data_path(p: str) -> list[str]:
+    """What one `data.paths` entry names: the path itself where it exists (a name holding glob characters, as
+    `shard[1].jsonl`, is that file, not a pattern that misses it), else the glob's matches, sorted (`**` spans
+    folders, as a shell's globstar); [] when nothing is there."""
+    path = os.path.expanduser(p)
+    if os.path.lexists(path):
+        return [path]
+    import glob
+
+    return sorted(glob.glob(path, recursive=True))
+
+
+def data_folder_files(folder: str):
+    """The files data.source=files reads under a folder (recursively; hidden entries skipped), unsorted."""
+    root = Path(folder)
+    for f in root.rglob("*"):
+        hidden = any(part.startswith(".") for part in f.relative_to(root).parts)
+        if f.suffix.lower() in DATA_FILE_SUFFIXES and not hidden and f.is_file():
+            yield str(f)
+
+
+def unsupported_data_file(path: str) -> str | None:
+    """The one-line refusal of a file data.source=files cannot read (by its extension), else None."""
+    if Path(path).suffix.lower() in DATA_FILE_SUFFIXES:
+        return None
+    return f"data.paths: {path!r} has an unsupported extension; use {_SUFFIXES_TEXT}"
+
+
+def data_path_problem(p: str) -> str | None:
+    """Why a `data.paths` entry gives no file to read, in one line (what `hmscale prepare` would stop on, said by
+    `hmscale check` too), else None. Cheap: a folder is searched until its first readable file."""
+    hits = expand_data_path(p)
+    root = _INPUTS_ROOT.get()
+    if not hits and root and not os.path.isabs(os.path.expanduser(p)):  # `hmscale eval RUN_DIR` from another folder:
+        hits = expand_data_path(os.path.join(root, p))  # where the run read it (as `_local_dir`, a teacher folder)
+    if not hits:
+        return f"data.paths: {p!r} does not exist; fix the path or remove it"
+    found = False
+    for h in hits:
+        if os.path.isdir(h):
+            found = found or next(data_folder_files(h), None) is not None
+        elif os.path.isfile(h):
+            problem = unsupported_data_file(h)
+            if problem:
+                return problem
+            found = True
+    if not found:
+        return f"data.paths: {p!r} holds no {_SUFFIXES_TEXT} file; fix the path or remove it"
+    return None
 
 
 class CaptureConfig(_Section):
@@ -486,9 +571,9 @@ class RunConfig(_Section):
 
 def unused_settings(cfg: RunConfig) -> list[str]:
     """One line per setting given a value that this config never uses (a warning, not a refusal: ablations override
-    them wholesale): the KD temperature without a KD term, a teacher's pretraining settings with a teacher loaded
-    from a path or the hub."""
-    out = []
+    them wholesale): another data.source's data settings, the KD temperature without a KD term, a teacher's
+    pretraining settings with a teacher loaded from a path or the hub."""
+    out = cfg.data.unread_settings()
     s2 = cfg.stage2
     if s2.kd_weight == 0 and s2.kd_temperature != type(s2).model_fields["kd_temperature"].default:
         out.append(f"stage2.kd_temperature={s2.kd_temperature:g} has no effect with stage2.kd_weight=0 (no KD term); "
@@ -587,6 +672,30 @@ class _Loader(yaml.SafeLoader):
         text = self.construct_scalar(node)
         return text if re.fullmatch(r"[-+]?0[0-7_]+", text) else super().construct_yaml_int(node)
 
+    def construct_mapping(self, node, deep=False):
+        """A mapping, refusing a key written twice in it: YAML keeps the last one, so a second ``stage2:`` section
+        replaced the first whole and its settings were dropped without a word (``<<`` merge keys may be overridden)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                seen[key] = key_node.start_mark.line + 1
+                if first is not None:
+                    where = f"line {first}" if first == seen[key] else f"lines {first} and {seen[key]}"
+                    raise DuplicateKeyError(f"{key!r} is set twice in one mapping ({where}): the second would "
+                                            "replace the first whole; keep one")
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping key written twice (its message is the one line to show)."""
+
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
@@ -600,6 +709,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r}: the key before '=' must be section.field, e.g. stage2.lr=3e-4")
     try:
         return path, yaml.load(raw, Loader=_Loader) if raw.strip() else None
+    except DuplicateKeyError as err:
+        raise ConfigError(f"override {text!r}: {err}") from None
     except yaml.YAMLError:
         raise ConfigError(f"override {text!r}: the value is not valid YAML; quote it, e.g. -s 'data.dataset=\"x:y\"'") from None
 
@@ -637,6 +748,12 @@ def _format_error(err: ValidationError) -> str:
     parent, _, index = loc.rpartition(".")
     if e["type"] == "missing" and index.isdigit() and parent:  # a fixed-length list given too few values
         return f"{parent}: too few values, item {index} is missing (got {got!r})"
+    kinds = {x["type"] for x in errors if _field_path(x["loc"]) == loc}
+    if isinstance(got, (str, int, float)) and kinds & {"list_type", "tuple_type"}:
+        # `-s eval.tasks=hellaswag`: one value where a list goes; say how a list is written
+        example = "a, b" if "/" in str(got) else str(got)  # (10/90 is no item of budget.split)
+        return (f"{loc}: {msg} (got {got!r}); write a list in brackets: -s '{loc}=[{example}]' on the command line, "
+                f"[{example}] in YAML")
     if got is None and "input" in e:  # `-s field=` or a YAML key left empty: null
         return f"{loc}: {msg} (got an empty value, null; give one or remove the setting for its default)"
     return f"{loc}: {msg}" + (f" (got {got!r})" if got is not None and not isinstance(got, dict) else "")
@@ -679,12 +796,22 @@ def read_config_tree(path: str | os.PathLike, overrides: list[str] | None = None
     try:
         tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
     except (UnicodeDecodeError, OSError) as err:
         raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
     return _empty_sections(tree)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What is wrong and where, in one line: the problem and its line and column (the first line of the error is often
+    its context alone: "while scanning for the next token", for a tab that indents a line)."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if not problem:
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem}{where}"
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -8,6 +8,7 @@ change makes it another run, and the settings that differ are named.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import yaml
@@ -60,16 +61,39 @@ def saved_tree(run_dir: Path) -> dict | None:
         return None
 
 
-def changed_settings(tree: dict, cfg: RunConfig) -> list[str]:
+def changed_settings(tree: dict, cfg: RunConfig, inputs_dir: str | None = None) -> list[str]:
     """The training settings ('field: old -> new') in which ``cfg`` differs from a saved config tree (read through
-    the current schema: fields added since take their defaults)."""
+    the current schema: fields added since take their defaults). Inputs read by path (``INPUTS``) are compared by the
+    files they name, the saved tree's relative ones from ``inputs_dir`` (where its run read them; default: here), the
+    config's from here: `hmscale submit` to a cluster on this machine writes them absolute, `hmscale run` keeps them
+    as given, and either resumes the other's run."""
     try:
         tree = build_config(tree).model_dump(mode="json")
     except ConfigError:
         pass
     old, new = _flat(tree), _flat(cfg.model_dump(mode="json"))
+    same = {k for k in INPUTS if k in old and k in new
+            and _resolved(k, old[k], inputs_dir) == _resolved(k, new[k], None)}
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k.split(".")[0] not in NOT_IDENTITY and k not in PLACEMENT and old.get(k) != new.get(k)]
+            if k.split(".")[0] not in NOT_IDENTITY and k not in PLACEMENT and k not in same
+            and old.get(k) != new.get(k)]
+
+
+INPUTS = ("data.paths", "teacher.name_or_path", "tokenizer.name_or_path")  # inputs a run reads by path
+
+
+def _resolved(key: str, value, base: str | None):
+    """An input setting with its relative local paths made absolute against ``base`` (default: here); a hub id, a
+    glob's pattern characters and anything not text stay as they are."""
+    from hmscale.config import looks_like_path
+
+    root = Path(base or os.getcwd())
+    absolute = lambda p: os.path.abspath(root / os.path.expanduser(p))  # noqa: E731
+    if key == "data.paths" and isinstance(value, list):
+        return [absolute(p) if isinstance(p, str) else p for p in value]
+    if isinstance(value, str) and looks_like_path(value, root):
+        return absolute(value)
+    return value
 
 
 def keyed_by(tree: dict, stored_hash: str | None) -> bool:
@@ -92,10 +116,17 @@ def run_mismatch(run_dir: Path, stored_hash: str | None, cfg: RunConfig) -> list
     tree = saved_tree(run_dir)
     if tree is None:
         return []
-    diff = changed_settings(tree, cfg)
+    diff = changed_settings(tree, cfg, _inputs_dir(run_dir))
     if diff == [] and (stored_hash is None or keyed_by(tree, stored_hash)):
         return None
     return diff or ["its key does not match its config.yaml"]
+
+
+def _inputs_dir(run_dir: Path) -> str | None:
+    """Where the run in ``run_dir`` read its relative inputs (results.json's inputs_dir, which the recipe writes)."""
+    from hmscale.recipe import run_inputs_dir
+
+    return run_inputs_dir(run_dir)
 
 
 def different_run(run_dir: Path, diff: list[str], fix: str = "choose another output_dir or delete that directory",

@@ -69,7 +69,16 @@ def find_token(token_file: str | None = None) -> str | None:
         p = Path(token_file).expanduser()
         if not p.exists():
             raise SubmitError(f"--token-file {token_file!r} does not exist; point it at the cluster's auth token")
-        return p.read_text().strip()
+        try:
+            token = p.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:  # a folder, a file this user may not read, a binary file
+            why = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+            raise SubmitError(f"--token-file {token_file!r} cannot be read ({why}); point it at the cluster's auth "
+                              "token (a text file: `ray get-auth-token` on its head prints it)") from None
+        if not token:  # (sent as no token at all, the refusal then said that none was found)
+            raise SubmitError(f"--token-file {token_file!r} is empty; write the cluster's auth token into it "
+                              "(`ray get-auth-token` on its head prints it)")
+        return token
     if os.environ.get("RAY_AUTH_TOKEN"):
         return os.environ["RAY_AUTH_TOKEN"].strip()
     for p in (os.environ.get("RAY_AUTH_TOKEN_PATH"), "~/.ray/auth_token"):

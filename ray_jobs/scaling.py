@@ -47,6 +47,41 @@ def _resources(text: str | None):
                          '\'{"pythia-12b": {"num_gpus": 4}, "*": {"num_cpus": 2}}\'') from None
 
 
+def _placement_problem(a: argparse.Namespace) -> str | None:
+    """The first option that places the sizes' Ray tasks given beside one that makes them not apply, in one line:
+    each was dropped without a word (--local runs no Ray task; a joined cluster has its own CPUs)."""
+    if a.local:
+        given = [(opt, v) for opt, v in (("--address", a.address), ("--num-cpus", a.num_cpus),
+                                         ("--resources", a.resources),
+                                         ("--cpus-per-size", None if a.cpus_per_size == 1.0 else a.cpus_per_size))
+                 if v is not None]
+        if given:
+            opt, value = given[0]
+            return (f"{opt} {value}: places the sizes' Ray tasks, but --local runs every size in this process, one "
+                    f"after another; remove {opt} or --local")
+    if a.num_cpus is not None and a.address:
+        return (f"--num-cpus {a.num_cpus}: sizes the embedded cluster, but --address {a.address} joins a running one "
+                "(its own CPUs); remove --num-cpus")
+    return None
+
+
+def _rule_notes(a: argparse.Namespace, base: dict) -> list[str]:
+    """The budget options given that this sweep does not use (the config's own setting wins, or no size reads it)."""
+    from scaling.registry import resolve_sizes
+    from scaling.sweep import _has_key
+
+    notes = []
+    if a.budget_fraction is not None:
+        if _has_key(base, a.overrides, "budget.total_tokens"):
+            notes.append("--budget-fraction has no effect: budget.total_tokens is set")
+        elif all(s.miniature for s in resolve_sizes(list(a.sizes))):
+            notes.append("--budget-fraction has no effect on the miniature sizes (no published pretraining tokens: "
+                         "each gets a fixed budget); set budget.total_tokens (-s budget.total_tokens=N) instead")
+    if a.split is not None and _has_key(base, a.overrides, "budget.split"):
+        notes.append("--split has no effect: budget.split is set (in the config or a -s override); remove one of them")
+    return notes
+
+
 def main(argv=None) -> int:
     from hmscale.config import ConfigError, read_config_tree
     from scaling.budget import BudgetRule, parse_split
@@ -56,16 +91,19 @@ def main(argv=None) -> int:
     try:
         if a.num_cpus is not None and a.num_cpus < 1:  # (0 would read as "not given": every core of the machine)
             raise ValueError(f"--num-cpus: {a.num_cpus} must be at least 1 (logical CPUs of the embedded cluster)")
+        problem = _placement_problem(a)
+        if problem:
+            raise ValueError(problem)
         base = read_config_tree(a.config) if a.config else {}
         rule_kw = {}
         if a.budget_fraction is not None:
             if not a.budget_fraction > 0:
                 raise ValueError(f"--budget-fraction: {a.budget_fraction} must be positive (1/30 ~ 10B tokens per Pythia size)")
             rule_kw["fraction"] = a.budget_fraction
-            if "total_tokens" in (base.get("budget") or {}) or any(o.startswith("budget.total_tokens=") for o in a.overrides):
-                print("hmscale: note: --budget-fraction has no effect: budget.total_tokens is set", file=sys.stderr)
         if a.split is not None:
             rule_kw["split"] = parse_split(a.split)
+        for note in _rule_notes(a, base):
+            print(f"hmscale: note: {note}", file=sys.stderr)
         rows = run_sweep(
             a.sizes, a.out, overrides=a.overrides, base_tree=base, rule=BudgetRule(**rule_kw),
             engine="local" if a.local else "ray", ray_address=a.address, ray_num_cpus=a.num_cpus,
@@ -75,6 +113,11 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"hmscale: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the sweep directory or its tables cannot be written (read-only, full disk): one line
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"hmscale: error: {where}{err.strerror or err}; give --out a directory you can write (with room)",
+              file=sys.stderr)
+        return 1
     for r in rows:
         print(f"{r['size']:>14}  {r['status']:>8}  teacher {r.get('teacher_ppl')}  hedgemamba {r.get('hedgemamba_ppl')}  gap {r.get('gap')}")
     print(f"table: {Path(a.out) / 'results.csv'}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import typer
@@ -18,6 +19,19 @@ SizesOpt = typer.Option(None, "--sizes", help="sizes or groups, comma separated 
 def _fail(message: str, code: int = 2):
     typer.echo(f"hmscale: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def parse_tokens(text: str | None, option: str = "--tokens") -> int | None:
+    """A token count as written on the command line: 10000000000, 10_000_000_000 or 1e10 (a whole number)."""
+    if text is None:
+        return None
+    try:
+        value = float(text.replace("_", "")) if text.strip() else math.nan
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{option}: {text!r} is not a whole number of tokens; e.g. 10000000000 or 1e10")
+    return int(value)
 
 
 def plan_table(plans):
@@ -59,7 +73,8 @@ def plan_cmd(
     tp: Optional[int] = typer.Option(None, "--tp", help="force a tensor-parallel degree"),
     max_tp: int = typer.Option(8, "--max-tp", help="largest tp (GPUs per node)"),
     budget_fraction: Optional[float] = typer.Option(None, "--budget-fraction", help="tokens as a fraction of the teacher's pretraining tokens (default 1/30 ~ 10B)"),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="a fixed token budget for every size"),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="a fixed token budget for every size (e.g. 10000000000 "
+                                                                "or 1e10)"),
     split: str = typer.Option("10/90", "--split", help="stage-1/stage-2 split"),
     token_fraction: float = typer.Option(1.0, "--token-fraction", help="fraction of tokens whose per-layer tensors are cached"),
     topk: int = typer.Option(0, "--topk", help="teacher top-k log-probs cached for KD"),
@@ -76,6 +91,7 @@ def plan_cmd(
     from scaling.planner import PlanSettings, load_throughput, plan, write_plan
 
     try:
+        tokens = parse_tokens(tokens)
         for opt, value in (("--tokens", tokens), ("--budget-fraction", budget_fraction)):
             if value is not None and not value > 0:
                 raise ValueError(f"{opt}: {value} must be positive")
@@ -100,11 +116,16 @@ def plan_cmd(
     if any(p.throughput_source != "measured" for p in plans):
         console.print("* from the FLOP model (scaling/planner.py), not measured: a stage --throughput does not give, "
                       "or a total that includes one.")
-    write_plan(plans, csv_out, json_out)
-    if plot:
-        from scaling.plots import plot_projected_cost
+    try:
+        write_plan(plans, csv_out, json_out)
+        if plot:
+            from scaling.plots import plot_projected_cost
 
-        plot_projected_cost([p.row() for p in plans], plot)
+            plot_projected_cost([p.row() for p in plans], plot)
+    except OSError as err:  # a folder given as the file, a read-only place, a full disk: one line, not a traceback
+        where = err.filename or next(x for x in (csv_out, json_out, plot) if x)
+        _fail(f"cannot write {str(where)!r} ({err.strerror or type(err).__name__}); give --csv / --json / --plot a "
+              "file path you can write", code=1)
     for path in (csv_out, json_out, plot):
         if path:
             console.print(f"wrote {path}")
@@ -121,8 +142,10 @@ def run_cmd(
     cpus_per_size: float = typer.Option(1.0, "--cpus-per-size", help="CPUs each size's Ray task asks for"),
     resources: Optional[str] = typer.Option(None, "--resources", help='JSON per-size resources, e.g. \'{"pythia-12b": {"num_gpus": 4}}\''),
     budget_fraction: Optional[float] = typer.Option(None, "--budget-fraction", help="each size's tokens as a fraction of "
-                                                    "its teacher's pretraining tokens (default 1/30)"),
-    split: Optional[str] = typer.Option(None, "--split", help="stage-1/stage-2 split of each size's tokens (default 10/90)"),
+                                                    "its teacher's pretraining tokens (default 1/30; published sizes "
+                                                    "only, not the miniatures; budget.total_tokens, if set, wins)"),
+    split: Optional[str] = typer.Option(None, "--split", help="stage-1/stage-2 split of each size's tokens (default "
+                                                             "10/90; budget.split, if set, wins)"),
     local: bool = typer.Option(False, "--local", help="run sizes in this process, one after another (no Ray)"),
 ):
     """Run the recipe for every size (Ray tasks), skip finished sizes, write results.csv/json and plots."""

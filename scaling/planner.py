@@ -138,7 +138,7 @@ class PlanSettings:
     mfu: dict = field(default_factory=lambda: dict(DEFAULT_MFU))
 
     def __post_init__(self):
-        if self.gpu_mem_gb <= 0 or not 0 < self.usable_fraction <= 1:
+        if not (math.isfinite(self.gpu_mem_gb) and self.gpu_mem_gb > 0) or not 0 < self.usable_fraction <= 1:
             raise ValueError("plan: gpu_mem_gb must be positive and usable_fraction in (0, 1]")
         if self.trainable not in ("all", "mixers"):
             raise ValueError(f"plan: trainable {self.trainable!r} must be all or mixers (stage2.trainable)")
@@ -491,6 +491,9 @@ def load_throughput(*paths: str | Path) -> dict:
             raise ValueError(f"throughput table {str(p)!r} does not exist")
         try:
             raw = _read_throughput(p)
+        except OSError as err:  # a folder, a file this user may not read
+            raise ValueError(f"throughput table {str(p)!r} cannot be read ({err.strerror or type(err).__name__}); "
+                             "pass a JSON or CSV file") from None
         except (ValueError, KeyError, TypeError, AttributeError) as err:  # json, csv and shape errors: one line
             what = f"no column {err}" if isinstance(err, KeyError) else str(err).strip().splitlines()[-1]
             raise ValueError(f"throughput table {p}: {what}; write JSON {{size: {{stage: tokens/s}}}} or CSV "

@@ -380,6 +380,9 @@ def run_sweep(
     if engine not in ("ray", "local"):
         raise ValueError(f"engine {engine!r} must be ray or local")
     out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():  # (else os.mkdir's FileExistsError, after the configs and the size checks)
+        raise ValueError(f"--out: {str(out_dir)!r} is a file; give the sweep a directory (new, or one of an earlier "
+                         "sweep to resume it)")
     overrides = list(overrides)
     sizes_ = resolve_sizes(sizes if sizes is None or isinstance(sizes, str) else list(sizes))
     resources = _check_resources(resources)

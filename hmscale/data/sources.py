@@ -9,7 +9,6 @@ cheap identity of a split's content used to key on-disk caches.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 from pathlib import Path
@@ -218,24 +217,25 @@ class HFSource(_TableSource):
 
 
 class FileSource(_TableSource):
-    """Local files through `datasets`: .txt (one document per file), .jsonl/.json and .parquet (one per row)."""
+    """Local files: .txt (one document per file), .jsonl/.json and .parquet (one per row), read in place (a .json of
+    another shape, as an object over several lines, through `datasets`)."""
 
     JSON_BLOCK = 1 << 24  # bytes of JSON Lines parsed at a time (more where one row is longer)
     BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
     def __init__(self, paths: list[str], text_field: str = "text", val_fraction: float = 0.05, max_documents: int | None = None):
+        from hmscale.config import data_folder_files, expand_data_path, unsupported_data_file  # (config imports data)
+
         super().__init__(val_fraction, max_documents)
         files: list[str] = []
         for p in paths:
-            hits = sorted(glob.glob(os.path.expanduser(p), recursive=True))  # `**` spans folders, as in a shell's globstar
+            hits = expand_data_path(p)  # the path itself where it exists, else a glob's matches
             if not hits:
                 raise FileNotFoundError(f"data.paths: {p!r} does not exist; fix the path or remove it")
             found = []
             for h in hits:
                 if Path(h).is_dir():  # a folder: the supported files under it (recursively, sorted)
-                    found.extend(sorted(str(f) for f in Path(h).rglob("*")
-                                        if f.is_file() and f.suffix.lower() in self.BUILDERS
-                                        and not any(part.startswith(".") for part in f.relative_to(h).parts)))
+                    found.extend(sorted(data_folder_files(h)))
                 elif Path(h).is_file():
                     found.append(h)
             if not found:
@@ -248,8 +248,9 @@ class FileSource(_TableSource):
             kept.setdefault(os.path.realpath(f), f)
         self.files = list(kept.values())  # sorted, as before
         for f in self.files:
-            if Path(f).suffix.lower() not in self.BUILDERS:
-                raise ValueError(f"data.paths: {f!r} has an unsupported extension; use .txt, .text, .jsonl, .json or .parquet")
+            problem = unsupported_data_file(f)
+            if problem:
+                raise ValueError(problem)
         self.text_field = text_field
         # machine independent: names and content hashes, not absolute paths
         self._digests = [(Path(f).name, _file_sha(f)) for f in self.files]
@@ -257,9 +258,11 @@ class FileSource(_TableSource):
         self.description = f"files:{len(self.files)}:{listing}:{text_field}:val={val_fraction}:max_documents={max_documents}"
 
     def _tables(self):
-        """(dataset or None, column or path) per file in document order: .jsonl / .parquet through `datasets` (Arrow,
-        memory-mapped: kept for the second split), .txt as (None, path): one document per file, read directly as
-        `datasets`' text builder would (utf-8, whole file) without its per-file preparation (0.17-0.25 s a file here)."""
+        """(dataset or marker, column or path) per file in document order: JSON Lines, JSON arrays and .parquet as
+        markers read in place (``_json_lines_texts``, ``_json_array_texts``, ``_parquet_texts``), other .json through
+        `datasets` (Arrow, memory-mapped: kept for the second split), .txt as (None, path): one document per file, read
+        directly as `datasets`' text builder would (utf-8, whole file) without its per-file preparation (0.17-0.25 s a
+        file here)."""
         if getattr(self, "_loaded", None) is None:
             self._loaded = list(self._load_tables())
         return self._loaded
@@ -278,8 +281,14 @@ class FileSource(_TableSource):
                 if _holds_no_rows(f, builder):  # an empty file is no documents, as an empty .txt is none (`datasets`
                     yield _NO_ROWS, self.text_field  # stops on one: "StopIteration", "corresponds to no data")
                     continue
+                if builder == "parquet":  # read in place, row group by row group (`datasets` wrote an Arrow copy of the
+                    yield _PARQUET, self._parquet_column(f)  # whole file, every column, into ~/.cache/huggingface)
+                    continue
                 if builder == "json" and _has_open_json() and (first := _json_lines_first_row(f)) is not None:
                     yield _JSON_LINES, first  # its first row's fields; `_json_lines_texts` reads the text field alone
+                    continue
+                if builder == "json" and _json_array(f):  # a list of rows, read in place (`datasets` wrote an Arrow
+                    yield _JSON_ARRAY, self.text_field  # copy of it into ~/.cache/huggingface)
                     continue
                 try:
                     ds = datasets.load_dataset(builder, data_files=[f], split="train")
@@ -297,6 +306,12 @@ class FileSource(_TableSource):
                 continue
             if ds is _JSON_LINES:
                 yield from self._json_lines_texts(ds_name, column)
+                continue
+            if ds is _PARQUET:
+                yield from self._parquet_texts(ds_name, column)
+                continue
+            if ds is _JSON_ARRAY:
+                yield from _json_array_texts(ds_name, column)
                 continue
             if ds is None:
                 with open(column, encoding="utf-8") as fh:
@@ -351,6 +366,42 @@ class FileSource(_TableSource):
             raise ValueError(f"data.text_field: {column!r} is not a column of {path!r}; choose one of "
                              f"{', '.join(first_row)}")
 
+    def _parquet_column(self, path: str) -> str:
+        """``text_field``, once ``path`` is known to be a Parquet file holding it as text (else a one-line
+        ValueError)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"data.paths: {path!r} is not readable as parquet: {_root_cause(err)}; fix or remove the "
+                             "file") from None
+        column = self.text_field
+        if column not in schema.names:
+            raise ValueError(f"data.text_field: {column!r} is not a column of {path!r}; choose one of "
+                             f"{', '.join(schema.names)}")
+        kind = schema.field(column).type
+        if pa.types.is_dictionary(kind):
+            kind = kind.value_type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+                or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+            raise ValueError(f"data.text_field: {column!r} of {path!r} holds {kind} values, not text; choose a text "
+                             "column")
+        return column
+
+    def _parquet_texts(self, path: str, column: str):
+        """The ``column`` of a Parquet file, ``BATCH`` rows at a time (memory bounded by a batch, no copy on disk)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=self.BATCH, columns=[column]):
+                yield from batch.column(0).to_pylist()
+        except (pa.ArrowException, OSError) as err:  # (a file cut short: its footer read, a page not)
+            raise ValueError(f"data.paths: {path!r} is not readable as parquet: {_root_cause(err)}; fix or remove the "
+                             "file") from None
+
     def _table_files(self) -> list[str]:
         """The file behind each of ``_tables()``, in the same order."""
         return [f for b in sorted({self.BUILDERS[Path(f).suffix.lower()] for f in self.files})
@@ -362,6 +413,55 @@ class FileSource(_TableSource):
 
 _NO_ROWS = object()  # a table file holding no rows
 _JSON_LINES = object()  # a JSON Lines file, read by `FileSource._json_lines_texts`
+_PARQUET = object()  # a Parquet file, read by `FileSource._parquet_texts`
+_JSON_ARRAY = object()  # a JSON file holding a list of rows, read by `_json_array_texts`
+
+
+def _json_array(path: str) -> bool:
+    """Whether a .json file holds a JSON array (its first character, after a byte-order mark and blanks, is "[")."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    head = head[3:] if head.startswith(b"\xef\xbb\xbf") else head
+    return head.lstrip(b" \t\r\n")[:1] == b"["
+
+
+def _json_array_texts(path: str, column: str):
+    """The ``column`` of each row of a JSON array of objects, in order (None where a row lacks it), with one-line
+    errors naming the file (a value neither text nor null, no row holding the field, a file that is not such JSON)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            rows = json.load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data.paths: {path!r} is not UTF-8 text ({err.reason} at byte {err.start}); convert it to "
+                         "UTF-8 or remove it") from None
+    except ValueError as err:  # (json.JSONDecodeError)
+        raise ValueError(f"data.paths: {path!r} is not readable as json: {str(err).splitlines()[0]}; fix or remove "
+                         "the file") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"data.paths: {path!r} is not readable as json: a list of objects ({{{column!r}: text, ...}}) "
+                         "is expected; fix or remove the file")
+    fields = dict.fromkeys(k for r in rows for k in r)
+    if column not in fields:
+        raise ValueError(f"data.text_field: {column!r} is not a column of {path!r}; choose one of {', '.join(fields)}")
+    for r in rows:
+        t = r.get(column)
+        if t is not None and not isinstance(t, str):
+            raise ValueError(f"data.text_field: {column!r} of {path!r} holds {type(t).__name__} values "
+                             f"({str(t)[:40]!r}), not text; choose a text column")
+        if t is not None and not _encodable(t):  # a lone surrogate escape ("\ud800"): no UTF-8 text, no tokens
+            raise ValueError(f"data.paths: {path!r} holds text in {column!r} that is not valid Unicode (a lone "
+                             "surrogate escape such as \\ud800); fix or remove it")
+        yield t
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _has_open_json() -> bool:  # Arrow's streaming JSON reader (pyarrow >= 20); before it, `datasets` reads
