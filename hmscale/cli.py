@@ -262,6 +262,7 @@ def eval_(
              "or `hmscale generate DIR`")
     from hmscale.config import inputs_root
     from hmscale.recipe import RecipeError, evaluate_run, run_inputs_dir
+    from hmscale.train.engine import TrainingError
 
     # the run's relative inputs (a teacher folder) are checked where the run was made (results.json's inputs_dir)
     with inputs_root(run_inputs_dir(Path(config).parent) if run_dir else None):
@@ -273,7 +274,7 @@ def eval_(
             # progress to stderr: stdout carries the results' JSON alone
             res = evaluate_run(cfg, tasks=task_list, include_path=include_path, limit=limit,
                                log=lambda msg: typer.echo(msg, err=True), tasks_from=tasks_from)
-        except (RecipeError, ValueError) as err:
+        except (RecipeError, TrainingError, ValueError) as err:  # (TrainingError: e.g. no stage-1 student there)
             fail(str(err))
     typer.echo(json.dumps(res, indent=2))
 

@@ -224,7 +224,7 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
     if not (d / "student.json").exists():
         d = d / "stage1" / "student"
     if not (d / "student.json").exists():
-        raise TrainingError(f"no stage-1 student under {str(run_dir_or_student_dir)!r}; run `hmscale stage1` first")
+        raise TrainingError(_no_student_line(run_dir_or_student_dir))
     meta = json.loads((d / "student.json").read_text())
     if teacher is None:
         from hmscale.teacher.load import load_teacher
@@ -243,6 +243,20 @@ def load_stage1_student(run_dir_or_student_dir, teacher=None, cfg=None):
     state = load_file(str(d / "feature_maps.safetensors"))
     student.load_feature_map_state_dict({k: v.to(next(student.feature_maps.parameters()).dtype) for k, v in state.items()})
     return student
+
+
+def _no_student_line(given) -> str:
+    """Why there is no stage-1 student to load, in one line: not trained yet, or (its summary says done) its export was
+    lost, which `hmscale stage1` would skip as done."""
+    summary = Path(given) / "stage1" / "summary.json"
+    try:
+        done = json.loads(summary.read_text()).get("done", False)
+    except (OSError, ValueError, AttributeError):
+        done = False
+    if done:
+        return (f"no stage-1 student under {str(given)!r}: stage 1 finished there ({summary}) but its export "
+                f"{Path(given) / 'stage1' / 'student'} is gone; put it back, or train stage 1 again in a new output_dir")
+    return f"no stage-1 student under {str(given)!r}; run `hmscale stage1` first"
 
 
 class TeacherMismatch(TrainingError, ValueError):
