@@ -62,9 +62,10 @@ def glue_on_triton(tensor) -> bool:
 
 
 def resolve_backend(tensor, backend=None) -> str:
-    choice = (backend or os.environ.get("HMSCALE_SSD_BACKEND", "auto")).lower()
-    if choice not in _BACKENDS:
+    choice = backend or os.environ.get("HMSCALE_SSD_BACKEND", "auto")
+    if not isinstance(choice, str) or choice.lower() not in _BACKENDS:  # (a non-string: no AttributeError from .lower)
         raise ValueError(f"unknown SSD backend {choice!r}; expected one of {_BACKENDS}")
+    choice = choice.lower()
     if choice == "auto":
         return "triton" if getattr(tensor, "is_cuda", False) else "torch"  # (a non-tensor: the checks name it)
     return choice

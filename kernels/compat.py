@@ -150,14 +150,19 @@ def _check_varlen(x, cu_seqlens, seq_idx) -> None:
 
 
 def _varlen_states(x, d, A, B, initial_states, cu_seqlens):
-    """(num_sequences, h, p, n) fp32: the scan's state after the last token of each ``cu_seqlens`` sequence (batch 1).
+    """(num_sequences, h, p, n) fp32 (float64 for float64 x): the scan's state after the last token of each
+    ``cu_seqlens`` sequence (batch 1).
 
     ``_check_varlen`` made the scan restart exactly where each sequence starts, so the state after sequence [s, e) is
     sum_{t=s}^{e-1} exp(sum_{u=t+1}^{e-1} dt_u A) dt_t x_t B_t^T, plus exp(sum_{u<e} dt_u A) S0 for the first one
     (the initial state enters the first document only)."""
     h = x.shape[2]
     cu = [int(v) for v in cu_seqlens.tolist()]
-    xs, Bs = _fp32(x[0]), expand_groups(_fp32(B), h)[0]  # (l, h, p), (l, h, n)
+    # one dtype for all (the scan's final state's: float64 for float64 x, else fp32): mixed input dtypes (a float64 dt
+    # with fp32 B, say) made the einsum below raise "expected scalar type Double but found Float"
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs, Bs = x[0].to(cd), expand_groups(B.to(cd), h)[0]  # (l, h, p), (l, h, n)
+    d, A = d.to(cd), A.to(cd)
     dA = d[0] * A  # (l, h)
     out = []
     for s, e in zip(cu[:-1], cu[1:]):
@@ -165,7 +170,7 @@ def _varlen_states(x, d, A, B, initial_states, cu_seqlens):
         w = torch.exp(tail) * d[0, s:e]  # (t, h)
         state = torch.einsum("thp,thn->hpn", w[..., None] * xs[s:e], Bs[s:e])
         if s == 0 and initial_states is not None:
-            state = state + torch.exp(dA[:e].sum(0))[:, None, None] * _fp32(initial_states[0])
+            state = state + torch.exp(dA[:e].sum(0))[:, None, None] * initial_states[0].to(cd)
         out.append(state)
     return torch.stack(out)
 
@@ -218,19 +223,26 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                            state_batch_indices=None, backend=None):
     """mamba_ssm's ``selective_state_update``: one token, ``state`` updated in place, the output returned.
 
-    state (b, h, p, n) (or (b, p, n) without heads); x, dt, z (b, h, p); A (h, p, n); B, C (b, g, n); D, dt_bias
-    (h, p), or (h,) for one per head; ``state_batch_indices`` (b,): the state rows this batch updates. Returns out
-    (b, h, p) in x's dtype.
+    state (b, h, p, n) (or (b, p, n) without heads); x, dt, z (b, h, p); A (h, p, n); B, C (b, g, n) (or (b, n): one
+    group); D, dt_bias (h, p), or (h,) for one per head; ``state_batch_indices`` (b,): the state rows this batch
+    updates. Returns out (b, h, p) in x's dtype. Differentiable (mamba_ssm's is not): gradients reach x, dt, A, B, C,
+    D, z, dt_bias and the state's value before the update.
     """
     if not isinstance(state, torch.Tensor):
         raise ValueError(f"selective_state_update: state must be a tensor, got {type(state).__name__}")
+    if state.dim() not in (3, 4):
+        raise ValueError(f"selective_state_update: state must be (b, h, p, n) (or (b, p, n) without heads), "
+                         f"got {tuple(state.shape)}")
     heads = state.dim() == 4
     if not heads:  # (b, p, n): one head (non-tensors left for _check_step to name)
         def one(t, dim):
             return t.unsqueeze(dim) if isinstance(t, torch.Tensor) else t
 
-        state, x, dt, A, B, C = one(state, 1), one(x, 1), one(dt, 1), one(A, 0), one(B, 1), one(C, 1)
+        state, x, dt, A = one(state, 1), one(x, 1), one(dt, 1), one(A, 0)
         D, z, dt_bias = one(D, 0), one(z, 1), one(dt_bias, 0)
+    # B, C (b, n): one group, with or without heads (mamba_ssm's rule: a 2-D B or C gets its group dim, whatever the
+    # state's rank; a (b, g, n) one is kept)
+    B, C = (t.unsqueeze(1) if isinstance(t, torch.Tensor) and t.dim() == 2 else t for t in (B, C))
     _check_step(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     b, h, p = x.shape
     if dt_bias is not None and dt_bias.dim() == 1:  # one bias per head (Mamba-2's parameter): tied, stride 0
@@ -243,6 +255,11 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                             f"selective_state_update: state_batch_indices must lie in [0, {state.shape[0]}) "
                             "(the state's rows)")
     rows = state if state_batch_indices is None else state[state_batch_indices]
+    if rows is state and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (state, x, dt, A, B, C, D, z, dt_bias)):
+        # the step's autograd saves the state it read, which the in-place update below overwrites (backward then
+        # raised "modified by an inplace operation"): read a copy of it (indexing by state_batch_indices copies)
+        rows = state.clone()
     if rows.shape[:3] != (b, h, p) or A.shape != (h, p, rows.shape[3]) or dt.shape != x.shape:
         raise ValueError(f"selective_state_update: state {tuple(rows.shape)}, x {tuple(x.shape)}, dt {tuple(dt.shape)} "
                          f"and A {tuple(A.shape)} must be (b, h, p, n), (b, h, p), (b, h, p) and (h, p, n)")

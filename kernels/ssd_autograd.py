@@ -205,9 +205,10 @@ def _check(x, dt, A, B, C, chunk_size, D=None, initial_state=None, seq_idx=None,
                          f"backend='torch' (what backend='auto' picks for it)")
     b, l, h, p = x.shape
     if l * h * (p + 1) >= 2 ** 31 or l * B.shape[2] * B.shape[3] >= 2 ** 31:
-        raise ValueError("one sequence over 2^31 elements: the kernels index within a sequence in int32")
+        raise ValueError("ssd: one sequence over 2^31 elements: the kernels index within a sequence in int32; split "
+                         "it (initial_state carries the state across the pieces) or use backend='torch'")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton kernel, got {chunk_size}")
+        raise ValueError(f"ssd: chunk_size must be a power of two >= 16 for the Triton kernel, got {chunk_size}")
 
 
 def ssd_triton(x, dt, A, B, C, chunk_size=64, D=None, initial_state=None, seq_idx=None,
