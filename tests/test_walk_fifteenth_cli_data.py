@@ -503,33 +503,8 @@ def test_a_json_array_that_holds_no_text_rows_is_one_line(tmp_path, text, says):
 # --------------------------------------------------------------------------- hmscale eval RUN_DIR from another folder
 
 
-def test_eval_of_a_files_run_from_another_folder_finds_its_data(tmp_path, monkeypatch, capsys):
-    # the config's check looked for relative data.paths from the caller's folder: `hmscale eval RUN_DIR` of a run on
-    # data.source=files stopped on "data.paths: 'data/*.jsonl' does not exist" before reading them where the run did
-    import json
-
-    import hmscale.data
-    from hmscale.cli import main
-    from hmscale.config import save_resolved
-
-    proj, run_dir, elsewhere = tmp_path / "proj", tmp_path / "proj" / "runs" / "r", tmp_path / "elsewhere"
-    (proj / "data").mkdir(parents=True)
-    (proj / "data" / "train.jsonl").write_text(JSONL)
-    elsewhere.mkdir()
-    monkeypatch.chdir(proj)
-    cfg = build_config({"data": {"source": "files", "paths": ["data/*.jsonl"]}}, [f"output_dir={run_dir}"])
-    save_resolved(cfg.with_absolute_paths(), run_dir)
-    (run_dir / "results.json").write_text(json.dumps({"stages": {}, "inputs_dir": str(proj)}))
-    seen = []
-
-    def fake_prepare_data(cfg, log=print):
-        seen.append(list(cfg.data.paths))
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(hmscale.data, "prepare_data", fake_prepare_data)
-    monkeypatch.chdir(elsewhere)
-    assert main(["eval", str(run_dir)]) == 2 and "stop here" in capsys.readouterr().err
-    assert seen == [[str(proj / "data" / "*.jsonl")]]
-    # a path found nowhere is still refused
+def test_a_relative_data_path_found_nowhere_is_still_refused():
+    # (eval from another folder looks for relative data.paths where the run read them too:
+    # tests/eval/test_walk_thirteenth_eval_elsewhere.py, whose run is on data.source=files)
     with pytest.raises(ConfigError, match="data.paths: 'nodata/x.jsonl' does not exist"):
         build_config({}, ["data.source=files", "data.paths=[nodata/x.jsonl]"])
