@@ -224,7 +224,8 @@ class FileSource(_TableSource):
     BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
     def __init__(self, paths: list[str], text_field: str = "text", val_fraction: float = 0.05, max_documents: int | None = None):
-        from hmscale.config import data_folder_files, expand_data_path, unsupported_data_file  # (config imports data)
+        # (imported here: hmscale.config imports hmscale.teacher, which imports hmscale.data)
+        from hmscale.config import data_folder_files, expand_data_path, unsupported_data_file
 
         super().__init__(val_fraction, max_documents)
         files: list[str] = []
