@@ -157,7 +157,9 @@ class DataConfig(_Section):
         return self
 
 
-DATA_FILE_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")  # what data.source=files reads
+# what data.source=files reads: each file suffix and the `datasets` builder that reads it (FileSource.BUILDERS)
+DATA_FILE_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+DATA_FILE_SUFFIXES = tuple(DATA_FILE_BUILDERS)
 _SUFFIXES_TEXT = ", ".join(DATA_FILE_SUFFIXES[:-1]) + f" or {DATA_FILE_SUFFIXES[-1]}"
 
 

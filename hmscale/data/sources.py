@@ -221,11 +221,11 @@ class FileSource(_TableSource):
     another shape, as an object over several lines, through `datasets`)."""
 
     JSON_BLOCK = 1 << 24  # bytes of JSON Lines parsed at a time (more where one row is longer)
-    BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
     def __init__(self, paths: list[str], text_field: str = "text", val_fraction: float = 0.05, max_documents: int | None = None):
         # (imported here: hmscale.config imports hmscale.teacher, which imports hmscale.data)
-        from hmscale.config import data_folder_files, expand_data_path, unsupported_data_file
+        from hmscale.config import DATA_FILE_BUILDERS, _SUFFIXES_TEXT, data_folder_files, expand_data_path, unsupported_data_file
+
+        self.BUILDERS = DATA_FILE_BUILDERS  # one list of readable suffixes, the config's
 
         super().__init__(val_fraction, max_documents)
         files: list[str] = []
@@ -240,8 +240,7 @@ class FileSource(_TableSource):
                 elif Path(h).is_file():
                     found.append(h)
             if not found:
-                raise FileNotFoundError(f"data.paths: {p!r} holds no .txt, .text, .jsonl, .json or .parquet file; fix the path or "
-                                        "remove it")
+                raise FileNotFoundError(f"data.paths: {p!r} holds no {_SUFFIXES_TEXT} file; fix the path or remove it")
             files.extend(found)
         # one file reached twice (a folder and a file in it, `./x` and `x`, relative and absolute) is read once
         kept: dict[str, str] = {}
