@@ -663,6 +663,21 @@ def _expand_like_the_input(cache: HedgeMambaCache, rows: int) -> None:
         cache.batch_repeat_interleave(rows // held)
 
 
+def _labels_for_kept_logits(labels: torch.Tensor, logits_to_keep, kept: int) -> torch.Tensor:
+    """The labels lined up with logits kept by ``logits_to_keep``: with an int k > 0, the last k positions' labels (the
+    loss is then the next-token loss over the k - 1 predictions inside them). A tensor of positions is refused (the
+    next-token shift needs consecutive positions)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        raise ValueError("labels=: not with logits_to_keep given as a tensor of positions (the next-token loss needs "
+                         "consecutive positions); pass an int logits_to_keep or compute the loss from the logits")
+    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        labels = labels[:, -logits_to_keep:]
+    if labels.shape[1] != kept:
+        raise ValueError(f"labels=: {labels.shape[1]} positions for {kept} positions of logits; pass labels of the "
+                         "input's shape")
+    return labels
+
+
 class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "backbone.embed_in.weight"}  # tied only with config.tie_word_embeddings
 
@@ -762,7 +777,10 @@ class HedgeMambaForCausalLM(HedgeMambaPreTrainedModel, GenerationMixin):
         if labels is not None and getattr(self, "vocab_shard", None) is not None:
             raise ValueError("labels=: the LM head is sharded by vocabulary (tensor parallelism), the logits are this "
                              "rank's slice; use hmscale.train.stage2.causal_lm_losses(..., vocab_shard=model.vocab_shard)")
-        loss = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch")) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, _labels_for_kept_logits(labels, logits_to_keep, x.shape[1]),
+                                  kwargs.get("num_items_in_batch"))
         result = HedgeMambaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
         if not return_dict:
             return result.to_tuple()
