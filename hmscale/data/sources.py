@@ -253,7 +253,7 @@ class FileSource(_TableSource):
                 raise ValueError(problem)
         self.text_field = text_field
         # machine independent: names and content hashes, not absolute paths
-        self._digests = [(Path(f).name, _file_sha(f)) for f in self.files]
+        self._digests = [(Path(f).name, _file_sha(f) + _bom_mark(f)) for f in self.files]
         listing = _sha(*(f"{n}:{d}" for n, d in self._digests))[:16]
         self.description = f"files:{len(self.files)}:{listing}:{text_field}:val={val_fraction}:max_documents={max_documents}"
 
@@ -314,7 +314,7 @@ class FileSource(_TableSource):
                 yield from _json_array_texts(ds_name, column)
                 continue
             if ds is None:
-                with open(column, encoding="utf-8") as fh:
+                with open(column, encoding="utf-8-sig") as fh:  # a byte-order mark is not text (as in the JSON readers)
                     try:
                         text = fh.read()
                     except UnicodeDecodeError as err:
@@ -567,6 +567,16 @@ def _sha(*parts: str) -> str:
         h.update(str(p).encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def _bom_mark(path: str) -> str:
+    """A mark in the source's identity for a .txt file starting with a UTF-8 byte-order mark: such files were read
+    with the mark as their first character until the sixteenth session, so their data (and everything keyed on it)
+    must not match what was built from them then; every other file's identity is unchanged."""
+    if Path(path).suffix.lower() not in (".txt", ".text"):
+        return ""
+    with open(path, "rb") as f:
+        return ":bom-dropped" if f.read(3) == b"\xef\xbb\xbf" else ""
 
 
 def _file_sha(path: str) -> str:
