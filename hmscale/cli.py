@@ -111,6 +111,9 @@ def cache(
         from hmscale.teacher.cache.catalog import format_catalog, list_caches
 
         root = target or _config(None, overrides).cache.root
+        if not target and not Path(root).expanduser().exists():  # the configured root, before any cache was built
+            typer.echo(format_catalog([], root))
+            return
         try:
             entries = list_caches(root)
         except CacheError as err:

@@ -33,6 +33,7 @@ from hmscale.teacher.cache.format import (
     lock_path,
     shard_name,
 )
+from hmscale.teacher.cache.catalog import source_held
 from hmscale.teacher.cache.manifest import Manifest
 from hmscale.teacher.cache.reuse import borrow, covering_caches, describe_view, shards_line, view_manifest
 from hmscale.teacher.cache.writer import remove_stale_temporary, sha256_file
@@ -242,12 +243,28 @@ def make_cache_dir(cache_dir: Path) -> None:
         raise CacheError(f"the cache directory {cache_dir}: {problem}; set cache.root to a directory you can write")
 
 
-def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log, kept=None) -> Manifest | None:
+def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log, kept=None,
+                              whole_only: bool = False) -> Manifest | None:
     """A view onto the cache under cache.root that covers the request's capture and holds the most of its shards, all
     of them intact (``reuse``): saved when it holds every shard (no teacher forward); else returned for the shards
     it lacks to be computed into it. None when no cache holds any. ``kept``: shards already in the directory (the own
-    shards of a view being replaced, verified), recorded as the view's own where the source lacks them."""
-    for source in covering_caches(cache_root(cfg), cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
+    shards of a view being replaced, verified), recorded as the view's own where the source lacks them.
+    ``whole_only``: only a source holding every requested shard (a view written outside cache.root, see
+    ``_view_outside_root``: it never computes shards). A view whose directory lies outside cache.root reads its source
+    through a link of the source's name beside it (``source_dir``)."""
+    if any((cp.cache_dir / f).is_file() for f in _read_by_other_views(cp.cache_dir)):
+        # a cache whose manifest was lost while views read its shards: rebuilt as a cache of its own, adopting its
+        # shards (``_adopt_unrecorded``), never a view (that would remove the files those views read)
+        log(f"cache: {cp.cache_dir.name} has no manifest but other views read its shards; rebuilding it as a cache of "
+            "its own from the shards it holds (checked)")
+        return None
+    root = cache_root(cfg)
+    elsewhere = Path(os.path.abspath(cp.cache_dir.parent)) != Path(os.path.abspath(root))
+    for source in covering_caches(root, cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids):
+        if whole_only and not set(cp.shard_ids) <= set(source.shards):
+            continue
+        if elsewhere and not _link_source(cp.cache_dir.parent, source.cache_dir):
+            continue
         view = view_manifest(cp.cache_dir, source, key=cp.key, spec=cp.spec, shard_ids=cp.shard_ids,
                              own_layout=cp.manifest_layout(), config_hash=config_hash)
         held = sorted(view.shards)
@@ -270,14 +287,124 @@ def _view_onto_covering_cache(cfg, cp: CachePlan, config_hash: str, log=_log, ke
                     theirs = None
                 if theirs is not None and theirs.data.get("key") == cp.key and not theirs.view_of:
                     return theirs
-                view.save()
+                # the source's lock held shared: `cache rm` of it either lists this view or has removed the source
+                with source_held(source.cache_dir) as intact:
+                    if not (intact and _source_still_holds(view)):
+                        log(f"cache: {source.cache_dir.name} was removed (or changed) while this build checked it; "
+                            "not a view onto it")
+                        continue
+                    view.save()
                 _remove_unrecorded_shards(view)
-            log(f"{what}; no teacher forward needed")
+            log(f"{what}; no teacher forward needed" + (f" (the view is written in {cp.cache_dir.parent}: cache.root "
+                                                        f"{root} is read-only)" if elsewhere else ""))
         else:
             log(f"{what}; the other {len(cp.shard_ids) - len(view.shards)} are computed for this view, at its own "
                 "capture")
         return view
     return None
+
+
+def _unwritable(cache_dir: Path) -> str | None:
+    """Why this user cannot create or write ``cache_dir`` (checked on it, or the nearest folder above it that exists;
+    nothing is created), or None."""
+    probe = cache_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or os.access(probe, os.W_OK | os.X_OK):
+        return None  # (a file in the way: make_cache_dir names it)
+    return f"{probe} is read-only for this user"
+
+
+def views_outside_root(cfg) -> Path:
+    """Where the views onto caches of a read-only cache.root are written: under data.cache_dir (which every run
+    writes), one folder per cache.root (named by a hash of its absolute path)."""
+    import hashlib
+
+    root = os.path.abspath(cache_root(cfg))
+    return Path(cfg.data.cache_dir).expanduser() / "teacher-views" / hashlib.sha256(root.encode()).hexdigest()[:12]
+
+
+def _view_outside_root(cfg, cp: CachePlan, config_hash: str, log=_log) -> Path:
+    """The request's cache when cache.root cannot be written: a view onto a cache there that holds every requested
+    shard (verified), written under ``views_outside_root`` beside a link to its source (reused by the next run); else
+    one line saying what to set."""
+    import dataclasses
+
+    root = cache_root(cfg)
+    vp = dataclasses.replace(cp, cache_dir=views_outside_root(cfg) / cp.key)
+    try:
+        m = Manifest.load(vp.cache_dir)
+    except CacheError:
+        m = None
+    if (m is not None and m.data.get("key") == cp.key and m.view_of
+            and len(existing_shards(m, cp.shard_ids, log=lambda *_: None)) == len(cp.shard_ids)):
+        log(f"cache: reusing {vp.cache_dir} (a view onto {m.view_of} of the read-only cache.root {root}): all "
+            f"{len(cp.shard_ids)} shards verified; no teacher forward needed")
+        return vp.cache_dir
+    some = covering_caches(root, cp.fingerprint, cp.plan_hash, cp.spec, cp.shard_ids)
+    if not some:  # nothing there to read: the one line of an unwritable cache.root
+        make_cache_dir(cp.cache_dir)
+    try:
+        view = _view_onto_covering_cache(cfg, vp, config_hash, log, whole_only=True)
+    except CacheError as err:  # (data.cache_dir not writable either)
+        raise CacheError(f"cache.root {root} is read-only here and the view onto a cache there cannot be written "
+                         f"either ({err}); set cache.root to a directory you can write") from None
+    if view is not None and view.complete:
+        return vp.cache_dir
+    best = f"{some[0].cache_dir.name} holds {len(set(cp.shard_ids) & set(some[0].shards))}" if some else "none holds"
+    raise CacheError(f"cache.root {root} is read-only here ({_unwritable(cp.cache_dir) or 'not writable'}) and this run "
+                     f"needs shards computed: of the {len(cp.shard_ids)} it asks of cache {cp.key}, {best}; set "
+                     "cache.root to a directory you can write (a link there to a cache of the read-only root, under its "
+                     "own name, is read as a view's source)")
+
+
+def _link_source(view_root: Path, source: Path) -> bool:
+    """A link ``view_root/<source name>`` to ``source`` (the way a view outside cache.root reads it), made if missing;
+    False when that name is taken by something else."""
+    link = view_root / source.name
+    problem = writable_dir_problem(view_root)
+    if problem:
+        raise CacheError(f"the folder {view_root}: {problem}")
+    try:
+        if link.is_symlink() or link.exists():
+            return link.resolve() == source.resolve()
+        link.symlink_to(Path(os.path.abspath(source)), target_is_directory=True)
+        return True
+    except OSError:
+        return False
+
+
+def _source_still_holds(view: Manifest) -> bool:
+    """Whether the files a view reads from its source are all still there at their recorded size (checked under the
+    source's lock, after the sha256 check done before it: cheap, but enough to see a removal meanwhile)."""
+    for s, e in view.shards.items():
+        if e.get("own"):
+            continue
+        try:
+            if view.shard_path(s).stat().st_size != e["bytes"]:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _read_by_other_views(cache_dir: Path) -> dict[str, dict]:
+    """The shard files of ``cache_dir`` that other views under its root read (file -> the entry they record: bytes,
+    sha256): never removed, and a directory holding such files is rebuilt as a cache of its own, never a view."""
+    root = Path(os.path.abspath(cache_dir)).parent
+    found: dict[str, dict] = {}
+    if not root.is_dir():
+        return found
+    for d in sorted(root.iterdir()):
+        if d.name.startswith(".") or d.name == cache_dir.name or not d.is_dir():
+            continue
+        try:
+            m = Manifest.load(d)
+        except CacheError:
+            continue
+        if m.view_of == cache_dir.name:
+            found.update({e["file"]: e for e in m.shards.values() if not e.get("own")})
+    return found
 
 
 def _build_lock(cache_dir: Path, log=_log):
@@ -294,6 +421,7 @@ def _remove_unrecorded_shards(view: Manifest) -> None:
     if view.files_dir.resolve() == view.cache_dir.resolve():  # (a manifest naming itself as its source: leave it)
         return
     own = {e["file"] for e in view.shards.values() if e.get("own")}
+    own |= set(_read_by_other_views(view.cache_dir))  # (files other views read: never removed under them)
     for p in view.cache_dir.glob("shard-*.tar"):
         if p.name not in own and SHARD_FILE.match(p.name):
             p.unlink(missing_ok=True)
@@ -381,6 +509,10 @@ def build_cache(cfg, data=None, teacher=None, engine=None, *, log=_log, capture_
             manifest = Manifest.load(cache_dir)
         except CacheError:
             manifest = None
+    if manifest is None and not kept and _unwritable(cache_dir):
+        # a read-only cache.root (a team's cache on a read-only mount): a request that another cache there covers, all
+        # of its shards, is a view written outside it; anything else stops with one line (nothing is written there)
+        return _view_outside_root(cfg, cp, config_hash, log)
     if manifest is None:
         manifest = _view_onto_covering_cache(cfg, cp, config_hash, log, kept=kept)
         if manifest is not None and manifest.complete:
@@ -437,6 +569,12 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
     if manifest.view_of:  # shards its source holds by now are read from it; only the others are computed, for the view
         done |= existing_shards(manifest, borrow(manifest, [s for s in cp.shard_ids if s not in done]), log=log)
         manifest.data.setdefault("own_layout", cp.manifest_layout())  # (a view written before views had own shards)
+    # shards finished on disk but never recorded (a build stopped between a shard's rename and its record; a lost
+    # manifest): checked and recorded, not computed again (before the removal of a view's unrecorded files below)
+    # (a recorded shard found damaged above is redone: its file no longer has the bytes recorded)
+    done |= _adopt_unrecorded(manifest, cp, plan, [s for s in cp.shard_ids if s not in done and str(s) not in recorded],
+                              log)
+    if manifest.view_of:
         _remove_unrecorded_shards(manifest)
     pending = [s for s in cp.shard_ids if s not in done]
     if not pending:
@@ -445,7 +583,7 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
                                                        >= set(cp.shard_ids)):
             manifest.set_requested(cp.shard_ids)
             manifest.update_complete()
-            manifest.save()
+            _save_first(manifest)
         _clean_temporaries(cache_dir)  # (of a writer killed mid-shard whose shard got done since: else kept for ever)
         view = f" (a view onto {manifest.view_of}: {shards_line(manifest, cp.shard_ids)})" if manifest.view_of else ""
         log(f"cache: reusing {cache_dir}{view}: all {len(cp.shard_ids)} shards present and verified; no teacher "
@@ -456,7 +594,7 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
     check_disk(cp, missing, cfg.cache.allow_exceed_disk, log=log)
     manifest.set_requested(cp.shard_ids)
     manifest.update_complete()
-    manifest.save()
+    _save_first(manifest)
     if manifest.view_of:
         log(f"cache: a view onto {manifest.view_of} ({shards_line(manifest, done)}): computing the other "
             f"{len(pending)} shards for it, at its own capture, into {cache_dir}")
@@ -511,6 +649,68 @@ def _complete(cfg, plan, teacher, cp: CachePlan, manifest: Manifest, engine: str
     log(f"cache: done: {progress.line().removeprefix('cache: ')} -> {cache_dir}"
         + (f" (a view: {shards_line(manifest, cp.shard_ids)})" if manifest.view_of else ""))
     return cache_dir
+
+
+def _save_first(manifest: Manifest) -> None:
+    """Save the manifest; a view's first save (no manifest in its directory yet) under its source's lock, once the
+    source is seen to hold the files the view reads (``source_held``: `cache rm` of the source lists the view, or has
+    removed the source and the build stops here with one line, instead of leaving a view onto a deleted cache)."""
+    if not manifest.view_of or manifest.path.is_file():
+        manifest.save()
+        return
+    with source_held(manifest.files_dir) as intact:
+        if not (intact and _source_still_holds(manifest)):
+            raise CacheError(f"the cache {manifest.view_of}, whose shards this view reads, was removed while this build "
+                             f"started (`hmscale cache rm`); rerun {BUILDERS} (same config) to build {_key_of(manifest)} "
+                             "without it")
+        manifest.save()
+
+
+def _key_of(manifest: Manifest) -> str:
+    return str(manifest.data.get("key", manifest.cache_dir.name))
+
+
+def _adopt_unrecorded(manifest: Manifest, cp: CachePlan, plan, shard_ids, log=_log) -> set[int]:
+    """Record the shards of ``shard_ids`` whose file lies finished in the cache directory although the manifest does
+    not name it (Ctrl-C of a build with several worker processes between a shard's rename and its record; a killed
+    driver; a lost manifest), instead of computing them again; returns them. A file is taken only when it holds what
+    the plan asks of the shard: the plan's sample keys, each once, with every field of this request's capture at its
+    dtype and shape (``verify``'s check of a shard), and, where other views read the file, their recorded size and
+    sha256. A regular file at the final name is whole (the writer renames it there after its fsync); any other is
+    left to be redone."""
+    from hmscale.teacher.cache.format import check_sample_key
+    from hmscale.teacher.cache.verify import check_shard_file
+
+    cache_dir = manifest.cache_dir
+    candidates = [s for s in shard_ids if (cache_dir / shard_name(s)).is_file()
+                  and not (cache_dir / shard_name(s)).is_symlink() and str(s) not in manifest.data["shards"]
+                  and s not in manifest._dropped]
+    if not candidates:
+        return set()
+    fields = cp.manifest_layout()["fields"]  # (a view's own shards are at its own capture: its own_layout)
+    others = {} if manifest.view_of else _read_by_other_views(cache_dir)
+    adopted = set()
+    for s in candidates:
+        p = cache_dir / shard_name(s)
+        try:
+            size, sha = p.stat().st_size, sha256_file(p)
+            keys = sorted(check_sample_key(k) for k in plan.shard(s)["keys"])
+        except (OSError, CacheError):
+            continue
+        ref = others.get(p.name)
+        if ref is not None and (ref["bytes"], ref["sha256"]) != (size, sha):
+            continue
+        entry = {"file": p.name, "sha256": sha, "bytes": size, "samples": len(keys), "tokens": len(keys) * cp.seq_len}
+        reason, got = check_shard_file(p, entry, fields)
+        if reason or got != keys:
+            continue
+        manifest.add_shard(ShardInfo(shard=s, **entry))
+        adopted.add(s)
+    if adopted:
+        log(f"cache: {len(adopted)} shards lay finished in {cache_dir} but were not in its manifest (an interrupted "
+            f"build, or a lost manifest; e.g. {shard_name(min(adopted))}): checked against the plan and recorded, not "
+            "computed again")
+    return adopted
 
 
 def local_devices(cfg, device=None) -> list[str]:

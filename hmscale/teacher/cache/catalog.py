@@ -9,7 +9,9 @@ temporary shard files (a worker killed mid-shard; the next build of that cache r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +105,9 @@ def list_caches(root) -> list[CacheEntry]:
     """Every directory directly under ``root`` (and ``root`` itself if it is a cache), in name order."""
     root = Path(root).expanduser()  # (cache.root from a config: `hmscale cache list` without ROOT)
     if not root.is_dir():
-        raise CacheError(f"{root} is not a directory; pass a cache root such as .cache/hmscale/teacher (cache.root)")
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise CacheError(f"{root} {what}; pass the folder holding the caches (a config's cache.root, default "
+                         ".cache/hmscale/teacher)")
     if (root / MANIFEST).exists():
         return [_entry(root)]
     return [_entry(d) if d.is_dir() else _dangling(d) for d in sorted(root.iterdir())
@@ -189,38 +193,136 @@ def remove_cache(path, force: bool = False) -> list[Path]:
     it; without ``force`` a cache that views read is refused, naming them. A cache (or view) a running build is
     writing is refused, ``force`` or not: deleting it under the build broke the build and left a manifest naming
     the deleted shards. Returns what was removed."""
+    # given a moved cache's own directory, the link in the root that names it is found (``_cache_dir_named``): the
+    # root's views and lock are checked through it, and it goes with the directory, as if the link had been given
     path = _cache_dir_named(path)
     if not (path / MANIFEST).is_file():
         Manifest.load(path)  # raises CacheError for a directory that is not a cache
     # a manifest that no longer loads (damaged, edited, another format version) still marks a cache: removable
     # (a view moved to another disk and linked back into the root reads this cache too: it counts, and goes with it)
-    views = [e.path for e in list_caches(path.parent) if e.view_of == path.name]
-    if views and not force:
-        raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "
-                         "pass --force to remove them too (their runs would otherwise rebuild them with a teacher pass)")
-    with _not_being_built([*views, path]):
-        for d in [*views, path]:
-            _remove_dir(d)
+    # the views are listed, and everything removed, holding the directory's removal lock: a build making a view onto
+    # it holds that lock shared while it checks the cache and saves the view (``source_held``), so the view is either
+    # listed here (refused without --force) or finds the cache gone, never a view onto a deleted cache
+    with _removal_lock(path):
+        views = [e.path for e in list_caches(path.parent) if e.view_of == path.name]
+        if views and not force:
+            raise CacheError(f"{len(views)} view(s) read {path.name}'s shards ({', '.join(v.name for v in views)}); "
+                             "pass --force to remove them too (their runs would otherwise rebuild them with a teacher "
+                             "pass)")
+        with _not_being_built([*views, path]):
+            for d in views:
+                _remove_dir(d)
+            _remove_dir(path)
     return [*views, path]
+
+
+def _flock(fd, shared: bool, wait_s: float | None) -> bool | None:
+    """Take ``fd``'s flock (shared or exclusive): True once taken; False when ``wait_s`` passed first; None where the
+    filesystem has no file locks (nothing to coordinate with)."""
+    if fcntl is None:
+        return None
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        except OSError:
+            return None
+
+
+def _open_dir(d: Path) -> int | None:
+    try:
+        return os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # gone (removed meanwhile), or not openable: nothing to lock
+        return None
+
+
+@contextlib.contextmanager
+def _removal_lock(d: Path, wait_s: float = 60.0):
+    """``cache rm``'s exclusive flock on the cache directory itself (not a file in it: removed with it) for the whole
+    removal; a view being saved onto it holds it shared for a moment (``source_held``), so this waits for that."""
+    fd = _open_dir(d)
+    try:
+        if fd is not None and _flock(fd, shared=False, wait_s=wait_s) is False:
+            raise CacheError(f"{d.name} is being made the source of a view by a running build (it holds {d}'s lock); "
+                             "rerun `hmscale cache rm` once that build has started")
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def source_held(source: Path):
+    """Hold ``source``'s directory lock shared (``cache rm`` takes it exclusive while it lists the views and removes):
+    yields whether ``source`` is still the cache it was when opened (its manifest present, the directory not removed
+    or replaced meanwhile). A build saves a view onto ``source`` only inside this block, and only when it yields True."""
+    fd = _open_dir(source)
+    try:
+        if fd is None:
+            yield False
+            return
+        _flock(fd, shared=True, wait_s=None)
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(source))
+        except OSError:
+            same = False
+        yield same and (source / MANIFEST).is_file()
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _cache_dir_named(path) -> Path:
     """The cache directory ``path`` names, as its root holds it: `.` or `x/..` resolved (their lexical parent is not the
     root); a link in the root to a directory of its own name (a cache moved to another disk) as the link, so that the
-    views and the build lock under that root are found (given the moved directory itself, neither was). Any other
-    link (another name for a cache) is refused."""
+    views and the build lock under that root are found (also when given the moved directory itself: the link in the
+    root that names it, see ``_link_in_root``). Any other link (another name for a cache) is refused."""
     given = Path(path)
     if not given.is_symlink():
-        return given.resolve()
+        real = given.resolve()
+        return _link_in_root(real) or real
     target = given.resolve()
     if target.name != given.name or not target.is_dir():
         raise CacheError(f"{path} is a link; pass the cache directory itself")
     return Path(os.path.abspath(given))
 
 
+def _link_in_root(real: Path) -> Path | None:
+    """For a cache directory moved to another disk and linked back into its root under its own name, given by its
+    real path: that link. The roots looked in: the one its manifest was last written through (``root``), and the
+    default cache.root (relative to the working directory). None when neither holds a link naming ``real``."""
+    roots = []
+    try:
+        recorded = json.loads((real / MANIFEST).read_text()).get("root")
+        if isinstance(recorded, str) and recorded:
+            roots.append(Path(recorded))
+    except (OSError, ValueError, AttributeError):  # (no readable manifest: the default root only)
+        pass
+    try:
+        from hmscale.config import CacheConfig
+
+        roots.append(Path(CacheConfig().root).expanduser())
+    except Exception:  # noqa: BLE001 - a hint only
+        pass
+    for r in roots:
+        link = Path(os.path.abspath(r)) / real.name
+        try:
+            if link.is_symlink() and link.resolve() == real:
+                return link
+        except OSError:
+            continue
+    return None
+
+
 def _remove_dir(d: Path) -> None:
-    """Delete a cache directory; for a link in the root (a view moved elsewhere), the directory it names, and the
-    link."""
+    """Delete a cache directory; for a link in the root (a cache or view moved elsewhere), the directory it names,
+    and the link."""
     import shutil
 
     target = d.resolve() if d.is_symlink() else d

@@ -317,6 +317,9 @@ class Manifest:
     def save(self) -> None:
         self._merge_from_disk()
         self.data["updated"] = _now()
+        # the root it is written through (informative): for a cache later moved to another disk and linked back into
+        # the root, `cache rm` given the moved directory finds the link there (and the root's views and lock)
+        self.data["root"] = os.path.abspath(self.cache_dir.parent)
         self.data["shards"] = {str(k): self.data["shards"][str(k)] for k in sorted(self.shards)}
         atomic_write_json(self.path, self.data)
         try:

@@ -6,7 +6,9 @@ and takes the pending shards round-robin (shards are equal in size, so the split
 shards come back to the driver as `ShardInfo`s through a queue; only the driver touches the
 manifest. A worker that raises reports the shard and the error; one that dies (killed, out of
 memory) is noticed by its exit code. Either way the run stops with a `CacheError` and the shards
-already written stay recorded, so rerunning finishes the rest.
+already written stay recorded, so rerunning finishes the rest. A stopped run (Ctrl-C, a failure)
+still records the shards the other workers report finished before they are stopped (`_drain`); one
+finished on disk but never reported is checked and recorded by the next build (`build._adopt_unrecorded`).
 """
 
 from __future__ import annotations
@@ -91,36 +93,13 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
     t0 = time.perf_counter()
     startup = 0.0
     try:
-        while running:
-            try:
-                kind, i, payload = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                gone = [j for j in running if procs[j].exitcode is not None]
-                if not gone:
-                    continue
-                try:  # gone without saying goodbye: its last messages may still be on their way
-                    kind, i, payload = results.get(timeout=2.0)
-                except queue_mod.Empty:
-                    j = gone[0]
-                    raise CacheError(f"cache worker {j} on {devices[j]} died (exit code {procs[j].exitcode}); the "
-                                     "shards written so far are kept: rerun to finish the others") from None
-            if kind == "ready":
-                waiting.discard(i)
-                if not waiting:
-                    startup = time.perf_counter() - t0
-                    log(f"cache: {n} workers ready after {startup:.1f} s")
-            elif kind == "done":
-                on_done(payload)
-            elif kind == "exit":
-                running.discard(i)
-            else:
-                sid, message, tb, os_error = payload
-                where = shard_name(sid) if sid is not None else "its start"
-                log(f"cache: worker {i} on {devices[i]} failed on {where}:\n{tb}")
-                if os_error is not None:  # named as writing the shard (a full disk), as the one-process engine does
-                    raise CacheError(failure_message(OSError(*os_error), f"{where} (worker {i}, {devices[i]})",
-                                                     cp.cache_dir))
-                raise CacheError(f"teacher forward failed on {where} (worker {i}, {devices[i]}): {message}")
+        try:
+            startup = _collect(procs, devices, results, running, waiting, on_done, t0, cp, log)
+        except BaseException:
+            # stopped (Ctrl-C, a failed worker): the shards the workers finished meanwhile are on disk, their "done"
+            # on its way; recorded before the workers are stopped, so the rerun and `cache verify` see them
+            _drain(results, running, on_done)
+            raise
     finally:
         for p in procs:
             if p.is_alive():
@@ -128,4 +107,67 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
         for p in procs:
             p.join(timeout=10)
         results.close()
+    return startup
+
+
+def _drain(results, running, on_done, quiet_s: float = 1.0, limit_s: float = 5.0) -> int:
+    """Record (``on_done``) the finished shards the workers report after the run stopped: until every worker still
+    running has said it stopped (a Ctrl-C reaches them too) or nothing came for ``quiet_s`` (at most ``limit_s``).
+    A second Ctrl-C ends it at once. Returns how many were recorded."""
+    n, deadline = 0, time.monotonic() + limit_s
+    try:
+        while running and time.monotonic() < deadline:
+            try:
+                kind, i, payload = results.get(timeout=quiet_s)
+            except queue_mod.Empty:
+                break
+            if kind == "done":
+                try:
+                    on_done(payload)
+                    n += 1
+                except Exception:  # noqa: BLE001 - the run's own error is the one on its way up
+                    pass
+            elif kind in ("exit", "error"):
+                running.discard(i)
+    except (KeyboardInterrupt, OSError, EOFError):
+        pass
+    return n
+
+
+def _collect(procs, devices, results, running, waiting, on_done, t0, cp, log) -> float:
+    """The driver's loop: the workers' messages until each has exited; returns the start-up seconds."""
+    n = len(procs)
+    startup = 0.0
+    while running:
+        try:
+            kind, i, payload = results.get(timeout=1.0)
+        except queue_mod.Empty:
+            gone = [j for j in running if procs[j].exitcode is not None]
+            if not gone:
+                continue
+            try:  # gone without saying goodbye: its last messages may still be on their way
+                kind, i, payload = results.get(timeout=2.0)
+            except queue_mod.Empty:
+                j = gone[0]
+                running.difference_update(gone)  # (nothing more to wait for from them)
+                raise CacheError(f"cache worker {j} on {devices[j]} died (exit code {procs[j].exitcode}); the "
+                                 "shards written so far are kept: rerun to finish the others") from None
+        if kind == "ready":
+            waiting.discard(i)
+            if not waiting:
+                startup = time.perf_counter() - t0
+                log(f"cache: {n} workers ready after {startup:.1f} s")
+        elif kind == "done":
+            on_done(payload)
+        elif kind == "exit":
+            running.discard(i)
+        else:
+            sid, message, tb, os_error = payload
+            running.discard(i)
+            where = shard_name(sid) if sid is not None else "its start"
+            log(f"cache: worker {i} on {devices[i]} failed on {where}:\n{tb}")
+            if os_error is not None:  # named as writing the shard (a full disk), as the one-process engine does
+                raise CacheError(failure_message(OSError(*os_error), f"{where} (worker {i}, {devices[i]})",
+                                                 cp.cache_dir))
+            raise CacheError(f"teacher forward failed on {where} (worker {i}, {devices[i]}): {message}")
     return startup

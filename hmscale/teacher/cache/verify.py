@@ -88,6 +88,13 @@ def _check_shard(path: Path, entry: dict, fields: dict) -> tuple[str | None, lis
     return None, sorted(seen)
 
 
+def check_shard_file(path: Path, entry: dict, fields: dict) -> tuple[str | None, list[str]]:
+    """One shard file against a manifest entry (size, sha256, samples) and the fields it should hold: (what is wrong
+    or None, its sample keys sorted). The check `verify_cache` runs on each shard; a build runs it on a finished shard
+    its manifest lacks before recording it."""
+    return _check_shard(path, entry, fields)
+
+
 def verify_cache(path, threads: int | None = None) -> VerifyReport:
     """Check a cache directory; never raises for a bad shard (see `report.ok`, `report.bad`).
 

@@ -46,4 +46,4 @@ def test_cli_list_and_json(tmp_path, teacher, data, tools, capsys):
     assert main(["cache", "list", str(path)]) == 0  # a cache directory itself: its own row
     assert path.name in capsys.readouterr().out
     assert main(["cache", "list", str(tmp_path / "missing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "missing does not exist; pass the folder holding the caches" in capsys.readouterr().err
