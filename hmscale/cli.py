@@ -405,15 +405,20 @@ app.add_typer(scale_app, name="scale")
 
 
 def _quiet_hub_progress_bars() -> None:
-    """HMSCALE_NO_PROGRESS=1 (batch logs) also turns off transformers' / the hub's progress bars ("Loading weights",
-    "Writing model shards"): in this process, and in the workers it starts (they inherit the environment)."""
+    """HMSCALE_NO_PROGRESS=1 (batch logs) also turns off transformers' / the hub's / datasets' progress bars ("Loading
+    weights", "Writing model shards", "Generating test split"): in this process, and in the workers it starts (they inherit the environment)."""
     if os.environ.get("HMSCALE_NO_PROGRESS") != "1":
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # (read as transformers is imported)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # (datasets': "Generating test split", maps)
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
 
 
 def main(argv: list[str] | None = None) -> int:

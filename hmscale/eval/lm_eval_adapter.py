@@ -127,7 +127,8 @@ class HmscaleLM(LM):
         return ctx, whole[len(ctx):]
 
     def _progress(self, requests, disable_tqdm: bool):
-        return tqdm(requests, desc=f"[lm-eval] {type(self).__name__}", disable=disable_tqdm or len(requests) < 2,
+        quiet = os.environ.get("HMSCALE_NO_PROGRESS") == "1"  # (batch logs, as the training bars)
+        return tqdm(requests, desc=f"[lm-eval] {type(self).__name__}", disable=disable_tqdm or quiet or len(requests) < 2,
                     mininterval=5.0)
 
     @torch.no_grad()
