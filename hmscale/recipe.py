@@ -83,7 +83,7 @@ def adopt_stage1(source: Path, cfg: RunConfig) -> str:
     tree = saved_tree(source)
     if tree is None:
         raise RecipeError(f"--stage1-from: {source} has no readable config.yaml, so its stage 1 cannot be matched")
-    diff = [d for d in changed_settings(tree, cfg) if not d.startswith("stage2.")]
+    diff = [d for d in changed_settings(tree, cfg, run_inputs_dir(source)) if not d.startswith("stage2.")]
     if diff:
         raise RecipeError(f"--stage1-from: {source}'s stage 1 was trained with other settings "
                           f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); only stage2.* may differ")
@@ -247,7 +247,16 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
 
     if not (done("stage1") and done("stage2")):
         t0 = time.time()
-        res = run_distill(cfg, run_dir, log=log, prepared=prep)
+        from hmscale.train.common import stage2_uses_teacher
+
+        prepared = prep
+        if "stage2" in to_train and not stage2_uses_teacher(cfg.stage2):
+            # stage 2 runs no live teacher (KD from the cache, or none): the teacher goes with the stages, whose
+            # runner drops it once stage 2's model is built (it stayed resident, on the GPU with use_gpu, through
+            # stage 2); the evaluation loads it again (the same stored teacher)
+            teacher, prepared = None, _hand_over(prep)
+        res = run_distill(cfg, run_dir, log=log, prepared=prepared)
+        del prepared
         for name in ("stage1", "stage2"):
             summary = res.get(name) or {}
             if name not in stages:
@@ -264,6 +273,10 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
         t0 = time.time()
         from hmscale.train.stage1 import load_stage1_student
 
+        if teacher is None:  # (handed over to the stages: loaded again, as `hmscale eval` loads it)
+            from hmscale.teacher import get_teacher
+
+            teacher = get_teacher(cfg, data, log=log)
         models = {"teacher": teacher, "hedgehog": load_stage1_student(run_dir, teacher),
                   "hedgemamba": load_final_model(run_dir, data)}
         scores = evaluate_models(cfg, data, models, log=log)
@@ -278,6 +291,12 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
     write_report(run_dir, results, cfg)
     log(f"[recipe] finished in {time.time() - t_start:.1f} s -> {run_dir}/report.md")
     return results
+
+
+def _hand_over(prep: dict) -> dict:
+    """``prep`` (``prepare``'s data, teacher and cache) as a new dict that alone holds the teacher: ``prep`` no longer
+    does, so the stages' runner that takes (pops) it from there holds the last reference."""
+    return {**prep, "teacher": prep.pop("teacher")}
 
 
 def earlier_seconds(res: dict) -> float:
@@ -496,12 +515,17 @@ def evaluate_models(cfg: RunConfig, data, models: dict, log=print) -> dict:
 
 
 def run_inputs_dir(run_dir: Path) -> str | None:
-    """The folder a finished run read its relative inputs from (results.json's inputs_dir), if it says."""
+    """The folder a run read its relative inputs from: results.json's inputs_dir (a recipe run), else, for a run of
+    the stage commands (no results.json), the folder its stages' record of the inputs (inputs.json) places them in."""
     try:
         base = json.loads((Path(run_dir) / "results.json").read_text()).get("inputs_dir")
     except (OSError, ValueError, AttributeError):
-        return None
-    return base if isinstance(base, str) else None
+        base = None
+    if isinstance(base, str):
+        return base
+    from hmscale.run_identity import recorded_inputs_dir
+
+    return recorded_inputs_dir(run_dir)
 
 
 def _inputs_as_run(cfg: RunConfig, run_dir: Path) -> RunConfig:

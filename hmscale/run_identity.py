@@ -1,8 +1,9 @@
 """What identifies a run directory's models, for resuming it: every setting but evaluation, locations and placement.
 
-Evaluation settings may change between reruns (the eval stage is redone when those it reads change), a run directory
-and the caches may be moved, and the same run may be resumed by the other engine or on another cluster; any other
-change makes it another run, and the settings that differ are named.
+Evaluation settings may change between reruns (the eval stage is redone when those it reads change; how often stage 2
+validates, ``NOT_TRAINING``, changes no weight), a run directory and the caches may be moved, and the same run may be
+resumed by the other engine or on another cluster; any other change makes it another run, and the settings that differ
+are named.
 """
 
 from __future__ import annotations
@@ -21,20 +22,34 @@ NOT_IDENTITY = ("eval", "output_dir")  # whole sections
 PLACEMENT = ("data.cache_dir", "cache.root", "cache.engine", "cache.workers", "cache.max_retries",
              "cache.allow_exceed_disk", "parallel.engine", "parallel.ray_address", "parallel.max_failures",
              "parallel.checkpoint_every", "parallel.keep_checkpoints")
+# settings inside the training sections that change no trained weight (stage 2's validation: lines of metrics.jsonl);
+# the key holds them at their defaults (not dropped: every run keyed before, at the default, keeps its key)
+NOT_TRAINING = ("stage2.eval_every",)
 
 
-def _identity_tree(tree: dict) -> dict:
-    """A config tree without the settings that are not part of a run's identity."""
+def _default(dotted: str):
+    section, field = dotted.split(".")
+    return RunConfig.model_fields[section].annotation.model_fields[field].default
+
+
+def _identity_tree(tree: dict, settled: bool = True) -> dict:
+    """A config tree without the settings that are not part of a run's identity (``settled``: ``NOT_TRAINING`` at
+    their defaults; without, as runs were keyed before 2026-12-06)."""
     out = {k: copy.deepcopy(v) for k, v in tree.items() if k not in NOT_IDENTITY}
     for dotted in PLACEMENT:
         section, field = dotted.split(".")
         if isinstance(out.get(section), dict):
             out[section].pop(field, None)
+    for dotted in NOT_TRAINING if settled else ():
+        section, field = dotted.split(".")
+        if isinstance(out.get(section), dict) and field in out[section]:
+            out[section][field] = _default(dotted)
     return out
 
 
 def training_hash(cfg: RunConfig) -> str:
-    """The run's key: a hash of every setting but ``NOT_IDENTITY`` and ``PLACEMENT``."""
+    """The run's key: a hash of every setting but ``NOT_IDENTITY`` and ``PLACEMENT`` (``NOT_TRAINING`` held at
+    their defaults)."""
     return stable_hash(_identity_tree(cfg.model_dump(mode="json")))
 
 
@@ -75,8 +90,8 @@ def changed_settings(tree: dict, cfg: RunConfig, inputs_dir: str | None = None) 
     same = {k for k in INPUTS if k in old and k in new
             and _resolved(k, old[k], inputs_dir) == _resolved(k, new[k], None)}
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k.split(".")[0] not in NOT_IDENTITY and k not in PLACEMENT and k not in same
-            and old.get(k) != new.get(k)]
+            if k.split(".")[0] not in NOT_IDENTITY and k not in PLACEMENT and k not in NOT_TRAINING
+            and k not in same and old.get(k) != new.get(k)]
 
 
 INPUTS = ("data.paths", "teacher.name_or_path", "tokenizer.name_or_path")  # inputs a run reads by path
@@ -98,11 +113,12 @@ def _resolved(key: str, value, base: str | None):
 
 def keyed_by(tree: dict, stored_hash: str | None) -> bool:
     """Whether a run's stored key was computed from this saved config tree: ``training_hash`` of it as it was saved
-    (before fields were added to the schema since), the tree without eval / output_dir only (how runs were keyed on
-    2026-12-05, before ``PLACEMENT``), or the whole tree's hash (before that). Then config.yaml vouches for the run,
-    and ``changed_settings`` says whether it is this config's."""
-    keys = (stable_hash(_identity_tree(tree)), stable_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}),
-            stable_hash(tree))
+    (before fields were added to the schema since), with ``NOT_TRAINING`` as given (how runs were keyed before
+    2026-12-06), the tree without eval / output_dir only (how runs were keyed on 2026-12-05, before ``PLACEMENT``), or
+    the whole tree's hash (before that). Then config.yaml vouches for the run, and ``changed_settings`` says whether it
+    is this config's."""
+    keys = (stable_hash(_identity_tree(tree)), stable_hash(_identity_tree(tree, settled=False)),
+            stable_hash({k: v for k, v in tree.items() if k not in NOT_IDENTITY}), stable_hash(tree))
     return stored_hash in keys
 
 
@@ -148,3 +164,33 @@ def saved_config_mismatch(run_dir: Path, cfg: RunConfig) -> str | None:
         return None
     diff = run_mismatch(run_dir, None, cfg)
     return None if diff is None else different_run(run_dir, diff)
+
+
+INPUTS_FILE = "inputs.json"  # in a run directory: the inputs read by path, absolute, as its stages read them
+
+
+def recorded_inputs_dir(run_dir) -> str | None:
+    """The folder the relative inputs of the run's config.yaml were read from, found from ``INPUTS_FILE`` (the stages'
+    absolute record); None when nothing relative is there to place, or without a record."""
+    import json
+
+    try:
+        rec = json.loads((Path(run_dir) / INPUTS_FILE).read_text())
+        tree = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(rec, dict) or not isinstance(tree, dict):
+        return None
+    data, pairs = tree.get("data") or {}, []
+    if isinstance(data.get("paths"), list) and isinstance(rec.get("data.paths"), list):
+        pairs += zip(data["paths"], rec["data.paths"])
+    for section in ("teacher", "tokenizer"):
+        pairs.append(((tree.get(section) or {}).get("name_or_path"), rec.get(f"{section}.name_or_path")))
+    for given, absolute in pairs:
+        if not (isinstance(given, str) and isinstance(absolute, str)) or given == absolute:
+            continue  # (a hub id, an absolute path)
+        given = os.path.expanduser(given)
+        for base in Path(absolute).parents:  # where `given` was resolved from: the folder it names `absolute` in
+            if os.path.abspath(base / given) == absolute:
+                return str(base)
+    return None

@@ -190,6 +190,7 @@ def train_func(config: dict):
         data, teacher = _worker_inputs(cfg, config)
         cache_dir = config.get("cache_dir")
 
+        from hmscale.train.common import stage2_uses_teacher
         from hmscale.train.stage1 import load_stage1_student, run_stage1
         from hmscale.train.stage2 import run_stage2
 
@@ -214,8 +215,14 @@ def train_func(config: dict):
         elif "stage2" in stages:
             if student is None:
                 student = load_stage1_student(run_dir, teacher=teacher, cfg=cfg)
-            s2 = run_stage2(cfg, run_dir, data=data, student=student,
-                            teacher=teacher,  # (online KD / hidden alignment: this one, not a copy loaded again)
+            handed = {"student": student, "teacher": teacher}
+            if not stage2_uses_teacher(cfg.stage2):
+                # no live teacher in stage 2: run_stage2 holds the last references and lets them go once its model is
+                # built (the teacher stayed resident, on the GPU with use_gpu, through the stage)
+                student = teacher = None
+                (config.get("prepared") or {}).pop("teacher", None)
+            s2 = run_stage2(cfg, run_dir, data=data, student=handed.pop("student"),
+                            teacher=handed.pop("teacher"),  # (online KD / hidden alignment: this one, not a copy)
                             cache_dir=cache_dir if _needs_cache(cfg, ("stage2",)) else None,
                             resume_from=resume_path if stage == "stage2" else None, resume=False,
                             on_checkpoint=report, fault_hook=_fault_hook(fault, "stage2", rank, run_dir))

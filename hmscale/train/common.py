@@ -74,6 +74,26 @@ def cached_kd(s2) -> bool:
     return s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "cache"
 
 
+def stage2_uses_teacher(s2) -> bool:
+    """Whether stage 2 (``cfg.stage2``) runs the live teacher while it trains: online KD, or hidden-state alignment.
+    Else (KD from the cache's top-k, or no KD term) the teacher only builds the stage-1 student it converts, and may
+    be let go before the stage-2 engine is built."""
+    return ((s2.kd_weight > 0 and getattr(s2, "kd_source", "cache") == "online")
+            or float(getattr(s2, "hidden_weight", 0.0)) > 0)
+
+
+def free_released_memory() -> None:
+    """After the last reference to a model is dropped: collect it now (a model in a reference cycle waits for the
+    collector) and, on CUDA, hand its cached blocks back (``torch.cuda.empty_cache``) for the next engine."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _reads_from_cache(cfg, stage: str) -> bool:
     """Whether the stage draws its rows from the teacher cache: stage 1 with source=cache; stage 2 with cached KD (its
     top-k log-probs; without KD, or with online KD, it reads the data plan's rows)."""
@@ -184,3 +204,17 @@ def export_hf(engine, out_dir: Path, layout: Layout, zero_stage: int, extra_file
 
 def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def record_inputs(cfg, run_dir) -> None:
+    """Write down (``INPUTS_FILE``) the inputs a stage reads by path (data.paths, a teacher or tokenizer folder) as
+    absolute paths: the stage commands keep no results.json (the recipe's inputs_dir), and config.yaml keeps the
+    inputs as given, so a later command from another folder could not tell which files a relative one named. Workers
+    get them absolute from the driver (``with_absolute_inputs``); called directly, they are resolved from here."""
+    from hmscale.atomic import atomic_write_json
+
+    cfg = cfg.with_absolute_inputs()  # (the file is hmscale.run_identity.INPUTS_FILE, which reads the record)
+    atomic_write_json(Path(run_dir) / "inputs.json", {"data.paths": list(cfg.data.paths),
+                                                    "teacher.name_or_path": cfg.teacher.name_or_path,
+                                                    "tokenizer.name_or_path": cfg.tokenizer.name_or_path})
+

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hmscale.atomic import atomic_write_json
-from hmscale.train.common import seed_everything, setup_layout, short_cache_note, stage_dir, stage_steps
+from hmscale.train.common import record_inputs, seed_everything, setup_layout, short_cache_note, stage_dir, stage_steps
 from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (Checkpointer, MetricsLogger, OptimSpec, TrainingError, barrier, build_engine,
                                    resumed_totals, train_loop)
@@ -334,6 +334,8 @@ def run_stage1(
     layout = setup_layout(cfg, tp=1, zero_stage=zero)
     seed_everything(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
+    if layout.rank == 0:  # (the stage commands keep no results.json: where relative inputs were read)
+        record_inputs(cfg, run_dir)
     mode = s1.source if source is None else ("cache" if isinstance(source, CacheSource) else "online")
 
     if data is None and (mode == "online" and source is None or teacher is None):

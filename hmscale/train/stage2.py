@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 import kernels
 from hmscale.atomic import atomic_write_json
-from hmscale.train.common import (Layout, cached_kd, export_hf, seed_everything, setup_layout, short_cache_note,
-                                  stage_dir, stage_steps)
+from hmscale.train.common import (Layout, cached_kd, export_hf, free_released_memory, record_inputs, seed_everything,
+                                  setup_layout, short_cache_note, stage2_uses_teacher, stage_dir, stage_steps)
 from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
 from hmscale.train.engine import (
     Checkpointer,
@@ -400,9 +400,17 @@ def run_stage2(
     zero = par.zero  # the stage DeepSpeed runs (a ds_config file's own)
     seed_everything(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
+    if layout.rank == 0:  # (the stage commands keep no results.json: where relative inputs were read)
+        record_inputs(cfg, run_dir)
 
     if model is None:
         model = build_stage2_model(cfg, run_dir, teacher=teacher, student=student)
+    if not stage2_uses_teacher(s2) and (teacher is not None or student is not None):
+        # no live teacher in this stage (KD from the cache, or none): the teacher (and the stage-1 student around it)
+        # only built the model; let go of them before the engine (on a GPU the frozen teacher stayed resident through
+        # the stage). The caller must not hold them either (ray_jobs.distill.train_func hands them over)
+        teacher = student = None
+        free_released_memory()
     frozen = freeze_embeddings(model)
     if getattr(s2, "trainable", "all") == "mixers":
         frozen += freeze_all_but_mixers(model)
