@@ -3,7 +3,8 @@
 - :func:`to_hedgehog`: teacher (``GPTNeoXForCausalLM``) -> stage-1 student sharing the teacher's weights;
 - :func:`to_hedgemamba`: stage-1 student -> ``HedgeMambaForCausalLM`` (copies: embeddings, LayerNorms,
   ``query_key_value`` -> ``mixer.in_proj`` (same interleaved layout), ``dense`` -> ``mixer.out_proj``, MLP,
-  final LayerNorm, output embedding, feature maps); the recurrent parts take their exact identity init;
+  final LayerNorm, output embedding (tied to the input embedding when the teacher's are: ``tie_word_embeddings``
+  follows the teacher), feature maps); the recurrent parts take their exact identity init;
 - :func:`compare_logits`: both models on one batch, largest absolute and relative logit difference.
 """
 
@@ -18,7 +19,7 @@ from .hedgemamba import HedgeMambaConfig, HedgeMambaForCausalLM, param_kind
 from .neox_attention import check_default_rope, rope_theta, rotary_fraction
 
 __all__ = ["to_hedgehog", "to_hedgemamba", "to_mixer_student", "recurrent_state", "load_recurrent_state",
-           "hedgemamba_config_from_teacher", "compare_logits"]
+           "hedgemamba_config_from_teacher", "teacher_ties_embeddings", "compare_logits"]
 
 
 def to_hedgehog(teacher, feature_dim: int | None = None) -> HedgehogForCausalLM:
@@ -63,8 +64,14 @@ def hedgemamba_config_from_teacher(teacher_config, feature_dim: int | None = Non
         bos_token_id=teacher_config.bos_token_id,
         eos_token_id=teacher_config.eos_token_id,
         pad_token_id=getattr(teacher_config, "pad_token_id", None),
-        tie_word_embeddings=False,
+        # the teacher's tie (Pythia: untied): a tied teacher's one embedding matrix stays one matrix in HedgeMamba
+        tie_word_embeddings=teacher_ties_embeddings(teacher_config),
     )
+
+
+def teacher_ties_embeddings(teacher_config) -> bool:
+    """Whether the teacher's output embedding (LM head) is its input embedding matrix (``tie_word_embeddings``)."""
+    return bool(getattr(teacher_config, "tie_word_embeddings", False))
 
 
 @torch.no_grad()
@@ -104,7 +111,16 @@ def to_hedgemamba(student: HedgehogForCausalLM, components=None) -> HedgeMambaFo
         _copy(dst.mixer.feature_map.bias, fm.bias, f"feature_maps.{i}.bias")
     _copy(bb.final_layer_norm.weight, neox.final_layer_norm.weight, "final_layer_norm.weight")
     _copy(bb.final_layer_norm.bias, neox.final_layer_norm.bias, "final_layer_norm.bias")
-    _copy(model.lm_head.weight, teacher.get_output_embeddings().weight, "embed_out.weight")
+    if cfg.tie_word_embeddings:
+        # one matrix, as in the teacher: the head is the embedding just copied (HedgeMamba ties them at build)
+        if model.lm_head.weight is not bb.embed_in.weight:
+            raise RuntimeError("to_hedgemamba: HedgeMamba with tie_word_embeddings did not tie lm_head to embed_in")
+        if not torch.equal(teacher.get_output_embeddings().weight, neox.embed_in.weight):
+            raise ValueError("to_hedgemamba: the teacher's config ties its word embeddings (tie_word_embeddings=True) "
+                             "but its embed_out and embed_in weights differ; load the teacher so that they are tied, "
+                             "or set tie_word_embeddings=False in its config")
+    else:
+        _copy(model.lm_head.weight, teacher.get_output_embeddings().weight, "embed_out.weight")
     return model.to(dtype=ref.dtype)
 
 

@@ -515,6 +515,39 @@ class HedgeMambaCausalLMOutput(ModelOutput):
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
 
 
+TIED_HEAD_KEY, TIED_EMBEDDING_KEY = "lm_head.weight", "backbone.embed_in.weight"
+
+
+def _one_tied_matrix(model, state_dict):
+    """With ``tie_word_embeddings`` the checkpoint holds one matrix, the input embedding's (transformers ties the head
+    to it on load). A given state dict may hold the head as a separate copy (``export_hf`` clones each entry; a
+    vocabulary-parallel head is gathered from its shards): it is dropped here when it equals the embedding (the
+    checkpoint kept an extra vocab x hidden copy) and refused when it does not (the load would silently replace the
+    saved head by the embedding). Returns the state dict to save (None: the model's own, checked alike)."""
+    if state_dict is None:
+        head = getattr(getattr(model, "lm_head", None), "weight", None)
+        emb = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
+        if head is None or emb is None or head is emb:
+            return None
+        pair = head, emb
+    else:
+        if TIED_HEAD_KEY not in state_dict or TIED_EMBEDDING_KEY not in state_dict:
+            return state_dict
+        pair = state_dict[TIED_HEAD_KEY], state_dict[TIED_EMBEDDING_KEY]
+    head, emb = pair
+    if head is emb or "meta" in (head.device.type, emb.device.type):
+        return state_dict
+    if head.shape != emb.shape or not torch.equal(head.detach(), emb.detach().to(head.device, head.dtype)):
+        diff = (f"max |difference| {float((head.detach().float() - emb.detach().float().to(head.device)).abs().max()):.3g}"
+                if head.shape == emb.shape else f"shapes {tuple(head.shape)} and {tuple(emb.shape)}")
+        raise ValueError(f"save_pretrained: tie_word_embeddings is set but lm_head.weight is not the input embedding "
+                         f"backbone.embed_in.weight ({diff}), and a tied checkpoint keeps the embedding only; tie them "
+                         "(model.tie_weights()) or set config.tie_word_embeddings=False")
+    if state_dict is None:
+        return None
+    return {k: v for k, v in state_dict.items() if k != TIED_HEAD_KEY}
+
+
 class HedgeMambaPreTrainedModel(PreTrainedModel):
     config_class = HedgeMambaConfig
     config: HedgeMambaConfig
@@ -544,6 +577,8 @@ class HedgeMambaPreTrainedModel(PreTrainedModel):
                 state_dict = self.state_dict()
             if any(is_lora_param(k) for k in state_dict):
                 state_dict = merged_state_dict(self, state_dict)
+        if getattr(self.config, "tie_word_embeddings", False):
+            state_dict = _one_tied_matrix(self, state_dict)
         super().save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
 
     def _initialize_weights(self, module, *args, **kwargs):

@@ -1,7 +1,8 @@
 """Stage 2: convert the stage-1 Hedgehog student into HedgeMamba and fine-tune it.
 
-Everything but the input embeddings trains, with `stage2.ce_weight` x next-token cross-entropy plus
-`stage2.kd_weight` x a KD term (temperature T = `stage2.kd_temperature`), averaged over tokens:
+Everything but the input embeddings (and an LM head tied to them, as a tied teacher's) trains, with
+`stage2.ce_weight` x next-token cross-entropy plus `stage2.kd_weight` x a KD term (temperature
+T = `stage2.kd_temperature`), averaged over tokens:
 - `stage2.kd_source=cache`: cached top-k teacher log-probs,
   `kd = -T^2 * sum_k softmax(lp_teacher/T)_k * log_softmax(z_student/T)[id_k]`
   (the teacher distribution renormalised over its top k);
@@ -174,7 +175,11 @@ def hidden_alignment(student_hidden, teacher_hidden) -> torch.Tensor:
 
 
 def freeze_embeddings(model: torch.nn.Module) -> int:
-    """requires_grad=False on the input embeddings; returns the number of frozen parameters."""
+    """requires_grad=False on the input embeddings; returns the number of frozen parameters.
+
+    A head tied to them (``config.tie_word_embeddings``, as ``to_hedgemamba`` converts a tied teacher) is the same
+    Parameter and freezes with them: it is not trained through the shared weight (the model keeps the teacher's one
+    matrix, and the export's head is the embedding). An untied head (Pythia's) trains."""
     emb = model.get_input_embeddings()
     n = 0
     for p in emb.parameters():
