@@ -40,6 +40,11 @@ def _connect_failure(address: str, err: BaseException) -> str:
             "cluster, and check that the cluster is up (`ray status` on its head)")
 
 
+# the progress-bar switches a joined cluster's workers get from this process (`connect`) and a submitted job from the
+# submitting shell (`hmscale.submit.job_runtime_env`); an embedded cluster's processes inherit them
+QUIET_ENV = ("HMSCALE_NO_PROGRESS", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+
+
 # one try to reach a cluster's GCS takes ~41 s where something other than a GCS answers (Ray's GcsClient waits 5 s to
 # connect and 30 s for the cluster id); Ray makes 20 such tries (~14 minutes of warnings) unless this says otherwise
 _JOIN_TRIES = "1"
@@ -95,8 +100,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         tries = os.environ.get("RAY_gcs_server_port_wait_time_s")
         if tries is None:  # one bounded try (~41 s at most), not Ray's twenty; an operator's own setting wins
             os.environ["RAY_gcs_server_port_wait_time_s"] = _JOIN_TRIES
+        # the cluster's workers have the environment of their node's `ray start`, not this shell's: what quiets the
+        # progress bars (HMSCALE_NO_PROGRESS=1, and the hub's switches it sets) travels in the job's runtime env. In a
+        # submitted job it is there already (`hmscale submit` puts it into the job's env), and Ray refuses a ray.init
+        # env var that the job's runtime env also sets
+        quiet = {k: os.environ[k] for k in QUIET_ENV if os.environ.get(k)}
+        in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+        extra = {"runtime_env": {"env_vars": quiet}} if quiet and not in_job else {}
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, **extra)
         except (ConnectionError, RuntimeError, ValueError) as err:  # nothing there, the dashboard's URL, a bad token
             raise RayConnectError(_connect_failure(address, err)) from None
         finally:

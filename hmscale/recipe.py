@@ -202,6 +202,12 @@ def _one_run_at_a_time(run_dir: Path, log):
 
 def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
     results = _load_results(run_dir, cfg)  # (refuses another run's directory before anything is touched)
+    if cfg.parallel.engine == "ray":
+        # the cluster first: an address that cannot be joined (a typo, the dashboard's URL) leaves no config.yaml,
+        # which made the corrected rerun with another setting "a run of a different config" that never ran
+        from hmscale.ray_cluster import connect
+
+        connect(cfg.parallel.ray_address, log=log)
     for d in (run_dir, run_dir / "stage1", run_dir / "stage2", run_dir / "stage1" / "student"):
         remove_temporaries(d)  # what a killed run's atomic writes left (this run rewrites what it needs)
     save_resolved(cfg, run_dir)
@@ -219,12 +225,6 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
             return True
         return False
 
-    engine = cfg.parallel.engine
-    if engine == "ray":
-        from hmscale.ray_cluster import connect
-
-        connect(cfg.parallel.ray_address, log=log)
-
     from ray_jobs.distill import prepare, run_distill
 
     def check_eval(data):  # now, not after the teacher, its cache and the training
@@ -241,6 +241,7 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
     except ValueError as err:  # the data's and settings' one-line errors ("data.seq_len: ...")
         raise RecipeError(str(err)) from None
     data, teacher = prep["data"], prep["teacher"]
+    handed_over = False  # the teacher given to the stages alone (see below): the evaluation loads it again
     if not done("prepare"):
         record("prepare", t0, train_tokens=int(data.plan.total_tokens), val_rows=int(len(data.val_tokens)),
                vocab_size=int(data.vocab_size), cache_dir=prep["cache_dir"])
@@ -254,7 +255,7 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
             # stage 2 runs no live teacher (KD from the cache, or none): the teacher goes with the stages, whose
             # runner drops it once stage 2's model is built (it stayed resident, on the GPU with use_gpu, through
             # stage 2); the evaluation loads it again (the same stored teacher)
-            teacher, prepared = None, _hand_over(prep)
+            teacher, prepared, handed_over = None, _hand_over(prep), True
         res = run_distill(cfg, run_dir, log=log, prepared=prepared)
         del prepared
         for name in ("stage1", "stage2"):
@@ -273,7 +274,7 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
         t0 = time.time()
         from hmscale.train.stage1 import load_stage1_student
 
-        if teacher is None:  # (handed over to the stages: loaded again, as `hmscale eval` loads it)
+        if handed_over:  # (loaded again, as `hmscale eval` loads it: the same stored teacher)
             from hmscale.teacher import get_teacher
 
             teacher = get_teacher(cfg, data, log=log)

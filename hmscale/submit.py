@@ -194,8 +194,11 @@ def job_dependencies(working_dir: str = ".") -> list[str]:
 
 
 def job_runtime_env(cfg: RunConfig, working_dir: str = ".", install: bool = False) -> dict:
+    from hmscale.ray_cluster import QUIET_ENV
+
+    quiet = {k: os.environ[k] for k in QUIET_ENV if os.environ.get(k)}  # (`HMSCALE_NO_PROGRESS=1 hmscale submit ...`)
     env = {"working_dir": working_dir, "excludes": EXCLUDES,
-           "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1"}}
+           "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1", **quiet}}
     if install:
         env["pip"] = {"packages": job_dependencies(working_dir), "pip_check": False}
     return env
@@ -270,6 +273,12 @@ def submit(cfg: RunConfig, address: str, *, token_file: str | None = None, worki
                 raise SubmitError(f"the cluster at {address} refused the job: {_first_line(err)}") from None
             time.sleep(3)
     log(f"[submit] job {job_id} submitted to {address}: {entrypoint} (output_dir={cfg.output_dir})")
+    if not (Path(working_dir) / "ray_jobs" / "run_recipe.py").is_file():
+        # (from a folder of the checkout, e.g. configs/: that folder alone is uploaded, and the job imports whatever
+        # hmscale the nodes have installed, or fails with "No module named ray_jobs")
+        log(f"[submit] note: {os.path.abspath(working_dir)} is not the root of an hmscale checkout (no "
+            "ray_jobs/run_recipe.py): it is uploaded as the job's working directory all the same, and the job runs the "
+            "hmscale installed on the cluster's nodes, not this checkout's code; submit from the checkout's root")
     if not follow:
         log(f"[submit] {_job_commands(job_id, address)}")
         return "PENDING"

@@ -76,6 +76,29 @@ def unretryable(err: BaseException) -> OSError | None:
     return cause if isinstance(cause, OSError) and cause.errno in _UNRETRYABLE else None
 
 
+def _absolute_stream(plan):
+    """The plan as the actors get it: one backed by a cached stream pickles as the stream's path, which an actor opens
+    in its own working directory (where its node's Ray started, not this driver's): a relative `data.cache_dir` made
+    every actor die in its constructor (FileNotFoundError), restarted until cache.max_retries ran out."""
+    path = getattr(plan, "stream_path", None)
+    if not path or os.path.isabs(path):
+        return plan
+    shipped = object.__new__(type(plan))
+    shipped.__dict__.update(plan.__dict__)
+    shipped.stream_path = os.path.abspath(path)
+    return shipped
+
+
+def _init_failure(err: BaseException) -> str | None:
+    """The last line of the error an actor's constructor raised (it died before taking a shard), else None."""
+    import re
+
+    if not getattr(err, "actor_init_failed", False):
+        return None
+    found = [ln.strip() for ln in str(err).splitlines() if re.match(r"\s*[\w.]*(Error|Exception): ", ln)]
+    return found[-1][:200] if found else None
+
+
 def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=None) -> None:
     """Run the pending shards on Ray actors; `on_done(ShardInfo)` is called in the driver per finished shard."""
     from hmscale.ray_cluster import connect
@@ -98,7 +121,7 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
         opts["max_concurrency"] = writers + 1  # + stats()
         if env:
             opts["runtime_env"] = {"env_vars": env}
-        teacher_ref, plan_ref = ray.put(teacher.to("cpu")), ray.put(plan)
+        teacher_ref, plan_ref = ray.put(teacher.to("cpu")), ray.put(_absolute_stream(plan))
         # CPU actors share the node's cores (the whole cluster's on one node; capped by this node's)
         threads = None if gpus else max(1, min(os.cpu_count() or 1, int(res.get("CPU", 1)) // max(n, 1)))
 
@@ -144,11 +167,13 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                     log(f"cache: worker {a} died on {shard_name(sid)} too; the shard goes back to the queue")
                     continue
                 restarts += 1
+                if restarts > cfg.cache.max_retries:  # (before the line that announces a restart it will not make)
+                    why = _init_failure(err)
+                    raise CacheError(f"teacher-forward workers died {restarts} times (last on {shard_name(sid)}"
+                                     f"{f': {why}' if why else ''}); see the worker logs, or raise "
+                                     "cache.max_retries") from None
                 log(f"cache: worker {a} died on {shard_name(sid)} ({type(err).__name__}); "
                     f"the shard goes back to the queue, restarting the worker ({restarts}/{cfg.cache.max_retries})")
-                if restarts > cfg.cache.max_retries:
-                    raise CacheError(f"teacher-forward workers died {restarts} times (last on {shard_name(sid)}); "
-                                     f"see the worker logs, or raise cache.max_retries") from None
                 try:
                     ray.kill(actors[a])
                 except Exception:
@@ -166,9 +191,9 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                     raise CacheError(str(err.cause)) from None  # computes the same, so no retry
                 failures[sid] = failures.get(sid, 0) + 1
                 cause = str(err).strip().splitlines()[-1]
-                log(f"cache: {shard_name(sid)} failed on worker {a} ({cause}); retry {failures[sid]}/{cfg.cache.max_retries}")
-                if failures[sid] > cfg.cache.max_retries:
+                if failures[sid] > cfg.cache.max_retries:  # (before the line that announces a retry it will not make)
                     raise CacheError(f"{shard_name(sid)} failed {failures[sid]} times; last error: {cause}") from None
+                log(f"cache: {shard_name(sid)} failed on worker {a} ({cause}); retry {failures[sid]}/{cfg.cache.max_retries}")
                 queue.append(sid)
                 free[a] += 1
                 continue

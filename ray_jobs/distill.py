@@ -441,6 +441,10 @@ def _run_ray(cfg, config: dict, run_dir: Path, *, storage_path=None, log=print) 
     _check_ray_workers(cfg, log)
     par = cfg.parallel
     config = dict(config, ray=True, threads=max(1, (os.cpu_count() or 1) // par.num_workers))
+    # Ray Train (2.60) replaces a worker's print with one that writes the line and logs it again to stderr whenever
+    # sys.stdout is wrapped, as it is in Ray's workers: every line a worker printed ("[distill] resuming stage2 ...",
+    # the stages' warnings) reached the log twice. Ray Train hands this switch from the driver to its workers
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     trainer = TorchTrainer(
         train_func,
         train_loop_config=config,

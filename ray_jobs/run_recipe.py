@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hmscale.config import ConfigError, build_config, load_config
 
+    if os.environ.get("HMSCALE_NO_PROGRESS") == "1":  # as `hmscale run`: the hub's bars too ("Loading weights")
+        from hmscale.cli import _quiet_hub_progress_bars
+
+        _quiet_hub_progress_bars()
     ap = argparse.ArgumentParser(prog="python -m ray_jobs.run_recipe")
     ap.add_argument("--config", default=None, help="YAML config (default: $HMSCALE_CONFIG_B64 or the embedded demo)")
     ap.add_argument("-s", "--set", action="append", default=[], dest="overrides", help="dotted override")
