@@ -217,8 +217,8 @@ class HFSource(_TableSource):
 
 
 class FileSource(_TableSource):
-    """Local files: .txt (one document per file), .jsonl/.json and .parquet (one per row), read in place (a .json of
-    another shape, as an object over several lines, through `datasets`)."""
+    """Local files: .txt (one document per file), .jsonl/.json and .parquet (one per row: a JSON object, or an element
+    of a .json file's one object of columns), all read in place."""
 
     JSON_BLOCK = 1 << 24  # bytes of JSON Lines parsed at a time (more where one row is longer)
     def __init__(self, paths: list[str], text_field: str = "text", val_fraction: float = 0.05, max_documents: int | None = None):
@@ -259,8 +259,9 @@ class FileSource(_TableSource):
 
     def _tables(self):
         """(dataset or marker, column or path) per file in document order: JSON Lines, JSON arrays and .parquet as
-        markers read in place (``_json_lines_texts``, ``_json_array_texts``, ``_parquet_texts``), other .json through
-        `datasets` (Arrow, memory-mapped: kept for the second split), .txt as (None, path): one document per file, read
+        markers read in place (``_json_lines_texts``, ``_json_array_texts``, ``_json_objects_texts``, ``_parquet_texts``),
+        any other .json (JSON Lines where Arrow has no streaming reader) through `datasets` (Arrow, memory-mapped: kept
+        for the second split), .txt as (None, path): one document per file, read
         directly as `datasets`' text builder would (utf-8, whole file) without its per-file preparation (0.17-0.25 s a
         file here)."""
         if getattr(self, "_loaded", None) is None:
@@ -290,6 +291,9 @@ class FileSource(_TableSource):
                 if builder == "json" and _json_array(f):  # a list of rows, read in place (`datasets` wrote an Arrow
                     yield _JSON_ARRAY, self.text_field  # copy of it into ~/.cache/huggingface)
                     continue
+                if builder == "json" and _json_object(f):  # objects over several lines, or one object of columns:
+                    yield _JSON_OBJECTS, self.text_field  # read in place too (`_json_objects_texts`)
+                    continue
                 try:
                     ds = datasets.load_dataset(builder, data_files=[f], split="train")
                 except Exception as err:  # noqa: BLE001 - datasets wraps the parser's error; named with the file
@@ -312,6 +316,9 @@ class FileSource(_TableSource):
                 continue
             if ds is _JSON_ARRAY:
                 yield from _json_array_texts(ds_name, column)
+                continue
+            if ds is _JSON_OBJECTS:
+                yield from _json_objects_texts(ds_name, column)
                 continue
             if ds is None:
                 with open(column, encoding="utf-8-sig") as fh:  # a byte-order mark is not text (as in the JSON readers)
@@ -417,12 +424,55 @@ _PARQUET = object()  # a Parquet file, read by `FileSource._parquet_texts`
 _JSON_ARRAY = object()  # a JSON file holding a list of rows, read by `_json_array_texts`
 
 
-def _json_array(path: str) -> bool:
-    """Whether a .json file holds a JSON array (its first character, after a byte-order mark and blanks, is "[")."""
+def _json_first_char(path: str) -> bytes:
+    """A .json file's first character after a byte-order mark and blanks (b"" when there is none in its first 64 KiB)."""
     with open(path, "rb") as f:
         head = f.read(1 << 16)
     head = head[3:] if head.startswith(b"\xef\xbb\xbf") else head
-    return head.lstrip(b" \t\r\n")[:1] == b"["
+    return head.lstrip(b" \t\r\n")[:1]
+
+
+def _json_array(path: str) -> bool:
+    """Whether a .json file holds a JSON array (its first character, after a byte-order mark and blanks, is "[")."""
+    return _json_first_char(path) == b"["
+
+
+def _json_object(path: str) -> bool:
+    """Whether a .json file starts with an object (not JSON Lines, which is read first: objects over several lines,
+    or one object holding columns)."""
+    return _json_first_char(path) == b"{"
+
+
+_JSON_OBJECTS = object()  # a JSON file of objects (or one object of columns), read by `_json_objects_texts`
+
+
+def _json_objects_texts(path: str, column: str):
+    """The ``column`` of each object of a .json file holding objects one after another, each over any number of lines
+    (as `datasets` reads them: one row each), or, for a file of one object whose ``column`` is a list, each element
+    of that list (one object of columns). Same checks and one-line errors as ``_json_array_texts``."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data.paths: {path!r} is not UTF-8 text ({err.reason} at byte {err.start}); convert it to "
+                         "UTF-8 or remove it") from None
+    decoder, values, i = json.JSONDecoder(), [], 0
+    try:
+        while True:
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+            if i == len(text):
+                break
+            value, i = decoder.raw_decode(text, i)
+            values.append(value)
+    except ValueError as err:  # (json.JSONDecodeError)
+        raise ValueError(f"data.paths: {path!r} is not readable as json: {str(err).splitlines()[0]}; fix or remove "
+                         "the file") from None
+    if len(values) == 1 and isinstance(values[0], dict) and isinstance(values[0].get(column), list):
+        values = [{column: t} for t in values[0][column]]  # one object of columns: its text column's elements
+    yield from _rows_texts(path, values, column)
 
 
 def _json_array_texts(path: str, column: str):
@@ -439,9 +489,17 @@ def _json_array_texts(path: str, column: str):
     except ValueError as err:  # (json.JSONDecodeError)
         raise ValueError(f"data.paths: {path!r} is not readable as json: {str(err).splitlines()[0]}; fix or remove "
                          "the file") from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+    if not isinstance(rows, list):
         raise ValueError(f"data.paths: {path!r} is not readable as json: a list of objects ({{{column!r}: text, ...}}) "
                          "is expected; fix or remove the file")
+    yield from _rows_texts(path, rows, column)
+
+
+def _rows_texts(path: str, rows: list, column: str):
+    """``column`` of each row (an object) of a .json file, with the one-line errors of the JSON readers."""
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"data.paths: {path!r} is not readable as json: objects ({{{column!r}: text, ...}}) are "
+                         "expected; fix or remove the file")
     fields = dict.fromkeys(k for r in rows for k in r)
     if column not in fields:
         raise ValueError(f"data.text_field: {column!r} is not a column of {path!r}; choose one of {', '.join(fields)}")
