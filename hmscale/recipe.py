@@ -255,7 +255,9 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
             # stage 2 runs no live teacher (KD from the cache, or none): the teacher goes with the stages, whose
             # runner drops it once stage 2's model is built (it stayed resident, on the GPU with use_gpu, through
             # stage 2); the evaluation loads it again (the same stored teacher)
-            teacher, prepared, handed_over = None, _hand_over(prep), True
+            # (`prepared`, the one name left for prepare's dict: the stages' runner takes the teacher out of it)
+            teacher, handed_over = None, True
+            del prep
         res = run_distill(cfg, run_dir, log=log, prepared=prepared)
         del prepared
         for name in ("stage1", "stage2"):
@@ -292,12 +294,6 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
     write_report(run_dir, results, cfg)
     log(f"[recipe] finished in {time.time() - t_start:.1f} s -> {run_dir}/report.md")
     return results
-
-
-def _hand_over(prep: dict) -> dict:
-    """``prep`` (``prepare``'s data, teacher and cache) as a new dict that alone holds the teacher: ``prep`` no longer
-    does, so the stages' runner that takes (pops) it from there holds the last reference."""
-    return {**prep, "teacher": prep.pop("teacher")}
 
 
 def earlier_seconds(res: dict) -> float:

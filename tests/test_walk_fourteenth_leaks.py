@@ -106,7 +106,7 @@ def test_cache_worker_processes_stop_when_their_driver_is_killed(tmp_path):
         worker = int(pid_file.read_text())
         driver.kill()
         driver.wait()
-        deadline = time.time() + 8
+        deadline = time.time() + 20  # (SIGINT lands once the worker's current torch op returns: slow on a loaded machine)
         while _alive(worker) and time.time() < deadline:
             time.sleep(0.1)
         left = _alive(worker)

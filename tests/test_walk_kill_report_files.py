@@ -124,6 +124,7 @@ def test_a_rerun_after_a_kill_past_training_keeps_the_trainings_time(tmp_path, m
     def stop(*a, **k):
         raise Stop
 
+    monkeypatch.setattr("hmscale.teacher.get_teacher", lambda *a, **k: None)  # (the eval's reload: stubbed too)
     monkeypatch.setattr("hmscale.train.stage1.load_stage1_student", stop)  # the eval stage: not this test's
     with pytest.raises(Stop):
         recipe.run_recipe(cfg, log=lambda *a: None)

@@ -489,7 +489,7 @@ def _json_array_texts(path: str, column: str):
     except ValueError as err:  # (json.JSONDecodeError)
         raise ValueError(f"data.paths: {path!r} is not readable as json: {str(err).splitlines()[0]}; fix or remove "
                          "the file") from None
-    if not isinstance(rows, list):
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"data.paths: {path!r} is not readable as json: a list of objects ({{{column!r}: text, ...}}) "
                          "is expected; fix or remove the file")
     yield from _rows_texts(path, rows, column)

@@ -98,7 +98,8 @@ def test_trailing_space_of_the_context_moves_to_the_continuation():
         assert abs(score - _direct_logprob(model, ctx, whole[len(ctx):])) < 1e-5
 
 
-def test_loglikelihood_edge_cases_and_progress(capsys):
+def test_loglikelihood_edge_cases_and_progress(capsys, monkeypatch):
+    monkeypatch.delenv("HMSCALE_NO_PROGRESS", raising=False)  # (set process-wide by other test modules: no bars then)
     model, tok = _bpe_model()
     lm = HmscaleLM(model=model, tokenizer=tok, max_length=8)
     reqs = [_Req("def f2(x):", "\n    return x"), _Req("", "def f5(x):"), _Req("Answer:", ""), _Req("  ", "def f5(x):")]

@@ -30,6 +30,7 @@ def test_the_lm_eval_bar_and_datasets_bars_follow_hmscale_no_progress(monkeypatc
 
     lm = object.__new__(HmscaleLM)  # (_progress reads nothing of the instance but its type)
     monkeypatch.delenv("HMSCALE_NO_PROGRESS", raising=False)
+    datasets.enable_progress_bars()  # (another test's run in this process may have turned them off)
     assert not lm._progress(list(range(5)), False).disable
     _quiet_hub_progress_bars()
     assert datasets.is_progress_bar_enabled()
