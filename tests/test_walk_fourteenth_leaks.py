@@ -90,14 +90,20 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # (an orphan's zombie waits for a reaper that may never come)
 
 
-def test_cache_worker_processes_stop_when_their_driver_is_killed(tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_cache_worker_processes_stop_when_their_driver_is_killed(tmp_path, sigint_ignored):
     """The driver killed (SIGKILL, or SIGTERM: Python runs no cleanup either way), its spawned cache workers trained
     on, orphaned, through every shard dealt to them: holding their GPUs, and writing into the cache beside the
     rerun's workers. They stop with it, as the training engine's local workers do (torch's spawn)."""
     pid_file = tmp_path / "worker.pid"
     script = DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), root=str(tmp_path / "c"))
+    # sigint_ignored: a driver started with SIGINT ignored (a script's background job, `hmscale cache CFG &`; also
+    # what this test's own process may have been left with): its workers inherited that, ignored the death signal
+    # (SIGINT) and outlived it (sixteenth session)
+    sig = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
     driver = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "LEAK_PID_FILE": str(pid_file)},
-                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "driver.err", "w"))
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "driver.err", "w"),
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, sig))
     try:
         deadline = time.time() + 60
         while not pid_file.exists() and driver.poll() is None and time.time() < deadline:
@@ -111,8 +117,15 @@ def test_cache_worker_processes_stop_when_their_driver_is_killed(tmp_path):
             time.sleep(0.1)
         left = _alive(worker)
         if left:
+            where = ""
+            try:  # (what it was doing: its threads' kernel wait channels)
+                where = " ".join(sorted({Path(t, "wchan").read_text() for t in Path(f"/proc/{worker}/task").iterdir()}))
+                where += " | " + Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                pass
             os.kill(worker, signal.SIGKILL)
-        assert not left, "the cache worker process outlived its killed driver"
+        assert not left, (f"the cache worker process outlived its killed driver ({where}); driver stderr: "
+                          f"{(tmp_path / 'driver.err').read_text()[-1500:]}")
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -188,3 +201,28 @@ def test_an_interrupted_ray_sweep_stops_the_sizes_still_running(ray_cluster, tmp
     while ray.available_resources().get("CPU", 0) < total and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == total, "a size's task still holds its CPU"
+
+
+SPAWNER = """
+import signal, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import test_walk_fourteenth_leaks as t
+from hmscale.train.launch import spawn_workers
+spawn_workers(t.report_sigint, 1, {out!r})
+"""
+
+
+def report_sigint(rank, out):
+    import signal
+
+    Path(out).write_text(str(signal.getsignal(signal.SIGINT) is signal.default_int_handler))
+
+
+def test_training_workers_answer_their_death_signal_when_the_driver_ignores_sigint(tmp_path):
+    """torch's spawn makes SIGINT each training worker's death signal; a driver started with SIGINT ignored (a script's
+    background job) handed that on, so its local workers would outlive it (sixteenth session, as the cache workers)."""
+    out = tmp_path / "handler.txt"
+    script = SPAWNER.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(out))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert out.read_text() == "True"

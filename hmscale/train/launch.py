@@ -12,6 +12,7 @@ a terminal's Ctrl-C reaches the workers themselves) interrupts the workers too, 
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 
@@ -35,6 +36,9 @@ class WorkerTraceback(Exception):
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    # torch's spawn ties each worker to the driver's life with SIGINT (its death signal); a driver started with SIGINT
+    # ignored (a script's background job) passed that on, and its workers outlived it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fn(rank, *args)

@@ -32,6 +32,9 @@ def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shar
     failure, ``os_error`` (errno, strerror) when it was a file-system error (a full disk), else None."""
     # a driver killed (SIGKILL, or SIGTERM: no cleanup runs) interrupts its workers, as torch's spawn does the training
     # engine's: they worked on, orphaned, through every shard dealt to them, holding their devices
+    # (a driver started with SIGINT ignored, as a background job of a script is, passes that on to its workers: the
+    # death signal would then be ignored too and the workers outlive a killed driver)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from torch.multiprocessing import _prctl_pr_set_pdeathsig  # (torch's own spawn uses it; Linux only, else no-op)
 
