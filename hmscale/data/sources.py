@@ -446,10 +446,9 @@ def _json_object(path: str) -> bool:
 _JSON_OBJECTS = object()  # a JSON file of objects (or one object of columns), read by `_json_objects_texts`
 
 
-def _json_objects_texts(path: str, column: str):
-    """The ``column`` of each object of a .json file holding objects one after another, each over any number of lines
-    (as `datasets` reads them: one row each), or, for a file of one object whose ``column`` is a list, each element
-    of that list (one object of columns). Same checks and one-line errors as ``_json_array_texts``."""
+def _json_values(path: str) -> list:
+    """The top-level JSON values of a .json file, one after another (one for a single array or object), with one-line
+    errors naming the file (not UTF-8, not JSON)."""
     import json
 
     try:
@@ -464,12 +463,19 @@ def _json_objects_texts(path: str, column: str):
             while i < len(text) and text[i] in " \t\r\n":
                 i += 1
             if i == len(text):
-                break
+                return values
             value, i = decoder.raw_decode(text, i)
             values.append(value)
     except ValueError as err:  # (json.JSONDecodeError)
         raise ValueError(f"data.paths: {path!r} is not readable as json: {str(err).splitlines()[0]}; fix or remove "
                          "the file") from None
+
+
+def _json_objects_texts(path: str, column: str):
+    """The ``column`` of each object of a .json file holding objects one after another, each over any number of lines
+    (as `datasets` reads them: one row each), or, for a file of one object whose ``column`` is a list, each element
+    of that list (one object of columns). Same checks and one-line errors as ``_json_array_texts``."""
+    values = _json_values(path)
     if len(values) == 1 and isinstance(values[0], dict) and isinstance(values[0].get(column), list):
         values = [{column: t} for t in values[0][column]]  # one object of columns: its text column's elements
     yield from _rows_texts(path, values, column)
@@ -478,17 +484,8 @@ def _json_objects_texts(path: str, column: str):
 def _json_array_texts(path: str, column: str):
     """The ``column`` of each row of a JSON array of objects, in order (None where a row lacks it), with one-line
     errors naming the file (a value neither text nor null, no row holding the field, a file that is not such JSON)."""
-    import json
-
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            rows = json.load(f)
-    except UnicodeDecodeError as err:
-        raise ValueError(f"data.paths: {path!r} is not UTF-8 text ({err.reason} at byte {err.start}); convert it to "
-                         "UTF-8 or remove it") from None
-    except ValueError as err:  # (json.JSONDecodeError)
-        raise ValueError(f"data.paths: {path!r} is not readable as json: {str(err).splitlines()[0]}; fix or remove "
-                         "the file") from None
+    values = _json_values(path)
+    rows = values[0] if len(values) == 1 else None  # (an array followed by more JSON: not an array file)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"data.paths: {path!r} is not readable as json: a list of objects ({{{column!r}: text, ...}}) "
                          "is expected; fix or remove the file")

@@ -217,4 +217,3 @@ def record_inputs(cfg, run_dir) -> None:
     atomic_write_json(Path(run_dir) / "inputs.json", {"data.paths": list(cfg.data.paths),
                                                     "teacher.name_or_path": cfg.teacher.name_or_path,
                                                     "tokenizer.name_or_path": cfg.tokenizer.name_or_path})
-
