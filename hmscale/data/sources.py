@@ -286,6 +286,9 @@ class FileSource(_TableSource):
                     yield _PARQUET, self._parquet_column(f)  # whole file, every column, into ~/.cache/huggingface)
                     continue
                 if builder == "json" and _has_open_json() and (first := _json_lines_first_row(f)) is not None:
+                    if Path(f).suffix.lower() == ".json" and _one_line_of_columns(f, self.text_field):
+                        yield _JSON_OBJECTS, self.text_field  # one object of columns on one line: as over several
+                        continue
                     yield _JSON_LINES, first  # its first row's fields; `_json_lines_texts` reads the text field alone
                     continue
                 if builder == "json" and _json_array(f):  # a list of rows, read in place (`datasets` wrote an Arrow
@@ -544,6 +547,29 @@ def _json_lines_first_row(path: str) -> list[str] | None:
     except ValueError:  # not UTF-8, not whole on its line, or not JSON: `datasets` says which
         return None
     return list(row) if isinstance(row, dict) else None
+
+
+def _one_line_of_columns(path: str, column: str) -> bool:
+    """Whether a .json file is one object, whole on its first line, whose ``column`` is a list: one object of columns
+    (read as columns, as the same object over several lines is), not a JSON Lines row whose text is a list."""
+    import json
+
+    with open(path, "rb") as f:
+        head = f.read(3)
+        f.seek(3 if head == b"\xef\xbb\xbf" else 0)
+        line = f.readline()
+        while line and not line.strip():  # (blank lines before it)
+            line = f.readline()
+        try:
+            row = json.loads(line)
+        except ValueError:
+            return False
+        if not (isinstance(row, dict) and isinstance(row.get(column), list)):
+            return False
+        while block := f.read(1 << 20):  # nothing but blanks after it
+            if block.strip():
+                return False
+    return True
 
 
 def _raise_non_text(path: str, column: str):

@@ -66,3 +66,18 @@ def test_bad_object_files_are_one_line_errors_naming_the_file(tmp_path, no_datas
     k.write_text('{\n "text": 5\n}\n')
     with pytest.raises(ValueError, match=r"holds int values"):
         _docs(k)
+
+
+def test_one_object_of_columns_on_one_line(tmp_path, no_datasets):
+    texts = [f"column row {i}" for i in range(4)]
+    f = tmp_path / "columns.json"
+    f.write_text("\ufeff\n" + json.dumps({"text": texts, "id": list(range(4))}) + "\n\n")
+    assert _docs(f) == texts  # (was: one JSON Lines row whose text is a list, a one-line error)
+    rows = tmp_path / "rows.jsonl"  # a JSON Lines file's row holding a list stays what it is: not text
+    rows.write_text(json.dumps({"text": texts}) + "\n")
+    with pytest.raises(ValueError, match=r"holds list values"):
+        _docs(rows)
+    two = tmp_path / "two.json"  # two such rows: JSON Lines, not one object of columns
+    two.write_text(json.dumps({"text": texts}) + "\n" + json.dumps({"text": texts}) + "\n")
+    with pytest.raises(ValueError, match=r"holds list values"):
+        _docs(two)
