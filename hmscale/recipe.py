@@ -225,7 +225,7 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
             return True
         return False
 
-    from ray_jobs.distill import prepare, run_distill
+    from ray_jobs.distill import prepare, run_distill, trains_in_driver
 
     def check_eval(data):  # now, not after the teacher, its cache and the training
         if cfg.eval.context_length:
@@ -251,10 +251,11 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
         from hmscale.train.common import stage2_uses_teacher
 
         prepared = prep
-        if "stage2" in to_train and not stage2_uses_teacher(cfg.stage2):
-            # stage 2 runs no live teacher (KD from the cache, or none): the teacher goes with the stages, whose
-            # runner drops it once stage 2's model is built (it stayed resident, on the GPU with use_gpu, through
-            # stage 2); the evaluation loads it again (the same stored teacher)
+        if not trains_in_driver(cfg) or ("stage2" in to_train and not stage2_uses_teacher(cfg.stage2)):
+            # worker processes (which load their own teacher), or a stage 2 that runs no live teacher (KD from the
+            # cache, or none): the teacher goes with the stages, whose runner drops it before the workers start, or
+            # once stage 2's model is built (it stayed resident, on the GPU with use_gpu, through the training); the
+            # evaluation loads it again (the same stored teacher)
             # (`prepared`, the one name left for prepare's dict: the stages' runner takes the teacher out of it)
             teacher, handed_over = None, True
             del prep
