@@ -195,8 +195,10 @@ class HmscaleLM(LM):
             context, kwargs = req.args
             until, max_new, do_sample, sampling = self._gen_settings(kwargs)
             ids = torch.tensor([self._encode(context)[-self.max_length:] or [self.tok.eos_token_id]], device=self._device)
-            # the stop strings end the generation (else every request ran its max_gen_toks); the text is cut below
-            stopping = {"stop_strings": until, "tokenizer": self.tok} if until else {}
+            # the stop strings end the generation (else every request ran its max_gen_toks); the text is cut below.
+            # Checked on the decoded continuation, as lm-eval's own models do: transformers' stop_strings reads the
+            # tokenizer's vocabulary through its decoder, and failed inside for one without (a word-level tokenizer)
+            stopping = {"stopping_criteria": _stop_at_text(self.tok, until, ids.shape[1])} if until else {}
             gen = self.model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=do_sample,
                                       pad_token_id=self.tok.eos_token_id, **(sampling if do_sample else {}),
                                       **stopping)
@@ -205,6 +207,18 @@ class HmscaleLM(LM):
                 text = text.split(stop)[0]
             out.append(text)
         return out
+
+
+def _stop_at_text(tokenizer, stops: list[str], start: int):
+    """A stopping criterion: generation ends once the text decoded from position ``start`` on holds a stop string."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtText(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = [any(s in tokenizer.decode(row[start:], skip_special_tokens=True) for s in stops) for row in input_ids]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([StopAtText()])
 
 
 def unknown_tasks(tasks: list[str], include_path: str | None = None) -> list[str]:

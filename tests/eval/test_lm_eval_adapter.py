@@ -135,3 +135,26 @@ def test_generate_until_stops_at_the_stop_string():
     out = lm.generate_until([_Req("def f1(", {"until": ["\n"], "max_gen_toks": 40})], disable_tqdm=True)
     assert out == [" x x"]
     assert len(calls) == 3  # not 40 forwards
+
+
+def test_generate_until_stops_with_a_tokenizer_without_a_decoder():
+    """transformers' stop_strings reads the vocabulary through the tokenizer's decoder: with a word-level tokenizer
+    that has none it failed inside transformers ("substring not found"). The stop strings are now looked for in the
+    decoded continuation, as lm-eval's own models do."""
+    torch.manual_seed(0)
+    tok = _char_tokenizer()
+    model = GPTNeoXForCausalLM(neox_config("pythia-nano", vocab_size=len(tok))).eval()
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    forward, calls = model.forward, []
+
+    def writes_a_a_then_b(*args, **kwargs):
+        calls.append(1)
+        out = forward(*args, **kwargs)
+        out.logits[:, -1, a if len(calls) < 3 else b] += 1e4
+        return out
+
+    model.forward = writes_a_a_then_b
+    lm = HmscaleLM(model=model, tokenizer=tok)
+    out = lm.generate_until([_Req("def f(", {"until": ["b"], "max_gen_toks": 30})], disable_tqdm=True)
+    assert out == [tok.decode([a, a, b]).split("b")[0]] and "a" in out[0]
+    assert len(calls) == 3  # stopped at the stop string, not after 30 forwards
