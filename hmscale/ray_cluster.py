@@ -10,6 +10,7 @@ job API runs any code it is sent; nothing we start exposes one to the network.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -48,6 +49,27 @@ QUIET_ENV = ("HMSCALE_NO_PROGRESS", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS
 # one try to reach a cluster's GCS takes ~41 s where something other than a GCS answers (Ray's GcsClient waits 5 s to
 # connect and 30 s for the cluster id); Ray makes 20 such tries (~14 minutes of warnings) unless this says otherwise
 _JOIN_TRIES = "1"
+
+
+def _nothing_listens(address: str) -> str | None:
+    """'nothing listens at HOST:PORT' where the address Ray would dial (localhost made the node's IP, as ray.init does)
+    refuses a TCP connection: a closed port, which Ray itself reports only after its GCS client's timeouts (~41 s).
+    Anything else (an open port, no answer, a name that does not resolve, a `ray://` or http address): None, and
+    Ray's own connect decides."""
+    if "://" in address:
+        return None
+    target = address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        target = canonicalize_bootstrap_address(address) or address
+        host, _, port = target.rpartition(":")
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=3):
+            return None
+    except ConnectionRefusedError:
+        return f"nothing listens at {target}"
+    except Exception:  # noqa: BLE001 (a timeout, an unknown host, an address Ray parses otherwise: Ray says)
+        return None
 
 
 def _private_token(log=print) -> None:
@@ -98,6 +120,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         address = None
     if address:
         tries = os.environ.get("RAY_gcs_server_port_wait_time_s")
+        # a closed port fails at once (an operator who set how long Ray waits for a GCS still starting: Ray waits)
+        if tries is None and (refused := _nothing_listens(address)):
+            raise RayConnectError(_connect_failure(address, ConnectionRefusedError(refused)))
         if tries is None:  # one bounded try (~41 s at most), not Ray's twenty; an operator's own setting wins
             os.environ["RAY_gcs_server_port_wait_time_s"] = _JOIN_TRIES
         # the cluster's workers have the environment of their node's `ray start`, not this shell's: what quiets the

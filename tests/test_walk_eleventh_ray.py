@@ -61,8 +61,12 @@ def test_closed_port_fails_in_bounded_time(tmp_path):
 @pytest.mark.ray
 def test_port_of_something_else_fails_in_bounded_time(tmp_path):
     """A port where something else listens (the dashboard's 8265 given as HEAD:8265, any TCP server)."""
+    from ray._private.services import resolve_ip_for_localhost
+
     srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+    # where Ray dials 127.0.0.1:PORT (it makes a localhost address the node's IP): a server on 127.0.0.1 alone is a
+    # closed port there, and this was the closed-port case again
+    srv.bind((resolve_ip_for_localhost("127.0.0.1"), 0))
     srv.listen(16)
     port = srv.getsockname()[1]
     conns = []
@@ -79,9 +83,10 @@ def test_port_of_something_else_fails_in_bounded_time(tmp_path):
     th = threading.Thread(target=accept, daemon=True)
     th.start()
     try:
-        # Ray's own GCS connect timeout shortened (an operator's setting, passed through): the bound of the default
-        # is the closed-port test's; this one is about the one-line error (~16 s instead of ~46)
-        p = _run(_JOIN.format(addr=f"127.0.0.1:{port}"), {"RAY_py_gcs_connect_timeout_s": "5"}, 80, tmp_path)
+        # Ray's own GCS connect timeouts shortened (an operator's settings, passed through): this test is about the
+        # one-line error, reached through ray.init's own failure (~5 s instead of ~46 with Ray's defaults)
+        p = _run(_JOIN.format(addr=f"127.0.0.1:{port}"),
+                 {"RAY_py_gcs_connect_timeout_s": "1", "RAY_gcs_rpc_server_connect_timeout_s": "1"}, 80, tmp_path)
     except subprocess.TimeoutExpired:
         pytest.fail(f"connect(127.0.0.1:{port}) at a non-Ray TCP server still waited after 80 s")
     finally:
@@ -91,6 +96,24 @@ def test_port_of_something_else_fails_in_bounded_time(tmp_path):
             c.close()
         srv.close()
     assert "ERR parallel.ray_address=127.0.0.1:" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "nothing listens" not in p.stdout, p.stdout  # (Ray's connect failed, not the closed-port check)
+
+
+def test_a_closed_port_is_told_from_an_open_one_without_ray():
+    """`connect`'s check before ray.init: a refused TCP connection at the address Ray dials is a closed port, said at
+    once (Ray took ~41 s); a port where something listens is left to Ray's own connect."""
+    from ray._private.services import resolve_ip_for_localhost
+
+    from hmscale.ray_cluster import _nothing_listens
+
+    with socket.socket() as srv:
+        srv.bind((resolve_ip_for_localhost("127.0.0.1"), 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        assert _nothing_listens(f"127.0.0.1:{port}") is None
+    said = _nothing_listens(f"127.0.0.1:{port}")
+    assert said is not None and said.startswith("nothing listens at ") and said.endswith(f":{port}"), said
+    assert _nothing_listens(f"http://127.0.0.1:{port}") is None  # (not a GCS address: Ray's own error says so)
 
 
 @pytest.mark.ray

@@ -15,6 +15,10 @@ def _ray_init_failing(monkeypatch, cause: BaseException):
             raise ConnectionError("Failed to connect to Ray cluster at 192.0.2.2:6379") from inner
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
+    import hmscale.ray_cluster
+
+    # (ray.init's own failure is the case here: not connect's quick check for a closed port, which would answer first)
+    monkeypatch.setattr(hmscale.ray_cluster, "_nothing_listens", lambda address: None)
 
 
 def _auth_refused():
