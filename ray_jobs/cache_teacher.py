@@ -144,10 +144,15 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
         failures: dict[int, int] = {}
         restarts = 0
 
-        fresh: set[int] = set()  # restarted actors still loading: a live one takes work first
+        # restarted actors still loading (their teacher, their imports): they take work once they answer `stats`, or
+        # when no other actor is left; until then the live ones do the queue (a shard dealt to a loading actor waited
+        # for it, also where the live actors had the rest done long before)
+        fresh: set[int] = set()
+        pings: dict = {}  # a restarted actor's `stats` call -> (actor, generation)
 
         def next_actor():
-            best = max(free, key=lambda i: (free[i] > 0, i not in fresh, free[i], -i))
+            up = [i for i in free if i not in fresh] or list(free)
+            best = max(up, key=lambda i: (free[i], -i))
             return best if free[best] > 0 else None
 
         while queue or inflight:
@@ -155,8 +160,17 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                 free[a] -= 1
                 sid = queue.popleft()
                 inflight[actors[a].run_shard.remote(sid)] = (a, generation[a], sid)
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ready, _ = ray.wait([*inflight, *pings], num_returns=1)
             ref = ready[0]
+            if ref in pings:
+                a, gen = pings.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception:  # died loading: a shard dealt to it (once it is the only one left) says so
+                    continue
+                if gen == generation[a]:
+                    fresh.discard(a)
+                continue
             a, gen, sid = inflight.pop(ref)
             try:
                 info = ray.get(ref)
@@ -181,6 +195,7 @@ def run_ray(cfg, plan, teacher, cp, pending, on_done, *, log=print, capture_fn=N
                 actors[a] = start()
                 generation[a] += 1
                 fresh.add(a)
+                pings[actors[a].stats.remote()] = (a, generation[a])
                 # the dead actor's other shards keep their slots until their failures come back (free[a] += 1 each)
                 free[a] = writers - sum(1 for (b, _, _) in inflight.values() if b == a)
                 continue
