@@ -215,7 +215,8 @@ def _stop_at_text(tokenizer, stops: list[str], start: int):
 
     class StopAtText(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            done = [any(s in tokenizer.decode(row[start:], skip_special_tokens=True) for s in stops) for row in input_ids]
+            texts = [tokenizer.decode(row[start:], skip_special_tokens=True) for row in input_ids]
+            done = [any(s in text for s in stops) for text in texts]
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([StopAtText()])
@@ -223,11 +224,53 @@ def _stop_at_text(tokenizer, stops: list[str], start: int):
 
 def unknown_tasks(tasks: list[str], include_path: str | None = None) -> list[str]:
     """The names in ``tasks`` that lm-eval-harness knows neither as a task, a group nor a tag (with the custom task
-    YAMLs of ``include_path``): checked before the perplexities, which take minutes."""
+    YAMLs of ``include_path``): checked before the perplexities, which take minutes.
+
+    lm-eval's index parses every task YAML it has (~14,000, with their includes: ~10-20 s); a name is only ever
+    registered from text in one of those files, so a name that no YAML under the searched folders spells out is
+    unknown without that parse (a mistyped task fails in well under a second), and the index is built only for
+    the names that some file mentions."""
+    mentioned = _mentioned_in_task_yamls(tasks, include_path)
+    maybe = [t for t in tasks if t in mentioned]
+    if not maybe:
+        return list(tasks)
     from lm_eval.tasks import TaskManager
 
     known = set(TaskManager(include_path=include_path).all_tasks)
     return [t for t in tasks if t not in known]
+
+
+def _mentioned_in_task_yamls(names: list[str], include_path: str | None = None) -> set[str]:
+    """The names in ``names`` that occur, as text, in some YAML file (.yaml, or a template such as _template_yaml)
+    under lm-eval's own task folder or ``include_path`` (the folders TaskManager indexes; its cache and checkpoint
+    folders skipped as it skips them)."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("lm_eval")  # its folder, without importing it (seconds: torch, datasets, ...)
+    roots = [os.path.join(p, "tasks") for p in spec.submodule_search_locations]
+    builtin = len(roots)
+    if include_path:
+        roots += [str(p) for p in (include_path if isinstance(include_path, (list, tuple)) else [include_path])]
+    wanted = {n: n.encode() for n in names}
+    found: set[str] = set()
+    for r, root in enumerate(roots):
+        for folder, subdirs, files in os.walk(root):
+            subdirs[:] = [d for d in subdirs if d not in ("__pycache__", ".ipynb_checkpoints")]
+            for f in files:
+                if not f.endswith("yaml"):  # (.yaml, and the templates they include: _template_yaml)
+                    continue
+                try:
+                    with open(os.path.join(folder, f), "rb") as fh:
+                        text = fh.read()
+                except OSError:
+                    continue
+                if r >= builtin and b"include" in text:  # a custom YAML's name may come from a file anywhere
+                    return set(names)  # (then the full index decides)
+                found.update(n for n, b in wanted.items() if n not in found and b in text)
+                if len(found) == len(wanted):
+                    return found
+    return found
 
 
 def evaluate_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,

@@ -158,3 +158,30 @@ def test_generate_until_stops_with_a_tokenizer_without_a_decoder():
     out = lm.generate_until([_Req("def f(", {"until": ["b"], "max_gen_toks": 30})], disable_tqdm=True)
     assert out == [tok.decode([a, a, b]).split("b")[0]] and "a" in out[0]
     assert len(calls) == 3  # stopped at the stop string, not after 30 forwards
+
+
+def test_task_names_are_checked_without_the_full_index_only_when_no_yaml_spells_them(tmp_path, monkeypatch):
+    """`unknown_tasks` refuses at once a name that no task YAML (nor template) under lm-eval's folder or the include
+    path spells out; any name some file mentions goes to lm-eval's own index, which decides."""
+    from hmscale.eval import lm_eval_adapter as adapter
+
+    (tmp_path / "mine.yaml").write_text("task: hmscale_mine_task\ndataset_path: json\n")
+    (tmp_path / "_base_template_yaml").write_text("tag: hmscale_template_tag\n")
+    found = adapter._mentioned_in_task_yamls(["hmscale_mine_task", "hmscale_template_tag", "hellaswag",
+                                              "no_such_task_xyz"], include_path=str(tmp_path))
+    assert found == {"hmscale_mine_task", "hmscale_template_tag", "hellaswag"}
+    (tmp_path / "more.yaml").write_text("include: mine.yaml\ntask: other\n")  # a name that may come from anywhere
+    assert adapter._mentioned_in_task_yamls(["no_such_task_xyz"], include_path=str(tmp_path)) == {"no_such_task_xyz"}
+
+    import lm_eval.tasks
+
+    class Index:  # lm-eval's index: built only when some name is mentioned
+        built = 0
+
+        def __init__(self, include_path=None):
+            Index.built += 1
+            self.all_tasks = ["hellaswag"]
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Index)
+    assert adapter.unknown_tasks(["no_such_task_xyz"]) == ["no_such_task_xyz"] and Index.built == 0
+    assert adapter.unknown_tasks(["hellaswag", "no_such_task_xyz"]) == ["no_such_task_xyz"] and Index.built == 1
