@@ -39,12 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _runinfo import header, need_cuda  # noqa: E402
-from hmscale.config import build_config  # noqa: E402
-from hmscale.data.plan import ShardPlan  # noqa: E402
-from hmscale.teacher.cache import plan_cache, verify_cache  # noqa: E402
-from hmscale.teacher.cache.worker import ShardWorker  # noqa: E402
-from hmscale.teacher.capture import LayerCapture, capture_layers  # noqa: E402
-from hmscale.teacher.flavors import neox_config  # noqa: E402
+
+# hmscale's cache engine and teacher (transformers, ~seconds of imports) are imported in main(), after --help and the
+# GPU check
 
 TARGET_PCT = 15.0
 
@@ -70,6 +67,8 @@ def _filesystem(path: Path) -> str:
 
 def _random_capture(teacher, batch_size, seq_len, device, dtype):
     """A capture_fn returning fixed random tensors of the teacher's capture shapes (no teacher work)."""
+    from hmscale.teacher.capture import LayerCapture
+
     c = teacher.config
     d, h = c.hidden_size, c.num_attention_heads
     g = torch.Generator(device=device).manual_seed(0)
@@ -124,6 +123,13 @@ def main(argv=None) -> int:
     if cuda:
         need_cuda("benchmarks/cache_throughput.py --device cuda", "--device cpu (or --smoke) runs it on the CPU")
     print(header(str(device)), flush=True)
+    from hmscale.config import build_config
+    from hmscale.data.plan import ShardPlan
+    from hmscale.teacher.cache import plan_cache, verify_cache
+    from hmscale.teacher.cache.worker import ShardWorker
+    from hmscale.teacher.capture import capture_layers
+    from hmscale.teacher.flavors import neox_config
+
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     tokens = args.tokens or (131072 if cuda else 8192)

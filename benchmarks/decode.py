@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _runinfo import header, need_cuda  # noqa: E402
-from hmscale.models.convert import to_hedgehog, to_hedgemamba  # noqa: E402
-from hmscale.teacher.flavors import neox_config  # noqa: E402
+
+# hmscale's models (transformers, ~seconds of imports) are imported in main(), after --help and the GPU check
 
 
 def _sync(dev):
@@ -128,6 +128,9 @@ def main(argv=None):
         need_cuda("benchmarks/decode.py", "--device cpu with small sizes checks the script on the CPU, e.g. "
                                           "--device cpu --flavor pythia-nano --contexts 32 64 --batch 2 --new 4")
     print(header(args.device), flush=True)
+    from hmscale.models.convert import to_hedgehog, to_hedgemamba
+    from hmscale.teacher.flavors import neox_config
+
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
     max_ctx = max(args.contexts) + args.new + 16

@@ -97,7 +97,13 @@ RECIPES = {
 def base_overrides(args) -> list[str]:
     steps = getattr(args, "teacher_steps", None)
     fixed = [f"teacher.pretrain_steps={steps}", f"teacher.pretrain_seconds={max(args.teacher_seconds, 10 * steps)}"] if steps else []
-    return preset_overrides(args) + fixed + RECIPES[getattr(args, "recipe", "tuned")]
+    recipe = RECIPES[getattr(args, "recipe", "tuned")]
+    # --smoke checks the plumbing: a prefix of the documents (the tiny teacher's 30 steps and the ablations' budgets
+    # read ~20k of their ~550k tokens) and at most two stage-1 passes (two still exercise the multi-pass path; the
+    # tuned recipe's 32 passes over a few rows were ~20 % of the smoke's time)
+    smoke = ["data.max_tokens=65536"] + (["stage1.epochs=2"] if any(o.startswith("stage1.epochs=") for o in recipe)
+                                         else []) if getattr(args, "smoke", False) else []
+    return preset_overrides(args) + fixed + recipe + smoke
 
 
 def preset_overrides(args) -> list[str]:
