@@ -1,8 +1,6 @@
-"""`hmscale submit` against a real local head node (`ray start --head` with the dashboard)."""
+"""`hmscale submit` against a real local head node (the suite's embedded Ray cluster, with the dashboard and its job API)."""
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -232,66 +230,40 @@ def test_a_failing_recipe_job_ends_in_one_line(monkeypatch, capsys, error, code)
 
 
 @pytest.mark.ray
-def test_submit_runs_the_recipe_on_a_local_head(tmp_path):
-    ray_bin = Path(sys.executable).with_name("ray")
-    gcs, dash = _free_port(), _free_port()
-    # the cluster's `python` is this environment's (as on a real cluster with hmscale's dependencies installed)
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    # every port of our own: a Ray instance left by another test must not take the job agent's port
-    ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                     "metrics-export-port", "runtime-env-agent-port",
-                                                     "ray-client-server-port")]
-    # --block: the head runs in this child and takes its cluster down when the child is terminated (`ray stop`
-    # would end every Ray instance on the host, other tests' and other users' included)
-    head_log = tmp_path / "head.log"
-    with open(head_log, "w") as fh:
-        head = subprocess.Popen(
-            [str(ray_bin), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats",
-             "--block", *ports],
-            env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+def test_submit_runs_the_recipe_on_a_local_head(ray_cluster, tmp_path):
+    # the suite's embedded cluster (tests/conftest.py): a head node with the dashboard and its job API on 127.0.0.1,
+    # started as `hmscale run` starts one (a `ray start --head` of its own here was one more cluster start, ~10 s of
+    # both cores); the job's `python` is this environment's (PATH, as on a real cluster with hmscale's dependencies)
+    from ray._private.worker import get_dashboard_url
+    from ray.job_submission import JobSubmissionClient
+
+    from hmscale.submit import find_token
+
+    dash = f"http://{get_dashboard_url()}"
     out = tmp_path / "run"
-    try:
-        from ray.job_submission import JobSubmissionClient
-
-        from hmscale.submit import find_token
-
-        deadline = time.time() + 180
-        while True:
-            assert head.poll() is None, f"ray start --head exited {head.returncode}: {head_log.read_text()[-3000:]}"
-            try:
-                token = find_token()  # the head writes it (token auth) when it starts
-                headers = {"Authorization": f"Bearer {token}"} if token else None
-                JobSubmissionClient(f"http://127.0.0.1:{dash}", headers=headers).list_jobs()
-                break
-            except Exception:
-                if time.time() > deadline:
-                    raise
-                time.sleep(1)
-        overrides = TINY + [f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", f"cache.root={tmp_path / 'tc'}"]
-        cmd = [sys.executable, "-m", "hmscale.cli", "submit", "--address", f"http://127.0.0.1:{dash}", "--timeout", "400"]
-        for o in overrides:
-            cmd += ["-s", o]
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        assert "SUCCEEDED" in r.stdout
-        assert "[data] plan " in r.stdout  # the job's own log, streamed from the cluster
-        results = json.loads((out / "results.json").read_text())
-        assert results["hedgemamba_ppl"] > 1 and results["teacher_ppl"] > 1
-    finally:
-        head.terminate()
+    deadline = time.time() + 60
+    while True:  # (the job API comes up with the dashboard's agent, shortly after the cluster)
         try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        # what `ray stop` also clears: the head's address, where a bare ray.init() would look for a cluster
-        from ray._common.utils import get_ray_address_file
-
-        current = Path(get_ray_address_file(None))
-        if current.exists() and current.read_text().strip().endswith(f":{gcs}"):
-            current.unlink()
+            token = find_token()  # the cluster writes it (token auth) when it starts
+            headers = {"Authorization": f"Bearer {token}"} if token else None
+            JobSubmissionClient(dash, headers=headers).list_jobs()
+            break
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+    # (the smallest budget that trains both stages, and no greedy samples: the job's run, not the model, is tested)
+    overrides = TINY + ["budget.total_tokens=512", "eval.generate_tokens=0", f"output_dir={out}",
+                        f"data.cache_dir={tmp_path / 'cache'}", f"cache.root={tmp_path / 'tc'}"]
+    cmd = [sys.executable, "-m", "hmscale.cli", "submit", "--address", dash, "--timeout", "400"]
+    for o in overrides:
+        cmd += ["-s", o]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SUCCEEDED" in r.stdout
+    assert "[data] plan " in r.stdout  # the job's own log, streamed from the cluster
+    results = json.loads((out / "results.json").read_text())
+    assert results["hedgemamba_ppl"] > 1 and results["teacher_ppl"] > 1
 
 
 @pytest.mark.parametrize("module", ["run_recipe", "distill", "cache_teacher"])

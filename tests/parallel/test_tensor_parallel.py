@@ -1,6 +1,7 @@
 """Tensor parallelism: tp=2 over two gloo processes on CPU equals tp=1 (outputs and gradients, fp32)."""
 
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from hmscale.parallel import (  # noqa: E402
 from hmscale.train.launch import spawn_workers  # noqa: E402
 
 VOCAB = 97
+# the tests sharing the tp_runs fixture stay on one xdist worker (`make test`): else each worker would spawn the ranks
+pytestmark = pytest.mark.xdist_group("tensor_parallel_tp_runs")
 
 
 def _inputs():
@@ -40,8 +43,15 @@ def _run(model, ids):
     return out.logits.detach(), torch.cat([pre, *steps], 1)
 
 
-def _worker(rank, model, out_dir):
+def _worker(rank, models, out_dir):
     torch.set_num_threads(1)
+    # first, while this fresh process has no process group: the tp=1 case of test_trivial_mesh_and_mpu_without_distributed
+    try:
+        _trivial_mesh_case(rank)
+        trivial = None
+    except BaseException:  # reported by that test
+        trivial = traceback.format_exc()
+    torch.save(trivial, Path(out_dir) / f"trivial{rank}.pt")
     dist.init_process_group("gloo")
     try:
         mesh = build_mesh(tp=2)
@@ -49,14 +59,28 @@ def _worker(rank, model, out_dir):
         info = dict(tp_rank=mpu.get_model_parallel_rank(), tp_size=mpu.get_tensor_model_parallel_world_size(),
                     dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
                     src=mpu.get_tensor_model_parallel_src_rank())
-        apply_tensor_parallel(model, mesh)
-        logits, decoded = _run(model, _inputs())
-        grads = {n: (p.grad.detach().clone(), getattr(p, "tp_split_dim", None)) for n, p in model.named_parameters()}
-        full_sd = gather_tensor_parallel_state_dict(model, mesh)
-        torch.save(dict(info=info, logits=logits, decoded=decoded, grads=grads, sd=full_sd, n_heads=model.backbone.layers[0].mixer.n_heads),
-                   Path(out_dir) / f"rank{rank}.pt")
+        for key, model in models.items():  # each model sharded over the same mesh, one after the other
+            apply_tensor_parallel(model, mesh)
+            logits, decoded = _run(model, _inputs())
+            grads = {n: (p.grad.detach().clone(), getattr(p, "tp_split_dim", None)) for n, p in model.named_parameters()}
+            full_sd = gather_tensor_parallel_state_dict(model, mesh)
+            torch.save(dict(info=info, logits=logits, decoded=decoded, grads=grads, sd=full_sd,
+                            n_heads=model.backbone.layers[0].mixer.n_heads),
+                       Path(out_dir) / f"{key}_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """One spawn of the two tp=2 ranks for every case of this file (a process start is seconds of CPU): the tp=2 runs
+    of both residual layouts, and the no-process-group case before the ranks join their group."""
+    out_dir = tmp_path_factory.mktemp("tp2")
+    models = {parallel: make_model(parallel=parallel) for parallel in (True, False)}  # recurrent parts perturbed
+    ref_sds = {k: {n: v.clone() for n, v in m.state_dict().items()} for k, m in models.items()}
+    # (spawned, not forked: a forked child inherits a process group an earlier test of this pytest process left open)
+    spawn_workers(_worker, 2, models, str(out_dir))
+    return dict(models=models, ref_sds=ref_sds, out_dir=out_dir)
 
 
 def _rel(a, b):
@@ -64,14 +88,11 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_tp2_equals_tp1(tmp_path, parallel):
-    model = make_model(parallel=parallel)  # recurrent parts perturbed away from identity
-    ref_sd = {k: v.clone() for k, v in model.state_dict().items()}
-    # (spawned, not forked: a forked child inherits a process group an earlier test of this pytest process left open)
-    spawn_workers(_worker, 2, model, str(tmp_path))
+def test_tp2_equals_tp1(tp_runs, parallel):
+    model, ref_sd = tp_runs["models"][parallel], tp_runs["ref_sds"][parallel]
     ref_logits, ref_decoded = _run(model, _inputs())
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    res = [torch.load(tp_runs["out_dir"] / f"{parallel}_rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["info"]["tp_rank"] for r in res] == [0, 1]
     assert all(r["info"]["tp_size"] == 2 and r["info"]["dp_size"] == 1 and r["info"]["dp_rank"] == 0 for r in res)
     assert all(r["info"]["src"] == 0 for r in res)
@@ -99,9 +120,12 @@ def test_tp_must_divide_heads():
         apply_tensor_parallel(model, mesh)
 
 
-def test_trivial_mesh_and_mpu_without_distributed():
-    # in a process of its own: an in-process stage earlier in this pytest process may have left a process group
-    spawn_workers(_trivial_mesh_case, 1)
+def test_trivial_mesh_and_mpu_without_distributed(tp_runs):
+    # in a process of its own (an in-process stage earlier in this pytest process may have left a process group): each
+    # tp=2 rank of tp_runs ran the case first, before joining its group
+    for r in range(2):
+        trivial = torch.load(tp_runs["out_dir"] / f"trivial{r}.pt", weights_only=False)
+        assert trivial is None, f"rank {r}:\n{trivial}"
 
 
 def _trivial_mesh_case(rank):

@@ -20,7 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "train" / "dist_job.py"
 
-pytestmark = pytest.mark.slow
+# slow; the tests sharing the `runs` fixture stay on one xdist worker (`make test`): else each worker would launch them
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("walk_tp_user_runs")]
 
 
 def _port() -> int:

@@ -33,27 +33,29 @@ def tokens(n=64, L=32, vocab=96, seed=1):
     return np.random.default_rng(seed).integers(0, vocab, size=(n, L))
 
 
-def main():
+def run_one(run: dict):
+    """One run of a SPEC: stage 1's per-step per-layer losses, or stage 2's per-step losses. A one-rank launch's
+    result is this, called in the test's own process (its one-process group: tests/train/test_stage1_layers.py)."""
     from hmscale.config import build_config
     from hmscale.train.data import ArraySource
     from hmscale.train.stage2 import run_stage2
 
-    spec = json.loads(open(sys.argv[1]).read())
-    results = []
-    for run in spec["runs"]:
-        cfg = build_config({}, run["overrides"])
-        if run.get("stage") == "stage1":  # online stage 1 on a seeded random teacher; per-layer losses
-            from hmscale.train.engine import read_metrics
-            from hmscale.train.stage1 import run_stage1
+    cfg = build_config({}, run["overrides"])
+    if run.get("stage") == "stage1":  # online stage 1 on a seeded random teacher; per-layer losses
+        from hmscale.train.engine import read_metrics
+        from hmscale.train.stage1 import run_stage1
 
-            out = run_stage1(cfg, run["run_dir"], teacher=tiny_student().teacher, source=ArraySource(tokens()),
-                             resume=False)
-            recs = read_metrics(os.path.join(run["run_dir"], "stage1", "metrics.jsonl"))
-            results.append([[r[k] for k in sorted(r) if k.startswith("layer_loss/")] for r in recs])
-            continue
-        out = run_stage2(cfg, run["run_dir"], student=tiny_student(), source=ArraySource(tokens()), resume=False,
-                         export=run.get("export", False))
-        results.append(out["losses"])
+        run_stage1(cfg, run["run_dir"], teacher=tiny_student().teacher, source=ArraySource(tokens()), resume=False)
+        recs = read_metrics(os.path.join(run["run_dir"], "stage1", "metrics.jsonl"))
+        return [[r[k] for k in sorted(r) if k.startswith("layer_loss/")] for r in recs]
+    out = run_stage2(cfg, run["run_dir"], student=tiny_student(), source=ArraySource(tokens()), resume=False,
+                     export=run.get("export", False))
+    return out["losses"]
+
+
+def main():
+    spec = json.loads(open(sys.argv[1]).read())
+    results = [run_one(run) for run in spec["runs"]]
     if int(os.environ["RANK"]) == 0:
         with open(spec["out"], "w") as f:
             json.dump(results, f)

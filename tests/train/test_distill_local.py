@@ -10,11 +10,15 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-def _overrides(tmp_path):
+def _overrides(tmp_path, inputs=None):
+    """The run's settings, its output_dir under `tmp_path`; the data directory (tokenizer, tokens, the pretrained
+    miniature teacher) and the teacher-cache root under `inputs` (default `tmp_path`): both are content-addressed and
+    outside a run's identity (hmscale.run_identity.PLACEMENT), so the module's runs share the `shared_inputs` ones."""
+    inputs = tmp_path if inputs is None else inputs
     return [
         "teacher.flavor=pythia-nano", "teacher.pretrain_steps=4", "teacher.pretrain_batch_size=8",
         "tokenizer.vocab_size=512", "data.seq_len=64", "data.sequences_per_shard=16", "data.max_documents=40",
-        f"data.cache_dir={tmp_path / 'data'}", f"cache.root={tmp_path / 'cache'}", "cache.max_tokens=2048",
+        f"data.cache_dir={inputs / 'data'}", f"cache.root={inputs / 'cache'}", "cache.max_tokens=2048",
         "cache.capture.dtype=float32", "cache.capture.topk=8", "cache.engine=local", "cache.capture.token_fraction=0.5",
         "stage1.steps=4", "stage1.micro_batch_size=4", "stage2.steps=4", "stage2.micro_batch_size=4",
         "stage2.kd_weight=0.5", "stage2.eval_every=2", "eval.max_sequences=4", "parallel.checkpoint_every=2",
@@ -22,13 +26,43 @@ def _overrides(tmp_path):
     ]
 
 
-def test_local_distill_layout_and_export(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def shared_inputs(tmp_path_factory):
+    """The data directory and teacher-cache root of the module's runs: the tokenizer is trained, the documents
+    tokenized and the miniature teacher pretrained once (per pytest worker), not once per test."""
+    return tmp_path_factory.mktemp("distill_inputs")
+
+
+@pytest.fixture(scope="module")
+def finished_run(shared_inputs):
+    """One finished engine=local run of `_overrides` (stage 1 from the cache, stage 2 with KD, the HF export) and
+    run_distill's result: the layout test and the eval test each get a copy of its output_dir (`_copy_run`)."""
+    from hmscale.config import build_config
+    from ray_jobs.distill import run_distill
+
+    out = shared_inputs / "finished"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HMSCALE_NO_PROGRESS", "1")
+        res = run_distill(build_config({}, _overrides(out, shared_inputs)), log=lambda *a, **k: None)
+    return out / "run", res
+
+
+def _copy_run(finished_run, tmp_path):
+    import shutil
+
+    shutil.copytree(finished_run[0], tmp_path / "run")
+    return finished_run[1]
+
+
+# (the two tests of the finished run on one pytest worker: the run is trained once)
+@pytest.mark.xdist_group("distill_local_finished_run")
+def test_local_distill_layout_and_export(tmp_path, monkeypatch, shared_inputs, finished_run):
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.config import build_config
     from ray_jobs.distill import run_distill
 
-    cfg = build_config({}, _overrides(tmp_path))
-    res = run_distill(cfg, log=lambda *a, **k: None)
+    cfg = build_config({}, _overrides(tmp_path, shared_inputs))
+    res = _copy_run(finished_run, tmp_path)  # run_distill(cfg)'s result, in this output_dir
     run = tmp_path / "run"
     assert res["stage1"]["done"] and res["stage1"]["mode"] == "cache" and res["stage2"]["done"]
     for rel in ["config.yaml", "stage1/student/feature_maps.safetensors", "stage1/student/student.json",
@@ -60,22 +94,21 @@ def test_local_distill_layout_and_export(tmp_path, monkeypatch):
     from hmscale.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"output_dir: .* holds a run of a different config \(stage2.steps: 4 -> 10\)"):
-        run_distill(build_config({}, _overrides(tmp_path) + ["stage2.steps=10"]), log=lambda *a, **k: None)
+        run_distill(build_config({}, _overrides(tmp_path, shared_inputs) + ["stage2.steps=10"]),
+                    log=lambda *a, **k: None)
     assert (run / "config.yaml").read_text() == saved
 
 
-def test_cli_eval_scores_long_contexts(tmp_path, capsys, monkeypatch):
+@pytest.mark.xdist_group("distill_local_finished_run")
+def test_cli_eval_scores_long_contexts(tmp_path, capsys, monkeypatch, shared_inputs, finished_run):
     """`hmscale eval --context-length` on a finished run: the three models, per position bucket, from the run's files."""
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.cli import main
-    from hmscale.config import build_config
-    from ray_jobs.distill import run_distill
 
-    cfg = build_config({}, _overrides(tmp_path))
-    run_distill(cfg, log=lambda *a, **k: None)
+    _copy_run(finished_run, tmp_path)  # run_distill(_overrides(tmp_path, shared_inputs)), trained once for the module
     (tmp_path / "run" / "results.json").write_text("{}")  # what `hmscale run` leaves; eval only needs the run's files
     capsys.readouterr()  # the training's output
-    args = ["eval", *[a for o in _overrides(tmp_path) for a in ("-s", o)], "--context-length", "256"]
+    args = ["eval", *[a for o in _overrides(tmp_path, shared_inputs) for a in ("-s", o)], "--context-length", "256"]
     assert main(args) == 0
     res = json.loads(capsys.readouterr().out)
     lc = res["long_context"]
@@ -87,17 +120,17 @@ def test_cli_eval_scores_long_contexts(tmp_path, capsys, monkeypatch):
     assert "eval.context_length" in capsys.readouterr().err
 
 
-def test_cli_stage2_without_stage1_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+def test_cli_stage2_without_stage1_is_a_one_line_error(tmp_path, capsys, monkeypatch, shared_inputs):
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.cli import main
 
-    ov = [a for o in _overrides(tmp_path) if not o.startswith("stage2.kd_weight") for a in ("-s", o)]
+    ov = [a for o in _overrides(tmp_path, shared_inputs) if not o.startswith("stage2.kd_weight") for a in ("-s", o)]
     rc = main(["stage2", *ov, "-s", "stage2.kd_weight=0"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 1 and err.startswith("hmscale: error: no stage-1 student"), err
 
 
-def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch):
+def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch, shared_inputs):
     """engine=local, num_workers=2: two spawned gloo processes (torchrun-style, no Ray) run stage 1 and
     stage 2 with ZeRO-2; a worker SIGKILLed in stage 2 stops the run with a one-line error, and a rerun
     into the same directory resumes from the last checkpoint and finishes."""
@@ -119,7 +152,7 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
                 if any(f"_{port}_" in p.name for port in ports)}
 
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
-    cfg = build_config({}, _overrides(tmp_path) + ["parallel.num_workers=2", "parallel.zero_stage=2"])
+    cfg = build_config({}, _overrides(tmp_path, shared_inputs) + ["parallel.num_workers=2", "parallel.zero_stage=2"])
     monkeypatch.setenv(FAULT_ENV, "stage2:3:1")  # rank 1 dies at the start of stage-2 step 3 (after the step-2 checkpoint)
     with pytest.raises(TrainingError, match=r"local worker \d died .*rerun into the same output_dir"):
         run_distill(cfg, log=lambda *a, **k: None)
@@ -134,14 +167,15 @@ def test_local_engine_two_worker_processes_kill_and_resume(tmp_path, monkeypatch
     assert len(ports) == 2 and shm() == set()  # DeepSpeed's CPU all-reduce buffers do not outlive the run, even the killed one's
 
 
-def test_separate_stage_commands_then_rerun_and_run_report_the_recorded_stages(tmp_path, capsys, monkeypatch):
+def test_separate_stage_commands_then_rerun_and_run_report_the_recorded_stages(tmp_path, capsys, monkeypatch,
+                                                                               shared_inputs):
     """`hmscale stage1`, `hmscale stage2`, then `hmscale stage2` again (the finished stage is skipped with one clear
     line, exit 0, its summary kept) and `hmscale run`: results.json and report.md carry the tokens and seconds each
     stage recorded when it ran, not the zeros of a stage that trained nothing."""
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.cli import main
 
-    args = [a for o in _overrides(tmp_path) + ["stage2.kd_weight=0"] for a in ("-s", o)]
+    args = [a for o in _overrides(tmp_path, shared_inputs) + ["stage2.kd_weight=0"] for a in ("-s", o)]
     run = tmp_path / "run"
     assert main(["stage1", *args]) == 0 and main(["stage2", *args]) == 0
     recorded = {s: json.loads((run / s / "summary.json").read_text()) for s in ("stage1", "stage2")}
@@ -165,7 +199,7 @@ def test_separate_stage_commands_then_rerun_and_run_report_the_recorded_stages(t
             f"{recorded['stage2']['tokens']} |") in report
 
 
-def test_local_engine_layer_parallel_stage1_then_stage2_in_one_call(tmp_path, monkeypatch):
+def test_local_engine_layer_parallel_stage1_then_stage2_in_one_call(tmp_path, monkeypatch, shared_inputs):
     """engine=local, 2 worker processes: a layer-parallel stage 1 (DeepSpeed given its layer-parallel mpu) and then,
     in the same processes, a data-parallel stage 2 (no mpu). DeepSpeed keeps the last mpu it was given in a
     process-wide global: stage 2 must not inherit stage 1's (it crashed on it, and would have partitioned ZeRO over
@@ -177,7 +211,8 @@ def test_local_engine_layer_parallel_stage1_then_stage2_in_one_call(tmp_path, mo
     from ray_jobs.distill import run_distill
 
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
-    ov = [o for o in _overrides(tmp_path) if not o.startswith(("stage1.steps", "stage2.steps", "stage2.kd_weight"))]
+    ov = [o for o in _overrides(tmp_path, shared_inputs)
+          if not o.startswith(("stage1.steps", "stage2.steps", "stage2.kd_weight"))]
     cfg = build_config({}, ov + ["stage1.steps=2", "stage2.steps=3", "stage2.kd_weight=0", "parallel.num_workers=2",
                                  "stage1.layer_parallel=true", "parallel.zero_stage=1"])
     res = run_distill(cfg, log=lambda *a, **k: None)
@@ -193,11 +228,13 @@ def test_local_engine_layer_parallel_stage1_then_stage2_in_one_call(tmp_path, mo
         [r["loss"] for r in read_metrics(again / "stage2" / "metrics.jsonl")]
 
 
-def test_run_refuses_a_context_length_longer_than_the_data_before_training(tmp_path, capsys, monkeypatch):
+def test_run_refuses_a_context_length_longer_than_the_data_before_training(tmp_path, capsys, monkeypatch,
+                                                                           shared_inputs):
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     from hmscale.cli import main
 
-    args = ["run", *[a for o in _overrides(tmp_path) for a in ("-s", o)], "-s", "eval.context_length=100000000"]
+    args = ["run", *[a for o in _overrides(tmp_path, shared_inputs) for a in ("-s", o)],
+            "-s", "eval.context_length=100000000"]
     assert main(args) == 2
     assert "eval.context_length: the validation split has" in capsys.readouterr().err
     assert not (tmp_path / "run" / "stage1").exists()

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 EXPORTS = {"attention": "feature_maps.safetensors", "mixer": "mixers.safetensors"}
 
 
-def test_layer_parallel_matches_single_worker(launch_job, tmp_path):
+def test_layer_parallel_matches_single_worker(launch_job, tmp_path, monkeypatch):
     """Both transfers (attention: the feature maps; mixer: the whole HedgeMamba mixer) in one launch per layout."""
     def common(transfer):
         return ["stage1.steps=5", "stage1.micro_batch_size=4", "stage1.lr=0.05", "stage1.warmup_steps=1",
@@ -20,8 +20,11 @@ def test_layer_parallel_matches_single_worker(launch_job, tmp_path):
                 f"stage1.transfer={transfer}"]
 
     lp = ["stage1.layer_parallel=true", "parallel.num_workers=2"]
-    ones = launch_job({"runs": [{"overrides": common(t), "run_dir": str(tmp_path / t / "one"), "stage": "stage1"}
-                                for t in EXPORTS]}, world=1)
+    # one worker: dist_job's runs in this process (its one-process group), as a one-rank launch runs them
+    from tests.train.dist_job import run_one
+
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    ones = [run_one({"overrides": common(t), "run_dir": str(tmp_path / t / "one"), "stage": "stage1"}) for t in EXPORTS]
     twos = launch_job({"runs": [{"overrides": common(t) + lp, "run_dir": str(tmp_path / t / "two"), "stage": "stage1"}
                                 for t in EXPORTS]}, world=2)
     for (transfer, export), one, two in zip(EXPORTS.items(), ones, twos):

@@ -35,20 +35,42 @@ def _job(spec_path):
 
     spec = json.loads(Path(spec_path).read_text())
     toks = np.random.default_rng(1).integers(0, 96, size=(16, 32))
-    run_stage1(build_config({}, spec["overrides"]), spec["run_dir"], teacher=_teacher(), source=ArraySource(toks),
-               resume=False, export=False)
+    for run in spec["runs"]:
+        run_stage1(build_config({}, run["overrides"]), run["run_dir"], teacher=_teacher(), source=ArraySource(toks),
+                   resume=False, export=False)
     if int(os.environ["RANK"]) == 0:
         Path(spec["out"]).write_text("[]")
 
 
-@pytest.mark.parametrize("transfer", ["attention", "mixer"])
-def test_layer_parallel_start_event_counts_every_layers_parameters(launch_job, tmp_path, transfer):
+TRANSFERS = ["attention", "mixer"]
+
+
+def _common(transfer):
+    return ["stage1.steps=1", "stage1.micro_batch_size=4", "stage1.source=online", "parallel.zero_stage=2",
+            f"stage1.transfer={transfer}"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Both transfers' layer-parallel stage 1, one after the other in one 2-rank launch (process start-up is most of
+    a launch's time); the directory holding each transfer's run directory."""
+    from tests.train.conftest import launch
+
+    tmp = tmp_path_factory.mktemp("layer_parallel_count")
+    runs = [{"overrides": _common(t) + ["stage1.layer_parallel=true", "parallel.num_workers=2"],
+             "run_dir": str(tmp / t / "two")} for t in TRANSFERS]
+    launch({"runs": runs}, 2, tmp, job=Path(__file__))
+    return tmp
+
+
+@pytest.mark.xdist_group("layer_parallel_count")  # (both cases on one pytest worker: one launch)
+@pytest.mark.parametrize("transfer", TRANSFERS)
+def test_layer_parallel_start_event_counts_every_layers_parameters(launched, transfer):
     from hmscale.config import build_config
     from hmscale.models.convert import to_hedgehog, to_mixer_student
     from hmscale.train.engine import read_metrics
 
-    common = ["stage1.steps=1", "stage1.micro_batch_size=4", "stage1.source=online", "parallel.zero_stage=2",
-              f"stage1.transfer={transfer}"]
+    common = _common(transfer)
     # the reference, by hand: what trains in stage 1 is every layer's feature map (transfer=attention) or every
     # layer's mixer parameters that require grad (transfer=mixer)
     if transfer == "attention":
@@ -58,9 +80,7 @@ def test_layer_parallel_start_event_counts_every_layers_parameters(launch_job, t
         owned = [layer.mixer for layer in model.backbone.layers]
     want = sum(p.numel() for m in owned for p in m.parameters() if p.requires_grad)
     assert len(owned) == LAYERS and want > 0
-    launch_job({"overrides": common + ["stage1.layer_parallel=true", "parallel.num_workers=2"],
-                "run_dir": str(tmp_path / "two")}, world=2, job=Path(__file__))
-    (event,) = read_metrics(tmp_path / "two" / "stage1" / "metrics.jsonl", kind="event")
+    (event,) = read_metrics(launched / transfer / "two" / "stage1" / "metrics.jsonl", kind="event")
     assert event["layer_parallel"] is True
     assert event["trainable_params"] == want, (event, want)
 
