@@ -32,10 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runinfo import header, need_cuda  # noqa: E402
 from kernels import ssd_reference  # noqa: E402
-from kernels.interpreter import patch_interpreter_bf16_dot  # noqa: E402
+from kernels.interpreter import patch_interpreter_bf16_dot, patch_interpreter_device_calls  # noqa: E402
 from kernels.ssd_autograd import ssd_triton  # noqa: E402
 
 patch_interpreter_bf16_dot()  # --cpu: the interpreter's bf16 dots as the GPU computes them
+patch_interpreter_device_calls()  # --cpu: the language patched once per launch
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 OPTION_SETS = {

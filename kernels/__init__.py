@@ -104,9 +104,10 @@ def _patch_interpreter() -> None:
     computes what the GPU does (bf16 outputs were off by 1e9 relative without the first, half of all bf16 values one
     ulp toward zero without the second). Nothing happens otherwise."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from .interpreter import patch_interpreter_bf16_dot
+        from .interpreter import patch_interpreter_bf16_dot, patch_interpreter_device_calls
 
         patch_interpreter_bf16_dot()
+        patch_interpreter_device_calls()
 
 
 def ssd_step(state, x_t, dt_t, A, B_t, C_t, D=None, normalize=False, backend=None):

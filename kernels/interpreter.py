@@ -46,3 +46,55 @@ def patch_interpreter_bf16_dot() -> None:
     it.InterpreterBuilder.create_dot = create_dot
     if orig_cast is not None:
         it.InterpreterBuilder.cast_impl = cast_impl
+
+
+def patch_interpreter_device_calls() -> None:
+    """The interpreter (Triton 3.9) patches ``triton.language`` again on every call of a ``@triton.jit`` helper from
+    inside a kernel (our kernels call their tile helpers thousands of times per launch: ~30 % of a CPU test's time),
+    although the kernel's launch has patched the same modules already. Skip that repeat while a grid runs and the
+    helper sees no language module the running grid has not patched (``triton.language`` itself, or its ``core``,
+    which Triton's own helpers such as ``tl.zeros`` call); anything else patches as before. Interpreter only; a
+    second call does nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+    except Exception:  # pragma: no cover - triton missing or changed
+        return
+    grid_cls, fn_cls = getattr(it, "GridExecutor", None), getattr(it, "InterpretedFunction", None)
+    if grid_cls is None or fn_cls is None or getattr(fn_cls.__call__, "_hmscale_once", False):
+        return
+    running, patched, langs = [0], set(), {}  # grids running; the language modules patched meanwhile; per function
+
+    def langs_of(fn) -> frozenset:  # the modules Triton's `_patch_lang(fn)` patches
+        if fn not in langs:
+            langs[fn] = frozenset(id(m) for m in fn.__globals__.values() if m is tl or m is tl.core)
+        return langs[fn]
+
+    grid_call, fn_call = grid_cls.__call__, fn_cls.__call__
+
+    def call_grid(self, *args, **kwargs):
+        if not running[0]:
+            patched.clear()
+        running[0] += 1
+        try:
+            patched.update(langs_of(self.fn))  # (what its launch patches, first thing)
+            return grid_call(self, *args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    def call_helper(self, *args, **kwargs):
+        if not running[0] or not langs_of(self.fn) <= patched:
+            if running[0]:
+                patched.update(langs_of(self.fn))
+            return fn_call(self, *args, **kwargs)
+        fn = self.rewrite()  # (what fn_call does after its patching)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise it.InterpreterError(repr(e)) from e
+
+    call_helper._hmscale_once = True
+    grid_cls.__call__ = call_grid
+    fn_cls.__call__ = call_helper
