@@ -45,8 +45,9 @@ def command(argv: list[str] | None = None) -> str:
     """The command line as typed from the repository root: the script's path relative to it, then its arguments."""
     argv = list(sys.argv if argv is None else argv)
     script = os.path.relpath(os.path.abspath(argv[0]), REPO) if argv else "?"
+    # (the settings: not the progress switch, nor the port a process's own one-process group recorded for its children)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-                   if k.startswith("HMSCALE_") and k != "HMSCALE_NO_PROGRESS")
+                   if k.startswith("HMSCALE_") and k not in ("HMSCALE_NO_PROGRESS", "HMSCALE_SINGLE_PROCESS_GROUP_PORT"))
     return (env + " " if env else "") + " ".join(["python", script] + [shlex.quote(a) for a in argv[1:]])
 
 

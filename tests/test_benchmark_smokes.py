@@ -236,3 +236,18 @@ def test_compat_check_removes_its_unpacked_baseline(tmp_path):
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); print(m.unpack_mamba())")
     out = _run(["-c", code], tmp_path).strip().splitlines()[-1]
     assert Path(out).name.startswith("mamba_ssm_") and not Path(out).exists(), out
+
+
+def test_the_run_line_names_settings_not_a_one_process_groups_port(monkeypatch):
+    """A process that trained in-process (its one-process group: init_distributed records the port it chose in
+    HMSCALE_SINGLE_PROCESS_GROUP_PORT for its children) printed that variable in every later run line, as a setting."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _runinfo import command
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    monkeypatch.setenv("HMSCALE_SINGLE_PROCESS_GROUP_PORT", "41599")
+    monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
+    assert command([str(REPO / "benchmarks" / "ssd.py"), "--sweep", "x.txt"]) == \
+        "HMSCALE_SSD_PASS=fused python benchmarks/ssd.py --sweep x.txt"
