@@ -102,8 +102,6 @@ def exclusive_lock(lock_path: str | os.PathLike, on_wait=lambda: None):
     process dies): calls ``on_wait()`` and blocks when another process holds it. Yields whether it waited, or None
     where the filesystem has no file locks (some network mounts: the caller decides how to work without one). The
     lock file stays, as removing it would race."""
-    import fcntl
-
     lock_path = Path(lock_path)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -9,8 +9,6 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 
 class _Stop(Exception):
     pass

@@ -1,6 +1,5 @@
 """A user's walk through evaluating and using a distilled model on the CPU: the bugs it found, each pinned here."""
 
-import json
 import shutil
 
 import pytest

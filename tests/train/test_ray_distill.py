@@ -57,7 +57,7 @@ def test_two_workers_zero2_cache_kill_and_resume(ray_cluster, tmp_path, monkeypa
     monkeypatch.setenv(FAULT_ENV, "stage2:5:1")  # rank 1 dies at the start of stage-2 step 5 (after the step-3 checkpoint)
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
     # the suite's embedded cluster (tests/conftest.py), started as run_distill starts its own
-    res = run_distill(cfg, tmp_path / "run", log=lambda *a, **k: None)
+    run_distill(cfg, tmp_path / "run", log=lambda *a, **k: None)
     run = tmp_path / "run"
     assert (run / ".fault_stage2_5_1").exists(), "the fault was not injected"
     s1 = json.loads((run / "stage1" / "summary.json").read_text())
