@@ -348,10 +348,6 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
     config = {"cfg": cfg.with_absolute_inputs().model_dump(mode="json"), "run_dir": str(run_dir),
               "cache_dir": prep["cache_dir"], "fault": os.environ.get(FAULT_ENV), "stages": list(stages)}
     t0 = time.perf_counter()
-    if not trains_in_driver(cfg):
-        # the workers load their own teacher: the driver's (on the GPU with use_gpu, beside worker 0's, or on a Ray
-        # head that lends its GPUs to the workers) goes before they start; the caller hands over its references
-        _let_teacher_go(prep)
     if trains_in_driver(cfg):
         from hmscale.ray_cluster import process_cpus
 
@@ -367,10 +363,17 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
             # what this process computes next (the recipe's evaluation) must not depend on the training's ZeRO stage
             F.linear = linear
         res = {k: {kk: vv for kk, vv in v.items() if kk != "student_model"} for k, v in res.items()}
-    elif cfg.parallel.engine == "local":
-        res = _run_local_workers(cfg, config, run_dir, log=log)
     else:
-        res = _run_ray(cfg, config, run_dir, storage_path=storage_path, log=log)
+        # the workers load their own teacher: the driver's (on the GPU with use_gpu, beside worker 0's, or on a Ray
+        # head that lends its GPUs to the workers) goes before they start; the caller hands over its references
+        from hmscale.train.common import free_released_memory
+
+        prep.pop("teacher", None)
+        free_released_memory()
+        if cfg.parallel.engine == "local":
+            res = _run_local_workers(cfg, config, run_dir, log=log)
+        else:
+            res = _run_ray(cfg, config, run_dir, storage_path=storage_path, log=log)
     for s in finished:  # what a finished stage recorded when it ran (every engine: one process, local workers, Ray)
         res[s] = _recorded(run_dir, s)
     res["seconds"] = time.perf_counter() - t0
@@ -381,23 +384,6 @@ def run_distill(cfg, run_dir: str | os.PathLike | None = None, *, stages=STAGES,
 def trains_in_driver(cfg) -> bool:
     """Whether the stages run in the driver's own process (engine=local, one worker), on its data and teacher."""
     return cfg.parallel.engine == "local" and cfg.parallel.num_workers == 1
-
-
-def _let_teacher_go(prep: dict) -> None:
-    """Drop ``prep``'s teacher and give its GPU memory back to the device (the workers are other processes: memory
-    this process's allocator keeps cached is not theirs to use)."""
-    teacher = prep.pop("teacher", None)
-    if teacher is None:
-        return
-    on_gpu = any(p.is_cuda for p in teacher.parameters())
-    del teacher
-    import gc
-
-    gc.collect()
-    if on_gpu:
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 def _local_worker(rank: int, config: dict) -> None:
