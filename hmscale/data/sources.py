@@ -286,10 +286,11 @@ class FileSource(_TableSource):
                     yield _PARQUET, self._parquet_column(f)  # whole file, every column, into ~/.cache/huggingface)
                     continue
                 if builder == "json" and _has_open_json() and (first := _json_lines_first_row(f)) is not None:
-                    if Path(f).suffix.lower() == ".json" and _one_line_of_columns(f, self.text_field):
+                    if (Path(f).suffix.lower() == ".json" and isinstance(first.get(self.text_field), list)
+                            and _nothing_after_first_line(f)):
                         yield _JSON_OBJECTS, self.text_field  # one object of columns on one line: as over several
                         continue
-                    yield _JSON_LINES, first  # its first row's fields; `_json_lines_texts` reads the text field alone
+                    yield _JSON_LINES, list(first)  # its first row's fields (the text field alone is read)
                     continue
                 if builder == "json" and _json_array(f):  # a list of rows, read in place (`datasets` wrote an Arrow
                     yield _JSON_ARRAY, self.text_field  # copy of it into ~/.cache/huggingface)
@@ -528,9 +529,9 @@ def _has_open_json() -> bool:  # Arrow's streaming JSON reader (pyarrow >= 20); 
     return hasattr(paj, "open_json")
 
 
-def _json_lines_first_row(path: str) -> list[str] | None:
-    """The fields of the first row of a JSON Lines file (an object, whole on its line, after blanks and a byte-order
-    mark), or None where the file is something else (a JSON list, an object over several lines: `datasets` reads it)."""
+def _json_lines_first_row(path: str) -> dict | None:
+    """The first row of a JSON Lines file (an object, whole on its line, after blanks and a byte-order mark), or None
+    where the file is something else (a JSON list, an object over several lines: `datasets` reads it)."""
     import json
 
     with open(path, "rb") as f:
@@ -546,27 +547,19 @@ def _json_lines_first_row(path: str) -> list[str] | None:
         row = json.loads(line)
     except ValueError:  # not UTF-8, not whole on its line, or not JSON: `datasets` says which
         return None
-    return list(row) if isinstance(row, dict) else None
+    return row if isinstance(row, dict) else None
 
 
-def _one_line_of_columns(path: str, column: str) -> bool:
-    """Whether a .json file is one object, whole on its first line, whose ``column`` is a list: one object of columns
-    (read as columns, as the same object over several lines is), not a JSON Lines row whose text is a list."""
-    import json
-
+def _nothing_after_first_line(path: str) -> bool:
+    """Whether a file holds nothing but blanks after its first line that is not blank (a byte-order mark skipped): a
+    .json file of one object on one line whose text field is a list is one object of columns (read as columns, as the
+    same object over several lines is), not a JSON Lines row whose text is a list."""
     with open(path, "rb") as f:
-        head = f.read(3)
-        f.seek(3 if head == b"\xef\xbb\xbf" else 0)
+        f.seek(3 if f.read(3) == b"\xef\xbb\xbf" else 0)
         line = f.readline()
         while line and not line.strip():  # (blank lines before it)
             line = f.readline()
-        try:
-            row = json.loads(line)
-        except ValueError:
-            return False
-        if not (isinstance(row, dict) and isinstance(row.get(column), list)):
-            return False
-        while block := f.read(1 << 20):  # nothing but blanks after it
+        while block := f.read(1 << 20):
             if block.strip():
                 return False
     return True
