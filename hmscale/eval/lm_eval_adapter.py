@@ -230,9 +230,7 @@ def unknown_tasks(tasks: list[str], include_path: str | None = None) -> list[str
     registered from text in one of those files, so a name that no YAML under the searched folders spells out is
     unknown without that parse (a mistyped task fails in well under a second), and the index is built only for
     the names that some file mentions."""
-    mentioned = _mentioned_in_task_yamls(tasks, include_path)
-    maybe = [t for t in tasks if t in mentioned]
-    if not maybe:
+    if not _mentioned_in_task_yamls(tasks, include_path):
         return list(tasks)
     from lm_eval.tasks import TaskManager
 
