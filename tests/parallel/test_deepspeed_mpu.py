@@ -32,7 +32,9 @@ def _worker(rank, model, out_dir):
     torch.set_num_threads(1)
     import deepspeed
 
-    deepspeed.init_distributed("gloo", verbose=False)
+    from hmscale.train.engine import init_distributed
+
+    init_distributed(use_gpu=False)  # gloo, without DeepSpeed's inference-only shared-memory op (a g++ build)
     try:
         mesh = build_mesh(tp=2)
         apply_tensor_parallel(model, mesh)

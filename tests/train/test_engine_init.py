@@ -47,3 +47,14 @@ sys.exit(subprocess.run([sys.executable, "-c", child], timeout=120).returncode)
                                                              "LOCAL_RANK", "HMSCALE_SINGLE_PROCESS_GROUP_PORT")}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.count("(0, 1)\n") == 2, (r.stdout + r.stderr)[-2000:]
+
+
+def test_no_test_or_benchmark_starts_deepspeed_comm_around_the_engine():
+    """Every process of the suite joins its group through `engine.init_distributed`: a direct
+    `deepspeed.init_distributed` builds the shared-memory op above (a fresh CI machine spent ~70 s of g++ in the
+    first test that did, with every other DeepSpeed start of the suite waiting on the build lock)."""
+    repo = Path(__file__).resolve().parents[2]
+    direct = [str(p.relative_to(repo)) for d in ("tests", "benchmarks", "scaling", "ray_jobs", "hmscale")
+              for p in (repo / d).rglob("*.py")
+              if "deepspeed.init_distributed(" in p.read_text() and p.name != "engine.py" and p != Path(__file__)]
+    assert direct == [], f"call hmscale.train.engine.init_distributed instead in {direct}"

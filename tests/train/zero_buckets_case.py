@@ -70,11 +70,12 @@ def compare(stage, config, dp_world=1, rank=0, tiny=3):
 
 
 def main(spec_path):
-    import deepspeed
     import torch.distributed as dist
 
+    from hmscale.train.engine import init_distributed
+
     spec = json.loads(Path(spec_path).read_text())
-    deepspeed.init_distributed("gloo", verbose=False)
+    init_distributed(use_gpu=False)  # gloo, without DeepSpeed's inference-only shared-memory op (a g++ build)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         out = []
