@@ -1,6 +1,7 @@
 """Several training processes on this machine without Ray (`parallel.engine=local`, `num_workers > 1`).
 
-`spawn_workers(fn, n, *args)` starts n processes (spawn, one per GPU when training on GPUs) that
+`spawn_workers(fn, n, *args)` starts n processes (one per GPU when training on GPUs; CPU workers come from a preloaded
+fork server, `hmscale.worker_processes`) that
 form one torch.distributed group the way torchrun does it: RANK / LOCAL_RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT in the environment, so `engine.init_distributed` joins it (NCCL on GPUs,
 gloo on CPU). Each process calls ``fn(rank, *args)``. A worker that raises or dies stops the others;
@@ -17,6 +18,7 @@ import signal
 import torch
 
 from hmscale.train.engine import free_port, remove_shm_buffers
+from hmscale.worker_processes import handover, start_method, take_over
 
 
 class WorkerFailed(RuntimeError):
@@ -35,10 +37,11 @@ class WorkerTraceback(Exception):
         return "\n" + str(self.args[0]).rstrip()
 
 
-def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, port: int, handed: dict, args: tuple) -> None:
     # torch's spawn ties each worker to the driver's life with SIGINT (its death signal); a driver started with SIGINT
     # ignored (a script's background job) passed that on, and its workers outlived it
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    take_over(handed)  # (a worker forked from the fork server: its parent is the server, so tied to the driver there)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fn(rank, *args)
@@ -55,8 +58,8 @@ def spawn_workers(fn, nprocs: int, *args, use_gpu: bool = False) -> None:
                                f"which has {gpus}; lower num_workers or use parallel.engine=ray on a cluster")
     port = free_port()
     try:
-        ctx = torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, port, args), nprocs=nprocs,
-                                                    join=False, start_method="spawn")
+        ctx = torch.multiprocessing.start_processes(_entry, args=(fn, nprocs, port, handover(), args),
+                                                    nprocs=nprocs, join=False, start_method=start_method(use_gpu))
         try:
             while not ctx.join():
                 pass

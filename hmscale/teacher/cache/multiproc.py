@@ -1,6 +1,7 @@
 """The local cache engine on several devices of one machine: one process per device (no Ray needed).
 
-`run_processes(..., devices=["cuda:0", "cuda:1"])` spawns one worker process per device. Each
+`run_processes(..., devices=["cuda:0", "cuda:1"])` starts one worker process per device (spawned for GPUs, forked
+from a preloaded server for the CPU: `hmscale.worker_processes`). Each
 holds its own copy of the teacher and a `ShardWorker` (several shards in flight, as in one process)
 and takes the pending shards round-robin (shards are equal in size, so the split is even). Finished
 shards come back to the driver as `ShardInfo`s through a queue; only the driver touches the
@@ -24,17 +25,20 @@ import traceback
 import torch
 
 from hmscale.teacher.cache.format import CacheError, failure_message, shard_name
+from hmscale.worker_processes import context, handover, take_over
 
 
-def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads):
-    """Runs in the spawned process: ("ready", index, None) once its teacher is on the device, ("done", index,
-    ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback, os_error)) on a
+def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads,
+                 handed=None):
+    """Runs in the worker process (`hmscale.worker_processes`; ``handed``: what it takes from the driver): ("ready",
+    index, None) once its teacher is on the device, ("done", index, ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback, os_error)) on a
     failure, ``os_error`` (errno, strerror) when it was a file-system error (a full disk), else None."""
     # a driver killed (SIGKILL, or SIGTERM: no cleanup runs) interrupts its workers, as torch's spawn does the training
     # engine's: they worked on, orphaned, through every shard dealt to them, holding their devices
     # (a driver started with SIGINT ignored, as a background job of a script is, passes that on to its workers: the
     # death signal would then be ignored too and the workers outlive a killed driver)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    take_over(handed)  # (a worker forked from the fork server: its parent is the server, so tied to the driver there)
     try:
         from torch.multiprocessing import _prctl_pr_set_pdeathsig  # (torch's own spawn uses it; Linux only, else no-op)
 
@@ -66,7 +70,7 @@ def split_round_robin(shard_ids, n: int) -> list[list[int]]:
 
 
 def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=print, capture_fn=None) -> float:
-    """The pending shards on one spawned process per entry of `devices`; `on_done(ShardInfo)` runs here.
+    """The pending shards on one worker process per entry of `devices`; `on_done(ShardInfo)` runs here.
     Returns the seconds from the start until every worker was ready (process start, imports, teacher load)."""
     devices = [str(d) for d in devices][: max(1, len(pending))]
     n = len(devices)
@@ -76,7 +80,7 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
         except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing here
             raise CacheError(f"capture_fn {capture_fn!r} cannot be sent to the worker processes ({type(err).__name__}); "
                              "pass a module-level function, or one device") from None
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = context(use_gpu=any(str(d).startswith("cuda") for d in devices))
     results = ctx.Queue()
     # each process gets a CPU copy of the teacher (the caller's stays where it is)
     on_cpu = all(p.device.type == "cpu" for p in teacher.parameters())
@@ -88,7 +92,7 @@ def run_processes(cfg, plan, teacher, cp, pending, on_done, *, devices, log=prin
     for i, (dev, ids) in enumerate(zip(devices, parts)):
         p = ctx.Process(target=_worker_main, name=f"hmscale-cache-{i}",
                         args=(i, dev, teacher_cpu, plan, cp.spec, str(cp.cache_dir), cfg.cache.batch_size, ids,
-                              results, capture_fn, threads),
+                              results, capture_fn, threads, handover()),
                         daemon=True)
         p.start()
         procs.append(p)
