@@ -14,7 +14,6 @@ MASTER_PORT behind in this worker.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -193,11 +192,10 @@ def test_stage2_freezes_a_tied_head_with_the_embeddings():
 
 
 def _launch(tmp_path, runs, world):
-    spec = importlib.util.spec_from_file_location("_hmscale_train_conftest", REPO / "tests" / "train" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
+    from tests.train.conftest import launch  # (one process per rank)
+
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return conftest.launch({"runs": runs}, world, tmp_path, timeout=240, job=Path(__file__))
+    return launch({"runs": runs}, world, tmp_path, timeout=240, job=Path(__file__))
 
 
 def _check_export(run_dir: Path, tied: bool, teacher):

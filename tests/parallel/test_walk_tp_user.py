@@ -8,11 +8,6 @@ Found on the walk (each test failed before its fix):
 Also kept here: the tp=2 run's HF export loads with ``from_pretrained`` and gives tp=1's logits.
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,36 +19,11 @@ JOB = REPO / "tests" / "train" / "dist_job.py"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("walk_tp_user_runs")]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(runs: list, world: int, tmp: Path, timeout: int = 120) -> list:
+    from tests.train.conftest import launch  # (one process per rank)
+
     tmp.mkdir(parents=True, exist_ok=True)
-    spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"runs": runs, "out": str(tmp / "losses.json")}))
-    port = _port()
-    procs = []
-    for r in range(world):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", HMSCALE_NO_PROGRESS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, str(JOB), str(spec)], cwd=str(REPO), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
-    return json.loads((tmp / "losses.json").read_text())
+    return launch({"runs": runs}, world, tmp, timeout=timeout, job=JOB)
 
 
 def _metrics(run_dir: Path, kind: str) -> list:

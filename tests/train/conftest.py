@@ -3,7 +3,6 @@
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,40 +38,58 @@ def launch(spec: dict, world: int, tmp: Path, timeout: int = 110, job: Path = JO
     return json.loads((tmp / "losses.json").read_text())
 
 
+def _run_rank(job: str, spec_path: str, log_path: str, handed: dict) -> None:
+    """One rank, in a process forked from the suite's preloaded fork server (`hmscale.worker_processes`: the imports
+    of torch, DeepSpeed and transformers, seconds of CPU per process, are done once): `python JOB SPEC` in REPO with
+    the launch's environment, its output to `log_path`."""
+    import runpy
+
+    from hmscale.worker_processes import take_over
+
+    take_over(handed)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.chdir(REPO)
+    sys.path[:0] = [str(REPO), str(Path(job).parent)]
+    sys.argv = [job, spec_path]
+    runpy.run_path(job, run_name="__main__")
+
+
 def _run_ranks(spec_path: Path, world: int, tmp: Path, timeout: float, job: Path):
     """(exit codes, logs) of one launch; output to files (a pipe nobody reads while polling could fill and block)."""
+    from hmscale.worker_processes import context, handover
+
     port = _port()
-    procs, files = [], []
+    procs = []
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HMSCALE_NO_PROGRESS="1")
-        f = open(tmp / f"rank{r}.log", "w")
-        files.append(f)
-        procs.append(subprocess.Popen([sys.executable, str(job), str(spec_path)], cwd=str(REPO), env=env,
-                                      stdout=f, stderr=subprocess.STDOUT, text=True))
+        p = context(use_gpu=False).Process(target=_run_rank, args=(str(job), str(spec_path), str(tmp / f"rank{r}.log"),
+                                                                   dict(handover(), env=env)), daemon=True)
+        p.start()
+        procs.append(p)
     deadline, failed_at = time.time() + timeout, None
     try:
-        while any(p.poll() is None for p in procs):
+        while any(p.exitcode is None for p in procs):
             now = time.time()
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = now  # the others get a moment to report their own error, then are stopped
             if now > deadline or (failed_at is not None and now > failed_at + 10):
                 break
             time.sleep(0.1)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-            p.wait()
-        for f in files:
-            f.close()
+            p.join()
     logs = [(tmp / f"rank{r}.log").read_text(errors="replace") for r in range(world)]
-    if failed_at is None and any(c != 0 for c in (p.returncode for p in procs)) and time.time() > deadline:
+    if failed_at is None and any(c != 0 for c in (p.exitcode for p in procs)) and time.time() > deadline:
         raise AssertionError(f"the {world}-rank launch did not finish in {timeout} s; rank logs:\n"
                              + "\n".join(f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs)))
-    return [p.returncode for p in procs], logs
+    return [p.exitcode for p in procs], logs
 
 
 @pytest.fixture
