@@ -11,14 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.forked_python import run_python
+
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 # the run line every benchmark prints before its numbers (benchmarks/_runinfo.py): what BENCHMARKS.md records
 HEADER = re.compile(r"^run: \d{4}-\d\d-\d\d \d\d:\d\d UTC, commit \S+.*; `python benchmarks/", re.M)
 
 
-def _run(args, cwd, env=None):
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+def _run(args, cwd, env=None, fresh=False):
+    """`python ARGS` in a process of its own: forked from the suite's preloaded server (tests/forked_python.py), or
+    a fresh interpreter (``fresh``: what its import-time switches, TRITON_INTERPRET, must decide)."""
+    if fresh:
+        proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    else:
+        proc = run_python(args, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -46,8 +53,7 @@ def test_gpu_modes_stop_at_once_without_cuda(cmd, tmp_path):
     """Without a GPU each GPU mode stops within seconds with one line saying what it needs: no traceback, and no
     CPU run whose numbers would read like the GPU's (decode.py and multi_gpu.py used to run 160m / 410m on the CPU,
     fidelity.py to prepare its data and pretrain its teacher first, the SSD scripts to end in a torch traceback)."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / cmd[0]), *cmd[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([REPO / "benchmarks" / cmd[0], *cmd[1:]], cwd=tmp_path, timeout=120)
     lines = [s for s in proc.stderr.splitlines() if s.strip() and "Warning" not in s and not s.startswith(" ")]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(lines) == 1 and re.search(r"GPU|CUDA", lines[0]), proc.stderr[-3000:]
@@ -187,7 +193,7 @@ def test_ssd_long_check_smoke(tmp_path):
     interpreter itself (it used to need TRITON_INTERPRET=1 from the caller, which the suite's conftest hid)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = _run([str(REPO / "benchmarks" / "ssd_long_check.py"), "--device", "cpu", "--dtype", "fp32", "--heads", "2",
-                "--l", "70"], tmp_path, env=env)
+                "--l", "70"], tmp_path, env=env, fresh=True)
     assert HEADER.search(out), out
     rows = [line for line in out.splitlines() if line.startswith("| 1.4b") or line.startswith("| 410m")]
     assert [r.split("|")[3].strip() for r in rows] == ["fused", "split", "fused", "split"], out
@@ -206,8 +212,7 @@ def test_ssd_gpu_check_on_the_cpu(tmp_path):
         errs = dict(zip(s.split(": ")[1].split()[::2], map(float, s.split(": ")[1].split()[1::2])))
         assert set(errs) == {"y", "final", "dx", "ddt", "dA", "dB", "dC", "dD", "dinitial_state"}, s
         assert max(errs.values()) < (1e-4 if "float32" in s else 1e-2), s
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ssd_gpu_check.py"), "--cpu", "--case",
-                           "32,16,2,everything"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_python([REPO / "benchmarks" / "ssd_gpu_check.py", "--cpu", "--case", "32,16,2,everything"], cwd=tmp_path)
     assert proc.returncode != 0 and "options must be one of" in proc.stderr
 
 

@@ -3,9 +3,10 @@ spot, every ablation distilled through the recipe code, the shared stage 1, the 
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.forked_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,8 +15,8 @@ def test_fidelity_smoke(tmp_path):
     """The tuned recipe's mixer transfer: each ablation whose mixer differs (no gate, Hedgehog only) aligns its
     own mixer in stage 1, so none of them may reuse the 10/90 run's stage 1."""
     out = tmp_path / "fid"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_python([REPO / "benchmarks" / "fidelity.py", "--smoke", "--out", str(out)],
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((out / "fidelity.json").read_text())
     names = {"teacher", "hedgemamba", "split_0_100", "split_100_0", "no_gate", "hedgehog", "stage1_only"}
@@ -31,9 +32,9 @@ def test_fidelity_attention_transfer_shares_stage1(tmp_path):
     """With the paper's attention transfer stage 1 trains only the feature maps, so the ablations that differ
     only in stage 2 (no gate, Hedgehog only) reuse the 10/90 run's stage 1."""
     out = tmp_path / "fid"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out),
+    proc = run_python([REPO / "benchmarks" / "fidelity.py", "--smoke", "--out", str(out),
                            "--only", "hedgemamba", "no_gate", "hedgehog", "-s", "stage1.transfer=attention"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "no_gate: stage 1 shared with hedgemamba" in proc.stdout
     assert "hedgehog: stage 1 shared with hedgemamba" in proc.stdout
@@ -60,10 +61,10 @@ def test_variants_parse_list_values():
 def test_fidelity_jobs_run_ablations_in_their_own_processes(tmp_path):
     """--jobs: each ablation (here the 10/90 run and one variant) in a child process, results gathered."""
     out = tmp_path / "fid"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--smoke", "--out", str(out),
+    proc = run_python([REPO / "benchmarks" / "fidelity.py", "--smoke", "--out", str(out),
                            "--jobs", "2", "--only", "hedgemamba", "e1", "--variant", "e1:stage2.epochs=1",
                            "--context-length", "256"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((out / "fidelity.json").read_text())["results"]
     assert {"teacher", "hedgemamba", "e1", "stage1_only"} == set(res)

@@ -55,13 +55,12 @@ def _compare_compiled_with_eager():
 
 
 def test_compiled_blocks_match_eager():
-    """Run in a fresh interpreter: inductor's compile threads make a later fork() of this process crash
-    (the 2-process DeepSpeed tests fork)."""
-    import subprocess
-    import sys
+    """Run in a process of its own (tests/forked_python.py): inductor's compile threads make a later fork() of this
+    process crash (the 2-process DeepSpeed tests fork)."""
+    from tests.forked_python import run_python
 
     code = f"import runpy; runpy.run_path({__file__!r})['_compare_compiled_with_eager'](); print('compare-ok')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    proc = run_python(["-c", code])
     assert proc.returncode == 0 and "compare-ok" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -101,18 +100,18 @@ def _compare_fullgraph_triton_with_eager(device: str = "cpu"):
 
 
 def test_triton_scan_compiles_inside_the_block_graph():
-    """Fresh interpreter with the Triton backend (see test_compiled_blocks_match_eager): on a GPU the real
-    kernels, else TRITON_INTERPRET=1 on CPU tensors."""
+    """A process of its own with the Triton backend (see test_compiled_blocks_match_eager): on a GPU the real
+    kernels, else TRITON_INTERPRET=1 on CPU tensors (as the suite's processes have it)."""
     import os
-    import subprocess
-    import sys
+
+    from tests.forked_python import run_python
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = dict(os.environ, TRITON_INTERPRET="0" if device == "cuda" else "1", HMSCALE_SSD_BACKEND="triton",
                HMSCALE_COMPILED_GLUE="triton")  # the glue's custom ops too (the default, stated)
     code = (f"import runpy; runpy.run_path({__file__!r})['_compare_fullgraph_triton_with_eager']({device!r}); "
             "print('compare-ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    proc = run_python(["-c", code], env=env)
     assert proc.returncode == 0 and "compare-ok" in proc.stdout, proc.stderr[-3000:]
 
 

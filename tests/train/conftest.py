@@ -3,7 +3,6 @@
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -38,27 +37,9 @@ def launch(spec: dict, world: int, tmp: Path, timeout: int = 110, job: Path = JO
     return json.loads((tmp / "losses.json").read_text())
 
 
-def _run_rank(job: str, spec_path: str, log_path: str, handed: dict) -> None:
-    """One rank, in a process forked from the suite's preloaded fork server (`hmscale.worker_processes`: the imports
-    of torch, DeepSpeed and transformers, seconds of CPU per process, are done once): `python JOB SPEC` in REPO with
-    the launch's environment, its output to `log_path`."""
-    import runpy
-
-    from hmscale.worker_processes import take_over
-
-    take_over(handed)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.chdir(REPO)
-    sys.path[:0] = [str(REPO), str(Path(job).parent)]
-    sys.argv = [job, spec_path]
-    runpy.run_path(job, run_name="__main__")
-
-
 def _run_ranks(spec_path: Path, world: int, tmp: Path, timeout: float, job: Path):
     """(exit codes, logs) of one launch; output to files (a pipe nobody reads while polling could fill and block)."""
-    from hmscale.worker_processes import context, handover
+    from tests.forked_python import start_python  # (the ranks fork from the suite's preloaded server: seconds faster)
 
     port = _port()
     procs = []
@@ -67,10 +48,9 @@ def _run_ranks(spec_path: Path, world: int, tmp: Path, timeout: float, job: Path
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HMSCALE_NO_PROGRESS="1")
-        p = context(use_gpu=False).Process(target=_run_rank, args=(str(job), str(spec_path), str(tmp / f"rank{r}.log"),
-                                                                   dict(handover(), env=env)), daemon=True)
-        p.start()
-        procs.append(p)
+        log = tmp / f"rank{r}.log"
+        log.write_text("")
+        procs.append(start_python([job, spec_path], out=log, cwd=REPO, env=env))
     deadline, failed_at = time.time() + timeout, None
     try:
         while any(p.exitcode is None for p in procs):
