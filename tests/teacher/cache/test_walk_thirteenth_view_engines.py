@@ -4,8 +4,6 @@ once (the same view; the source and a view onto it); readers split by rank, resu
 `hmscale cache list / rm / verify`; fp8 and token-fraction sources; a top-k-only view."""
 
 import json
-import subprocess
-import sys
 import tarfile
 import textwrap
 from pathlib import Path
@@ -163,14 +161,18 @@ def _at_once(tmp_path, root, *requests):
     script.write_text(_BUILDER.format(conftest_dir=str(Path(__file__).parent)))
     go = tmp_path / "go"
     go.mkdir()
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(root), json.dumps(over), str(go),
-                               str(len(requests))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, over in enumerate(requests)]
+    from tests.forked_python import start_python  # (processes from the suite's preloaded fork server)
+
+    procs = [start_python([script, i, root, json.dumps(over), go, len(requests)], out=tmp_path / f"out{i}",
+                          err=tmp_path / f"err{i}") for i, over in enumerate(requests)]
     outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for i, p in enumerate(procs):
+        p.join(300)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+        assert p.exitcode == 0, (tmp_path / f"err{i}").read_text()[-3000:]
+        outs.append(json.loads((tmp_path / f"out{i}").read_text().strip().splitlines()[-1]))
     return outs
 
 
