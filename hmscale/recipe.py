@@ -212,7 +212,11 @@ def _run_in(cfg: RunConfig, run_dir: Path, t_start: float, log=print) -> dict:
         remove_temporaries(d)  # what a killed run's atomic writes left (this run rewrites what it needs)
     save_resolved(cfg, run_dir)
     stages = results["stages"]
-    results["inputs_dir"] = os.getcwd()  # where relative inputs (data.paths, a teacher folder) are read: `hmscale eval`
+    # where relative inputs (data.paths, a teacher folder) are read, for `hmscale eval`: a submitted job's is the
+    # uploaded checkout, not Ray's temporary copy of it (deleted once unused)
+    from hmscale.submit import SUBMITTED_FROM
+
+    results["inputs_dir"] = os.environ.get(SUBMITTED_FROM) or os.getcwd()
 
     def record(name: str, t0: float, earlier_seconds: float = 0.0, **info):
         stages[name] = {"seconds": round(time.time() - t0 + earlier_seconds, 2), **info}

@@ -28,6 +28,9 @@ import yaml
 
 from hmscale.config import RunConfig, looks_like_path
 
+# in a submitted job's environment: the directory `hmscale submit` uploaded, which the run records as where its relative
+# inputs come from (results.json's inputs_dir, for `hmscale eval RUN_DIR`) instead of Ray's temporary copy of it
+SUBMITTED_FROM = "HMSCALE_SUBMITTED_FROM"
 EXCLUDES = [".venv", ".git", "runs", ".cache", ".whl", ".anchors", "__pycache__", "*.egg-info", ".pytest_cache"]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -198,7 +201,8 @@ def job_runtime_env(cfg: RunConfig, working_dir: str = ".", install: bool = Fals
 
     quiet = {k: os.environ[k] for k in QUIET_ENV if os.environ.get(k)}  # (`HMSCALE_NO_PROGRESS=1 hmscale submit ...`)
     env = {"working_dir": working_dir, "excludes": EXCLUDES,
-           "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1", **quiet}}
+           "env_vars": {"HMSCALE_CONFIG_B64": encode_config(cfg), "PYTHONUNBUFFERED": "1",
+                        SUBMITTED_FROM: os.path.abspath(working_dir), **quiet}}
     if install:
         env["pip"] = {"packages": job_dependencies(working_dir), "pip_check": False}
     return env

@@ -264,6 +264,8 @@ def test_submit_runs_the_recipe_on_a_local_head(ray_cluster, tmp_path):
     assert "[data] plan " in r.stdout  # the job's own log, streamed from the cluster
     results = json.loads((out / "results.json").read_text())
     assert results["hedgemamba_ppl"] > 1 and results["teacher_ppl"] > 1
+    # where `hmscale eval RUN_DIR` reads the run's relative inputs: the submitted checkout, not Ray's temporary copy
+    assert results["inputs_dir"] == str(REPO), results["inputs_dir"]
 
 
 @pytest.mark.parametrize("module", ["run_recipe", "distill", "cache_teacher"])
