@@ -158,10 +158,11 @@ def test_make_targets_and_variables_the_readme_names_exist():
         assert f"{var}=" in text and var in variables, var
 
 
-# read by the code, not for users: test hooks, the job's config from `hmscale submit`, and the sweep's thread
+# read by the code, not for users: test hooks, the job's config and the submitted directory from `hmscale submit`, and
+# the sweep's thread
 # override (CPU training takes its threads from the task's CPUs instead: `hmscale.ray_cluster.process_cpus`), and
 # the marker of a one-process group init_distributed made itself (its children make their own)
-_INTERNAL_ENV = {"HMSCALE_CACHE_FAULT", "HMSCALE_FAULT_INJECT", "HMSCALE_CONFIG_B64",
+_INTERNAL_ENV = {"HMSCALE_CACHE_FAULT", "HMSCALE_FAULT_INJECT", "HMSCALE_CONFIG_B64", "HMSCALE_SUBMITTED_FROM",
                  "HMSCALE_SINGLE_PROCESS_GROUP_PORT"}
 
 
