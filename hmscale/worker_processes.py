@@ -15,8 +15,9 @@ thing in the worker):
 - the fork server keeps the environment it started with; a worker takes the caller's *current* environment;
 - a worker's parent is the server, which outlives a killed caller while its children live: so a worker is tied to
   its caller itself, and is interrupted (SIGINT, as torch's spawn does with its death signal) when the caller dies;
-- GPU workers are spawned, never forked from the server: CUDA must not have been touched in a process that forks,
-  and importing DeepSpeed or transformers may touch it (device queries). Their start-up is small next to GPU work.
+- GPU workers are spawned, never forked from the server: CUDA must not be initialised in a process that forks, and
+  nothing promises that every version of the preloaded libraries leaves the driver alone while it imports (on an H100
+  host the forked CPU workers found CUDA untouched). A GPU worker's start-up is small next to its GPU work.
 """
 
 from __future__ import annotations
