@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"kernels": 1, "hmscale.models": 2, "hmscale.parallel": 2, "hmscale.data": 2, "hmscale.train": 3,
-        "hmscale.eval": 3, "hmscale.teacher": 3, "hmscale.worker_processes": 3, "ray_jobs": 4, "scaling": 4, "hmscale.cli": 4, "hmscale.recipe": 4,
+        "hmscale.eval": 3, "hmscale.teacher": 3, "hmscale.worker_processes": 3, "ray_jobs": 4, "scaling": 4,
+        "hmscale.cli": 4, "hmscale.recipe": 4,
         "hmscale.report": 4, "hmscale.submit": 4, "hmscale.ray_cluster": 4, "hmscale.run_identity": 4,
         "hmscale.config": 0, "hmscale.atomic": 0, "hmscale.requirements": 0}
 # the exceptions, each for a stated reason (a new one must be added here, with its own)

@@ -77,7 +77,8 @@ def launch_job(tmp_path):
     return lambda spec, world, **kw: launch(spec, world, tmp_path, **kw)
 
 
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "HMSCALE_SINGLE_PROCESS_GROUP_PORT")
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "HMSCALE_SINGLE_PROCESS_GROUP_PORT")
 
 
 @pytest.fixture(autouse=True, scope="module")

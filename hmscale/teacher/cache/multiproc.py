@@ -31,8 +31,9 @@ from hmscale.worker_processes import context, handover, take_over
 def _worker_main(index, device, teacher, plan, spec, cache_dir, batch_size, shard_ids, results, capture_fn, threads,
                  handed=None):
     """Runs in the worker process (`hmscale.worker_processes`; ``handed``: what it takes from the driver): ("ready",
-    index, None) once its teacher is on the device, ("done", index, ShardInfo) per shard, then ("exit", index, n); ("error", index, (shard, message, traceback, os_error)) on a
-    failure, ``os_error`` (errno, strerror) when it was a file-system error (a full disk), else None."""
+    index, None) once its teacher is on the device, ("done", index, ShardInfo) per shard, then ("exit", index, n);
+    ("error", index, (shard, message, traceback, os_error)) on a failure, ``os_error`` (errno, strerror) when it was a
+    file-system error (a full disk), else None."""
     # a driver killed (SIGKILL, or SIGTERM: no cleanup runs) interrupts its workers, as torch's spawn does the training
     # engine's: they worked on, orphaned, through every shard dealt to them, holding their devices
     # (a driver started with SIGINT ignored, as a background job of a script is, passes that on to its workers: the
