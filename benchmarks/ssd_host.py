@@ -36,6 +36,8 @@ SHAPES = {  # name: H, G, P, N, L, training-call options (normaliser and D, posi
     "410m": (16, 16, 64, 128, 2048, False),
     "410m-train": (16, 16, 64, 128, 2048, True),
     "1.4b": (16, 16, 128, 256, 2048, False),
+    "410m-16k": (16, 16, 64, 128, 16384, False),  # one sequence: the split passes, host-bound
+    "1.4b-16k": (16, 16, 128, 256, 16384, False),
 }
 
 

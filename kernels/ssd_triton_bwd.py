@@ -37,13 +37,16 @@ Variant v1 (``HMSCALE_SSD_BWD=v1``) has ``_chunk_bwd_dx`` (dx only) and the deca
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .host_math import cdiv
 from .launch import launch
-from .settings import env
+from . import ssd_triton_fwd as _fwd
+from .settings import env, switch_cached
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_st_row, _load_st_tile,
                              _load_state, _pass_block, _pass_store, _pow2, _state_tile, _store_st_tile, _store_state,
                              _xdot, block_sizes, bwd_variant, dbc_state_precision, kcfg, pass_config, precisions,
@@ -839,6 +842,99 @@ def fused_bwd_config(p: int, n: int, dtype: torch.dtype):
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+class BwdPlan(NamedTuple):
+    """What one backward launches, from its shapes, options and the switches (``bwd_plan``)."""
+    dst_dtype: torch.dtype
+    gsd: int  # scale group of the stored state gradients (scaled fp16), 0 otherwise
+    fused_walk: bool  # one walk launch (_dstate_fused_bwd) instead of _chunk_dstate_bwd + _state_pass_bwd
+    grid_dstate: tuple
+    dstate_kw: dict
+    grid_pass: tuple
+    pass_kw: dict
+    kind: str  # dx and dB/dC as: "fused" (_chunk_bwd_fused), "pair", "two" (v2: dx_dcs then dbc), "v1"
+    nnb: int  # n tiles of dB/dC (1 for "fused")
+    npb: int  # p tiles of dx
+    grid_dx: tuple
+    dx_kw: dict
+    grid_dbc: tuple
+    dbc_kw: dict
+
+
+@switch_cached
+def bwd_plan(b: int, l: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, Q: int,
+             nc: int, norm: bool, has_d: bool, has_doc: bool, has_dfinal: bool, need_dinit: bool, dy_scale: bool,
+             y_saved: bool, gss: int, dev: torch.device, sms) -> BwdPlan:
+    """The launch plan of one backward call (``sms``: the multiprocessor count, part of the key; ``gss``: the
+    forward states' scale group). Memoised with the switches' values, like ``fwd_plan``."""
+    v2 = bwd_variant() == "v2"
+    prec, sprec = precisions(dtype)
+    # dtype of the dots that involve dy: the input dtype, except when dy is fp32 for 16-bit inputs
+    # (normalize: the normaliser's gradient can exceed the fp16 range): then fp32 operands, tf32 dots
+    if dy_dtype == torch.float32 and dtype != torch.float32:
+        in_dtype, prec = tl.float32, "tf32"
+    else:
+        in_dtype = _TL_DTYPE[dtype]
+    dy_exact = dy_dtype == dtype
+    dst_dtype, gsd, walk = state_layout(b, h, p, n, dtype, dev, Q, grad=True)
+    xprec = state_precision(dtype)
+    common = dict(Q=Q, HAS_DOC=has_doc, PREC=xprec, NORM=int(norm))
+    ps = p + int(norm)
+    if walk is not None:
+        BP, BN, nw, nst = walk
+        grid_dstate = (b * h, cdiv(p, BP) * cdiv(n, BN))
+        dstate_kw = dict(common, BP=BP, BN=BN, HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, DY_SCALE=dy_scale,
+                         UNROLL=walk_unroll(dtype), GS=gsd, num_warps=nw, num_stages=nst,
+                         **register_cap("fpass_b", dtype, Q))
+        grid_pass, pass_kw = (), {}
+    else:
+        BP, BN, nw = block_sizes(p, n, dtype, "dstate", Q)
+        grid_dstate = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
+        dstate_kw = dict(common, BP=BP, BN=BN, DY_SCALE=dy_scale, num_warps=nw, **register_cap("dstate", dtype, Q))
+        BLOCK, nwp = pass_config(ps * n, dtype, "pass_b")
+        grid_pass = (b * h, cdiv(ps * n, BLOCK))
+        pass_kw = dict(HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, GS=gsd, num_warps=nwp)
+    head = (dst_dtype, gsd, walk is not None, grid_dstate, dstate_kw, grid_pass, pass_kw)
+    flags = dict(NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale)
+    if use_fused_bwd(g, h, p, dtype, Q, y_saved, norm):
+        BNf, nwf, stf = fused_bwd_config(p, n, dtype)
+        kw = dict(Q=Q, BP=_pow2(p), BN=reader_bn(BNf, gss, gsd), HAS_DOC=has_doc, PREC=prec, XPREC=xprec,
+                  SPREC=dbc_state_precision(dtype), IN_DTYPE=in_dtype, DY_EXACT=dy_exact, **flags, GSS=gss, GSD=gsd,
+                  num_warps=nwf, num_stages=stf, **register_cap("fbwd", dtype, Q))
+        return BwdPlan(*head, "fused", 1, 1, (nc, b * h), kw, (), {})
+    BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n, dtype, Q)
+    BN_dbc = reader_bn(BN_dbc, gss, gsd)
+    nnb = cdiv(n, BN_dbc)
+    dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
+                  num_warps=warps_dbc, num_stages=stages_dbc)
+    if not v2:
+        BP, BN_big = min(64, _pow2(p)), min(128 if dtype != torch.float32 else 64, _pow2(n))
+        dx_kw = dict(Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec, SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
+        # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
+        # dots run at about fp32 accuracy (state_precision)
+        return BwdPlan(*head, "v1", nnb, nnb, (nc, b * h, cdiv(p, BP)), dx_kw, (nc, b * g, nnb),
+                       dict(dbc_kw, SPREC=xprec, DCS=True))
+    one_head = g == h and dbc_one_head()
+    pair = use_bwd_pair(p, one_head, dtype)
+    bp2, bn2, nw2, st2 = kcfg("pair", dtype, Q, p) if pair else kcfg("dx", dtype, Q)
+    BP2, BN2 = min(bp2, _pow2(p)), reader_bn(min(bn2, _pow2(n)), gss, gsd)
+    npb = cdiv(p, BP2)
+    extra = dict(num_stages=st2) if st2 else {}
+    if pair:
+        kw = dict(Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec, XPREC=xprec,
+                  SPREC=dbc_state_precision(dtype), IN_DTYPE=in_dtype, DY_EXACT=dy_exact, **flags, Y_SAVED=y_saved,
+                  GSS=gss, GSD=gsd, num_warps=nw2, **extra, **register_cap("pair", dtype, Q, p))
+        return BwdPlan(*head, "pair", nnb, npb, (nc * (npb + nnb), b * h), kw, (), {})
+    tm = tile_major("dx", npb)
+    dx_kw = dict(Q=Q, BP=BP2, BN=BN2, HAS_DOC=has_doc, PREC=prec, XPREC=xprec, DY_EXACT=dy_exact, **flags,
+                 TILE_MAJOR=tm, Y_SAVED=y_saved, GSS=gss, GSD=gsd, num_warps=nw2, **extra,
+                 **register_cap("dx", dtype, Q))
+    tmb = tile_major("dbc", nnb)
+    dbc_kw = dict(SPREC=dbc_state_precision(dtype), DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
+                  GSS=gss, GSD=gsd, ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", dtype, Q) if one_head else {}))
+    return BwdPlan(*head, "two", nnb, npb, (nc * npb, b * h) if tm else (nc, b * h, npb), dx_kw,
+                   (nc * nnb, b * g) if tmb else (nc, b * g, nnb), dbc_kw)
+
+
 def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
             dy_den=None, ysaved=None, den=None, sexp=None):
     """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
@@ -854,131 +950,62 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
     norm = states.shape[3] == p + 1
-    if (norm or D is not None) and bwd_variant() != "v2":
-        raise ValueError("the fused normaliser and D skip need the v2 backward")
-    dev = x.device
-    prec, sprec = precisions(x.dtype)
-    # dtype of the dots that involve dy: the input dtype, except when dy is fp32 for 16-bit inputs
-    # (normalize: the normaliser's gradient can exceed the fp16 range): then fp32 operands, tf32 dots
-    if dy.dtype == torch.float32 and x.dtype != torch.float32:
-        in_dtype, prec = tl.float32, "tf32"
-    else:
-        in_dtype = _TL_DTYPE[x.dtype]
-    dy_exact = dy.dtype == x.dtype
     dy_scale = dy_den is not None
-    if dy_scale and bwd_variant() != "v2":
-        raise ValueError("the row-scaled dy (dy_den) needs the v2 backward")
-    if ysaved is not None and (bwd_variant() != "v2" or (norm and den is None)):
-        raise ValueError("the saved numerator (ysaved) needs the v2 backward, and den when normalised")
-    den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
+    if (norm or D is not None or dy_scale or ysaved is not None) and bwd_variant() != "v2":
+        raise ValueError("the fused normaliser, the D skip, the row-scaled dy (dy_den) and the saved numerator "
+                         "(ysaved) need the v2 backward")
+    if ysaved is not None and norm and den is None:
+        raise ValueError("the saved numerator (ysaved) of a normalised call needs its den")
+    dev = x.device
     gss = n // sexp.shape[-1] if sexp is not None and sexp.numel() else 0
-    dst_dtype, gsd, walk = state_layout(b, h, p, n, x.dtype, dev, Q, grad=True)
-    BP_dbc, BN_dbc, stages_dbc, warps_dbc = dbc_config(n, x.dtype, Q)
-    BN_dbc = reader_bn(BN_dbc, gss, gsd)
-    # the decay gradient (dA, dt) sums terms x^T dS B and dy^T S0 C that largely cancel: their state
-    # dots run at about fp32 accuracy (state_precision)
-    sprec_dbc = state_precision(x.dtype)
-    has_doc = doc is not None
+    has_d, has_doc, has_dfinal = D is not None, doc is not None, dfinal is not None
+    pl = bwd_plan(b, l, h, g, p, n, x.dtype, dy.dtype, Q, nc, norm, has_d, has_doc, has_dfinal, need_dinit,
+                  dy_scale, ysaved is not None, gss, dev, _fwd._sm_count(dev))
+    den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
-    dst = torch.empty(states.shape, device=dev, dtype=dst_dtype)  # dS leaving each chunk
-    dexp = state_exponents(dst, gsd)
-    se_arg, de_arg = (sexp if gss else gdec), (dexp if gsd else gdec)
+    dst = torch.empty(states.shape, device=dev, dtype=pl.dst_dtype)  # dS leaving each chunk
+    dexp = state_exponents(dst, pl.gsd)
+    se_arg, de_arg = (sexp if gss else gdec), (dexp if pl.gsd else gdec)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
-    has_dfinal = dfinal is not None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
-    if walk is not None:
-        BP, BN, nw, nst = walk
-        nblk = cdiv(p, BP) * cdiv(n, BN)
-        launch(_dstate_fused_bwd, (b * h, nblk), dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg,
-               dinit if need_dinit else dst, den_arg, de_arg, l, h, g, p, n, nc,
-               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype),
-               NORM=int(norm), HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit,
-               DY_SCALE=dy_scale, UNROLL=walk_unroll(x.dtype), GS=gsd, num_warps=nw, num_stages=nst,
-               **register_cap("fpass_b", x.dtype, Q))
+    dinit_arg = dinit if need_dinit else dst
+    if pl.fused_walk:
+        launch(_dstate_fused_bwd, pl.grid_dstate, dy, dden, dt, A, C, doc_arg, gdec, dst, dfinal_arg, dinit_arg,
+               den_arg, de_arg, l, h, g, p, n, nc, **pl.dstate_kw)
     else:
-        BP, BN, nw = block_sizes(p, n, x.dtype, "dstate", Q)
-        grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
         # the chunks' local state gradients in fp32 (the serial pass sums them), then dS in its storage dtype
         local = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, device=dev, dtype=torch.float32)
-        launch(_chunk_dstate_bwd, grid1, dy, dden, dt, A, C, doc_arg, local, den_arg, l, h, g, p, n, nc,
-               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-               DY_SCALE=dy_scale, num_warps=nw, **register_cap("dstate", x.dtype, Q))
-        PN = states.shape[3] * n
-        BLOCK, nw = pass_config(PN, x.dtype, "pass_b")
-        launch(_state_pass_bwd, (b * h, cdiv(PN, BLOCK)), local, dst, gdec, dfinal_arg,
-               dinit if need_dinit else dst, de_arg, nc, PN,
-               HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, BLOCK=BLOCK, GS=gsd, num_warps=nw)
+        launch(_chunk_dstate_bwd, pl.grid_dstate, dy, dden, dt, A, C, doc_arg, local, den_arg, l, h, g, p, n, nc,
+               **pl.dstate_kw)
+        launch(_state_pass_bwd, pl.grid_pass, local, dst, gdec, dfinal_arg, dinit_arg, de_arg, nc,
+               states.shape[3] * n, **pl.pass_kw)
     dx = torch.empty_like(x)
     dB = torch.empty_like(B)
     dC = torch.empty_like(C)
-    has_d = D is not None
-    if use_fused_bwd(g, h, p, x.dtype, Q, ysaved is not None, norm):
-        BNf, nwf, stf = fused_bwd_config(p, n, x.dtype)
-        BNf = reader_bn(BNf, gss, gsd)
-        nnb = 1
-        dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, 1, 1, nc, Q, p if has_d else 0, dev)
-        launch(_chunk_bwd_fused, (nc, b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
-               dx, dB, dC, ddt_part, dcs_part,
-               dg, dyo.contiguous() if has_d else dy, D if has_d else dt,
-               dD_part if has_d else dt, den_arg, ysaved, l, h, p, n, nc,
-               Q=Q, BP=_pow2(p), BN=BNf, HAS_DOC=has_doc, PREC=prec,
-               XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype),
-               IN_DTYPE=in_dtype, DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d,
-               DY_SCALE=dy_scale, GSS=gss, GSD=gsd, num_warps=nwf, num_stages=stf,
-               **register_cap("fbwd", x.dtype, Q))
-        ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
-        return dx, ddt, dA, dB, dC, dinit, dD
-    nnb = cdiv(n, BN_dbc)
-    dbc_kw = dict(Q=Q, BP=BP_dbc, BN=BN_dbc, HAS_DOC=has_doc, PREC=prec, IN_DTYPE=in_dtype, DY_EXACT=dy_exact,
-                  num_warps=warps_dbc, num_stages=stages_dbc)
-    if bwd_variant() == "v2":
-        one_head = g == h and dbc_one_head()
-        pair = use_bwd_pair(p, one_head, x.dtype)
-        bp2, bn2, nw2, st2 = kcfg("pair", x.dtype, Q, p) if pair else kcfg("dx", x.dtype, Q)
-        BP2, BN2 = min(bp2, _pow2(p)), reader_bn(min(bn2, _pow2(n)), gss, gsd)
-        npb = cdiv(p, BP2)
-        dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, nnb, npb, nc, Q, p if has_d else 0, dev)
-        extra = dict(num_stages=st2) if st2 else {}
-        dyo_arg = dyo.contiguous() if has_d else dy
-        if pair:
-            launch(_chunk_bwd_pair, (nc * (npb + nnb), b * h), x, dy, dden, dt, A, B, C, doc_arg, states, dst,
-                   se_arg, de_arg, dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg,
-                   D if has_d else dt, dD_part if has_d else dt,
-                   den_arg, ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb,
-                   Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec,
-                   XPREC=state_precision(x.dtype), SPREC=dbc_state_precision(x.dtype), IN_DTYPE=in_dtype,
-                   DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale, Y_SAVED=ysaved is not None,
-                   GSS=gss, GSD=gsd, num_warps=nw2, **extra, **register_cap("pair", x.dtype, Q, p))
-            ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
-            return dx, ddt, dA, dB, dC, dinit, dD
-        tm = tile_major("dx", npb)
-        grid_dx = (nc * npb, b * h) if tm else (nc, b * h, npb)
-        launch(_chunk_bwd_dx_dcs, grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
-               ddt_part, dcs_part, dyo_arg, D if has_d else dt, dD_part if has_d else dt, den_arg,
-               ysaved if ysaved is not None else dt,
-               l, h, g, p, n, nc, npb, Q=Q, BP=BP2, BN=BN2,
-               HAS_DOC=has_doc, PREC=prec, XPREC=state_precision(x.dtype),
-               DY_EXACT=dy_exact, NORM=int(norm), HAS_D=has_d, DY_SCALE=dy_scale,
-               TILE_MAJOR=tm, Y_SAVED=ysaved is not None, GSS=gss, GSD=gsd, num_warps=nw2, **extra,
-               **register_cap("dx", x.dtype, Q))
-        tmb = tile_major("dbc", nnb)
-        grid_dbc = (nc * nnb, b * g) if tmb else (nc, b * g, nnb)
-        launch(_chunk_bwd_dbc, grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dB, dC,
-               ddt_part, dcs_part, den_arg, dg, l, h, g, p, n, nc, nnb, SPREC=dbc_state_precision(x.dtype),
-               DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb, GSS=gss, GSD=gsd,
-               ONE_HEAD=one_head, **dbc_kw, **(register_cap("dbc", x.dtype, Q) if one_head else {}))
-    else:
-        dD_part = None
-        BP, BN = min(64, _pow2(p)), min(64, _pow2(n))
-        BN_big = min(128 if x.dtype != torch.float32 else 64, _pow2(n))
-        launch(_chunk_bwd_dx, (nc, b * h, cdiv(p, BP)), dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc,
-               Q=Q, BP=BP, BN=BN_big, HAS_DOC=has_doc, PREC=prec,
-               SPREC=sprec, IN_DTYPE=in_dtype, num_warps=8)
-        dg, ddt_part, dcs_part, dA_part, _ = _partials(b * h, nnb, nnb, nc, Q, 0, dev)
-        launch(_chunk_bwd_dbc, (nc, b * g, nnb), x, dy, dy, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
-               dB, dC, ddt_part, dcs_part, dt, dg, l, h, g, p, n, nc, nnb, SPREC=sprec_dbc, DCS=True, **dbc_kw)
+    nnb, npb = pl.nnb, pl.npb
+    dg, ddt_part, dcs_part, dA_part, dD_part = _partials(b * h, nnb, npb, nc, Q, p if has_d else 0, dev)
+    dyo_arg = dyo.contiguous() if has_d else dy
+    D_arg, dD_arg = (D, dD_part) if has_d else (dt, dt)
+    if pl.kind == "fused":
+        launch(_chunk_bwd_fused, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
+               dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg, D_arg, dD_arg, den_arg, ysaved, l, h, p, n, nc,
+               **pl.dx_kw)
+    elif pl.kind == "pair":
+        launch(_chunk_bwd_pair, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
+               dB, dC, ddt_part, dcs_part, dg, dyo_arg, D_arg, dD_arg, den_arg,
+               ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb, **pl.dx_kw)
+    elif pl.kind == "two":
+        launch(_chunk_bwd_dx_dcs, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
+               ddt_part, dcs_part, dyo_arg, D_arg, dD_arg, den_arg, ysaved if ysaved is not None else dt,
+               l, h, g, p, n, nc, npb, **pl.dx_kw)
+        launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dB, dC,
+               ddt_part, dcs_part, den_arg, dg, l, h, g, p, n, nc, nnb, **pl.dbc_kw)
+    else:  # v1
+        launch(_chunk_bwd_dx, pl.grid_dx, dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc, **pl.dx_kw)
+        launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dy, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
+               dB, dC, ddt_part, dcs_part, dt, dg, l, h, g, p, n, nc, nnb, **pl.dbc_kw)
     ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD
 

@@ -36,13 +36,15 @@ the rate); fp16 inputs keep 3xTF32, fp32 inputs exact fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
 from .launch import launch
-from .settings import env
+from .settings import env, switch_cached
 
 
 @triton.jit
@@ -861,6 +863,55 @@ def keeps_ynum(norm: bool, save_ynum: bool) -> bool:
     return save_ynum and (norm or (save_y_mode() and bwd_variant() == "v2"))
 
 
+class FwdPlan(NamedTuple):
+    """What one forward launches, from its shapes, options and the switches (``fwd_plan``)."""
+    nc: int
+    ps: int  # state rows: p, plus the normaliser's
+    st_dtype: torch.dtype
+    gs: int  # scale group of scaled fp16 states, 0 otherwise
+    keep_ynum: bool
+    fused: bool  # one walk launch (_state_fused_fwd) instead of _chunk_state_fwd + _state_pass_fwd
+    grid_state: tuple
+    state_kw: dict
+    grid_pass: tuple
+    pass_kw: dict
+    grid_scan: tuple
+    scan_kw: dict
+
+
+@switch_cached
+def fwd_plan(b: int, l: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, Q: int, norm: bool, has_d: bool,
+             has_doc: bool, has_init: bool, save_ynum: bool, dev: torch.device, sms) -> FwdPlan:
+    """The launch plan of one forward call (``sms``: the multiprocessor count ``_sm_count`` gives, part of the key).
+    Memoised with the switches' values: a repeated call shape reads no switch and recomputes no tile."""
+    nc = cdiv(l, Q)
+    ps = p + int(norm)
+    st_dtype, gs, walk = state_layout(b, h, p, n, dtype, dev, Q)
+    common = dict(Q=Q, HAS_DOC=has_doc, PREC=state_precision(dtype), NORM=int(norm))
+    if walk is not None:
+        BP, BN, nw, nst = walk
+        grid_state = (b * h, cdiv(p, BP) * cdiv(n, BN))
+        state_kw = dict(common, BP=BP, BN=BN, HAS_INIT=has_init, UNROLL=walk_unroll(dtype), GS=gs, num_warps=nw,
+                        num_stages=nst, **register_cap("fpass", dtype, Q))
+        grid_pass, pass_kw = (), {}
+    else:
+        BP, BN, nw = block_sizes(p, n, dtype, "state", Q)
+        grid_state = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
+        state_kw = dict(common, BP=BP, BN=BN, num_warps=nw, **register_cap("state", dtype, Q))
+        BLOCK, nwp = pass_config(ps * n, dtype)
+        grid_pass = (b * h, cdiv(ps * n, BLOCK))
+        pass_kw = dict(HAS_INIT=has_init, BLOCK=BLOCK, GS=gs, num_warps=nwp)
+    prec, sprec = precisions(dtype)
+    keep = keeps_ynum(norm, save_ynum)
+    bp, bn, nw, nst = kcfg("scan", dtype, Q, p)
+    bp = min(bp, _pow2(p))
+    scan_kw = dict(Q=Q, BP=bp, BN=reader_bn(min(bn, _pow2(n)), gs), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
+                   NORM=int(norm), SAVE_YNUM=keep, HAS_D=has_d, YPREC=state_precision(dtype), GS=gs, num_warps=nw,
+                   **(dict(num_stages=nst) if nst else {}), **register_cap("scan", dtype, Q, p))
+    return FwdPlan(nc, ps, st_dtype, gs, keep, walk is not None, grid_state, state_kw, grid_pass, pass_kw,
+                   (nc, b * h, cdiv(p, bp)), scan_kw)
+
+
 def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
             save_ynum: bool = False):
     """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, p + norm rows, in the
@@ -869,53 +920,32 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     ynum, the fp32 numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x``."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    nc = cdiv(l, Q)
     dev = x.device
-    ps = p + int(norm)
-    st_dtype, gs, walk = state_layout(b, h, p, n, x.dtype, dev, Q)
-    states = torch.empty(b, h, nc, ps, n, device=dev, dtype=st_dtype)
-    sexp = state_exponents(states, gs)
+    has_doc, has_init = doc is not None, initial_state is not None
+    pl = fwd_plan(b, l, h, g, p, n, x.dtype, Q, norm, D is not None, has_doc, has_init, save_ynum, dev,
+                  _sm_count(dev))
+    nc, ps = pl.nc, pl.ps
+    states = torch.empty(b, h, nc, ps, n, device=dev, dtype=pl.st_dtype)
+    sexp = state_exponents(states, pl.gs)
     gdec = torch.empty(b * h, nc, device=dev, dtype=torch.float32)
     final = torch.empty(b, h, ps, n, device=dev, dtype=torch.float32)
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
     den = torch.empty(b, l, h, device=dev, dtype=torch.float32) if norm else None
-    ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if keeps_ynum(norm, save_ynum) else None
-    prec, sprec = precisions(x.dtype)
-    has_doc = doc is not None
+    ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if pl.keep_ynum else None
     doc_arg = doc if has_doc else dt
-    has_init = initial_state is not None
-    e_arg = sexp if gs else gdec
-    if walk is not None:
-        BP, BN, nw, nst = walk
-        grid = (b * h, cdiv(p, BP) * cdiv(n, BN))
-        launch(_state_fused_fwd, grid, x, dt, A, B, doc_arg, states, gdec, initial_state if has_init else final, final,
-               e_arg, l, h, g, p, n, nc, Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc,
-               PREC=state_precision(x.dtype), NORM=int(norm), HAS_INIT=has_init, UNROLL=walk_unroll(x.dtype),
-               GS=gs, num_warps=nw, num_stages=nst, **register_cap("fpass", x.dtype, Q))
+    e_arg = sexp if pl.gs else gdec
+    init_arg = initial_state if has_init else final
+    if pl.fused:
+        launch(_state_fused_fwd, pl.grid_state, x, dt, A, B, doc_arg, states, gdec, init_arg, final, e_arg,
+               l, h, g, p, n, nc, **pl.state_kw)
     else:
-        BP, BN, nw = block_sizes(p, n, x.dtype, "state", Q)
-        grid1 = (nc, b * h, cdiv(p, BP) * cdiv(n, BN))
         # the chunks' local states in fp32 (the serial pass sums them), then the entering states in their storage
         local = states if states.dtype == torch.float32 else torch.empty(states.shape, device=dev,
                                                                         dtype=torch.float32)
-        launch(_chunk_state_fwd, grid1, x, dt, A, B, doc_arg, local, gdec, l, h, g, p, n, nc,
-               Q=Q, BP=BP, BN=BN, HAS_DOC=has_doc, PREC=state_precision(x.dtype), NORM=int(norm),
-               num_warps=nw, **register_cap("state", x.dtype, Q))
-        PN = ps * n
-        BLOCK, nw = pass_config(PN, x.dtype)
-        grid2 = (b * h, cdiv(PN, BLOCK))
-        launch(_state_pass_fwd, grid2, local, states, gdec, initial_state if has_init else final, final, e_arg,
-               nc, PN, HAS_INIT=has_init, BLOCK=BLOCK, GS=gs, num_warps=nw)
-    bp, bn, nw, nst = kcfg("scan", x.dtype, Q, p)
-    bp = min(bp, _pow2(p))
-    extra = dict(num_stages=nst) if nst else {}
-    grid3 = (nc, b * h, cdiv(p, bp))
-    launch(_chunk_scan_fwd, grid3, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
-           ynum if ynum is not None else y,
-           D if D is not None else dt, e_arg, l, h, g, p, n, nc,
-           Q=Q, BP=bp, BN=reader_bn(min(bn, _pow2(n)), gs), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-           NORM=int(norm), SAVE_YNUM=ynum is not None, HAS_D=D is not None,
-           YPREC=state_precision(x.dtype), GS=gs, num_warps=nw, **extra, **register_cap("scan", x.dtype, Q, p))
+        launch(_chunk_state_fwd, pl.grid_state, x, dt, A, B, doc_arg, local, gdec, l, h, g, p, n, nc, **pl.state_kw)
+        launch(_state_pass_fwd, pl.grid_pass, local, states, gdec, init_arg, final, e_arg, nc, ps * n, **pl.pass_kw)
+    launch(_chunk_scan_fwd, pl.grid_scan, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
+           ynum if ynum is not None else y, D if D is not None else dt, e_arg, l, h, g, p, n, nc, **pl.scan_kw)
     return y, ynum, den, final, states, gdec, sexp
 
 

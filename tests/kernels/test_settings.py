@@ -1,5 +1,7 @@
 """kernels.settings: switches read once inside env_frozen (per SSD call), straight from os.environ outside it."""
 
+import pytest
+
 from kernels.settings import env, env_frozen
 
 
@@ -20,3 +22,46 @@ def test_env_reads_live_outside_and_once_inside_a_frozen_block(monkeypatch):
         assert env("HMSCALE_SSD_TEST_ABSENT", "dflt") == "dflt"  # absence is remembered too
     assert env("HMSCALE_SSD_TEST_SWITCH", "d") == "c"  # the next call sees the change
     assert env("HMSCALE_SSD_TEST_ABSENT", "dflt") == "now"
+
+
+def test_switch_cached_recomputes_when_a_switch_it_read_changes(monkeypatch):
+    from kernels.settings import switch_cached
+
+    calls = []
+
+    @switch_cached
+    def plan(k):
+        calls.append(k)
+        return (k, env("HMSCALE_SSD_TEST_PLAN", "dflt"))
+
+    monkeypatch.delenv("HMSCALE_SSD_TEST_PLAN", raising=False)
+    # the first call reads the switch for the first time: its entry's fingerprint is shorter than any later one
+    assert plan(1) == (1, "dflt")
+    assert plan(1) == (1, "dflt") and plan(1) == (1, "dflt")
+    assert len(calls) == 2  # computed again once the switch is known, then served
+    monkeypatch.setenv("HMSCALE_SSD_TEST_PLAN", "x")
+    assert plan(1) == (1, "x") and plan(1) == (1, "x")
+    monkeypatch.setenv("HMSCALE_SSD_TEST_PLAN", "y")
+    assert plan(1) == (1, "y")
+    assert plan(2) == (2, "y")
+    monkeypatch.delenv("HMSCALE_SSD_TEST_PLAN")
+    assert plan(1) == (1, "dflt")  # the unset switch's entry again
+    assert calls == [1, 1, 1, 1, 2]
+
+
+def test_switch_cached_does_not_keep_errors(monkeypatch):
+    from kernels.settings import switch_cached
+
+    @switch_cached
+    def parse():
+        v = env("HMSCALE_SSD_TEST_PARSE", "1")
+        if not v.isdigit():
+            raise ValueError(f"HMSCALE_SSD_TEST_PARSE must be an integer, got {v!r}")
+        return int(v)
+
+    monkeypatch.setenv("HMSCALE_SSD_TEST_PARSE", "x")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="must be an integer"):
+            parse()
+    monkeypatch.setenv("HMSCALE_SSD_TEST_PARSE", "7")
+    assert parse() == 7

@@ -679,3 +679,53 @@ def test_an_unused_final_state_costs_no_zero_gradient():
             assert not a.abs().max(), k
         else:
             assert rel(a, r) < TOL, (k, rel(a, r))
+
+
+def test_launch_plans_follow_the_switches_and_are_reused(monkeypatch):
+    """Each call shape's launches are planned once (``fwd_plan`` / ``bwd_plan``, memoised with the switches' values):
+    a repeated call computes no configuration; setting, changing or removing a switch gives the next call its plan,
+    as the kernels it launches show; and the gradients stay those of the reference whichever plan ran."""
+    import kernels.ssd_triton_bwd as bwd
+    import kernels.ssd_triton_fwd as fwd
+
+    launched, layouts = [], []
+    real_launch, real_layout = fwd.launch, fwd.state_layout
+
+    def record(fn, grid, *a, **k):
+        launched.append(fn.fn.__name__)
+        real_launch(fn, grid, *a, **k)
+
+    monkeypatch.setattr(fwd, "launch", record)
+    monkeypatch.setattr(bwd, "launch", record)
+    monkeypatch.setattr(fwd, "state_layout", lambda *a, **k: layouts.append(1) or real_layout(*a, **k))
+    monkeypatch.setattr(bwd, "state_layout", lambda *a, **k: layouts.append(1) or real_layout(*a, **k))
+    monkeypatch.delenv("HMSCALE_SSD_CFG", raising=False)
+    ins, seq = make_inputs(1, 40, 2, 2, 16, 16, dtype=torch.float32, D=True)
+    gen = torch.Generator().manual_seed(1)
+    gy, gs = torch.randn(1, 40, 2, 16, generator=gen, dtype=torch.float64), torch.randn(1, 2, 16, 16, generator=gen,
+                                                                                       dtype=torch.float64)
+    _, _, gr, _, _ = _run(ssd_reference, ins, seq, {}, 16, gy, gs)
+
+    def call(pass_mode):
+        if pass_mode is None:
+            monkeypatch.delenv("HMSCALE_SSD_PASS", raising=False)
+        else:
+            monkeypatch.setenv("HMSCALE_SSD_PASS", pass_mode)
+        launched.clear()
+        layouts.clear()
+        _, _, g, _, _ = _run(_triton, {k: v.float() for k, v in ins.items()}, seq, {}, 16, gy, gs,
+                             device=TRITON_DEVICE)
+        for k in g:
+            assert rel(g[k], gr[k]) < TOL, (pass_mode, k, rel(g[k], gr[k]))
+        return list(launched), len(layouts)
+
+    call("fused")  # a process's first calls read switches for the first time: planned again once (switch_cached)
+    call("fused")
+    fused, planned = call("fused")
+    assert planned == 0, "a repeated call shape computed its configuration again"
+    assert "_state_fused_fwd" in fused and "_dstate_fused_bwd" in fused and "_chunk_state_fwd" not in fused
+    split, planned = call("split")
+    assert planned == 2, "a changed switch did not give the forward and the backward new plans"
+    assert "_chunk_state_fwd" in split and "_state_pass_bwd" in split and "_state_fused_fwd" not in split
+    assert call("fused")[0] == fused
+    assert call(None)[0] == split  # auto on the CPU interpreter: the split passes
