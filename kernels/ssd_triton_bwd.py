@@ -380,16 +380,16 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
-        dSt = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, N, GSD, 1)  # (BN, BP) = dS^T
+        dSt = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, offs_n, N, GSD, BN, 1)  # (BN, BP) = dS^T
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
         if not Y_SAVED:
-            S0t = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GSS, 1)  # (BN, BP) = S0^T
+            S0t = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, offs_n, N, GSS, BN, 1)  # (BN, BP) = S0^T
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
-            dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD)
+            dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD, BN)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             if not Y_SAVED:
-                S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS)
+                S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS, BN)
                 accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
     keep = tt[:, None] <= tt[None, :]  # s <= t
@@ -463,9 +463,9 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
         accDYX += tl.dot(dy.to(IN_DTYPE), tl.trans(x.to(IN_DTYPE)), input_precision=PREC)
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
-        dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, nb * BN, N, GSD, 0)
+        dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, nb * BN, offs_n, N, GSD, BN, 0)
         accXS = _xdot(x, dS, accXS, SPREC, "a")
-        S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, nb * BN, N, GSS, 0)
+        S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, nb * BN, offs_n, N, GSS, BN, 0)
         dg += dS.to(tl.float32) * S0.to(tl.float32)
         if DY_EXACT:
             accDYS = _xdot(dy, S0, accDYS, SPREC, "a")
@@ -479,8 +479,8 @@ def _dbc_head(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, doc_ptr, st_ptr, dst_ptr, 
     if NORM:  # the normaliser column: x = 1, dy = dden, state row P
         dr = tl.load(dden_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0)
         ones = tl.where(mask_t, 1.0, 0.0)
-        dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, nb * BN, P, N, GSD)
-        S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, nb * BN, P, N, GSS)
+        dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, nb * BN, P, N, GSD, BN)
+        S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, nb * BN, P, N, GSS, BN)
         accDYX += dr[:, None] * ones[None, :]
         accXS += ones[:, None] * dSr[None, :]
         accDYS += dr[:, None] * S0r[None, :]
@@ -663,8 +663,8 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[:, None] * N + offs_n[None, :]
         sm = mask_p[:, None] & mask_n[None, :]
-        dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, N, GSD, 0)  # (BP, BN)
-        S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, N, GSS, 0)
+        dS = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, offs_n, N, GSD, BN, 0)  # (BP, BN)
+        S0 = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, offs_n, N, GSS, BN, 0)
         accZ = _xdot(Bt, tl.trans(dS), accZ, XPREC, "a")
         dgv += tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=0)
         # x and dy are read again per n tile (L1 / L2 hits) rather than held across the loop: registers
@@ -678,8 +678,8 @@ def _chunk_bwd_fused(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_p
         if DY_SCALE:
             accDYS = accDYS * rden[:, None]
         if NORM:
-            dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD)
-            S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS)
+            dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD, BN)
+            S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS, BN)
             accZr += tl.sum(Bt.to(tl.float32) * dSr[None, :], axis=1)
             accXS += ones[:, None] * dSr[None, :]
             accDYS += dr[:, None] * S0r[None, :]

@@ -312,28 +312,40 @@ def _group_exp(m):
 
 
 @triton.jit
-def _load_st_tile(ptr, base, soff, smask, e_ptr, offs_p, mask_p, n0, N, GS: tl.constexpr, P_AXIS: tl.constexpr):
+def _load_st_tile(ptr, base, soff, smask, e_ptr, offs_p, mask_p, n0, offs_n, N, GS: tl.constexpr, BN: tl.constexpr,
+                  P_AXIS: tl.constexpr):
     """A reader's tile of stored chunk states (or state gradients), ``ptr + base + soff`` with ``soff`` = p N + n over
-    the columns n0 .. n0 + BN - 1 (p along axis ``P_AXIS``): as stored when ``GS`` is 0, else (scaled fp16,
-    ``state_layout``) in fp32, each row times 2^k of its group: the host keeps the readers' BN <= GS, so a tile row
-    lies in one group and its exponent is one int8 load per row (``e_ptr + (base + p N + n0) // GS``)."""
+    the columns ``offs_n`` = n0 .. n0 + BN - 1 (p along axis ``P_AXIS``): as stored when ``GS`` is 0, else (scaled
+    fp16, ``state_layout``) in fp32, each row times 2^k of its group. The host keeps the readers' BN <= 2 GS
+    (``reader_bn``), so a tile row spans one group (one int8 load per row, ``e_ptr + (base + p N + n0) // GS``) or two
+    (two loads per row, each column taking its half's)."""
     v = tl.load(ptr + base + soff, mask=smask, other=0.0)
     if GS > 0:
-        k = tl.load(e_ptr + (base + offs_p * N + n0) // GS, mask=mask_p, other=0).to(tl.int32)
-        if P_AXIS == 1:
-            v = v.to(tl.float32) * _pow2f(k)[None, :]
+        e_row = e_ptr + (base + offs_p * N + n0) // GS
+        k = _pow2f(tl.load(e_row, mask=mask_p, other=0).to(tl.int32))
+        if BN > GS:
+            k2 = _pow2f(tl.load(e_row + 1, mask=mask_p & (offs_p * 0 + n0 + GS < N), other=0).to(tl.int32))
+            if P_AXIS == 1:
+                v = v.to(tl.float32) * tl.where((offs_n - n0)[:, None] < GS, k[None, :], k2[None, :])
+            else:
+                v = v.to(tl.float32) * tl.where((offs_n - n0)[None, :] < GS, k[:, None], k2[:, None])
+        elif P_AXIS == 1:
+            v = v.to(tl.float32) * k[None, :]
         else:
-            v = v.to(tl.float32) * _pow2f(k)[:, None]
+            v = v.to(tl.float32) * k[:, None]
     return v
 
 
 @triton.jit
-def _load_st_row(ptr, base, offs_n, mask_n, e_ptr, n0, P, N, GS: tl.constexpr):
+def _load_st_row(ptr, base, offs_n, mask_n, e_ptr, n0, P, N, GS: tl.constexpr, BN: tl.constexpr):
     """The normaliser row's entries n0 .. n0 + BN - 1 of a stored state (row P at ``ptr + base``), in fp32 (scaled
-    fp16: one exponent for them, as in ``_load_st_tile``)."""
+    fp16: one exponent for them, or each entry its group's when the tile spans two, as in ``_load_st_tile``)."""
     v = tl.load(ptr + base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if GS > 0:
-        v = v * _pow2f(tl.load(e_ptr + (base + P * N + n0) // GS).to(tl.int32))
+        if BN > GS:
+            v = v * _pow2f(tl.load(e_ptr + (base + P * N + offs_n) // GS, mask=mask_n, other=0).to(tl.int32))
+        else:
+            v = v * _pow2f(tl.load(e_ptr + (base + P * N + n0) // GS).to(tl.int32))
     return v
 
 
@@ -481,13 +493,13 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         accG += tl.dot(Ct, tl.trans(Bt), input_precision=PREC)
         Sp = _load_st_tile(st_ptr, s_base, offs_p[None, :] * N + offs_n[:, None], mask_p[None, :] & mask_n[:, None],
-                           se_ptr, offs_p, mask_p, n0, N, GS, 1)  # (BN, BP) = S_prev^T
+                           se_ptr, offs_p, mask_p, n0, offs_n, N, GS, BN, 1)  # (BN, BP) = S_prev^T
         if SAVE_YNUM:
             accS = _xdot(Ct, Sp, accS, YPREC, "a")
         else:
             accS = _xdot(Ct, Sp, accS, SPREC, "a")
         if NORM and not NORM_APART:
-            Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS)
+            Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS, BN)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     if NORM and NORM_APART:
         # 16-bit states: the normaliser row in a loop of its own (C's tiles again, from L2). Inside the loop above,
@@ -498,7 +510,7 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
             mask_n = offs_n < N
             Ct = tl.load(C_ptr + bc_base + offs_t[:, None] * (G * N) + offs_n[None, :],
                          mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-            Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS)
+            Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS, BN)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
     decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
@@ -819,9 +831,9 @@ def state_layout(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: tor
 
 
 def reader_bn(bn: int, *gs: int) -> int:
-    """A reader kernel's n tile under scaled fp16 storage: at most the scale groups (``gs``, 0 for unscaled
-    tensors), so that each tile row has one exponent (``_load_st_tile``)."""
-    return min([bn] + [g for g in gs if g])
+    """A reader kernel's n tile under scaled fp16 storage: at most two scale groups (``gs``, 0 for unscaled tensors),
+    so that each tile row has one exponent or two (``_load_st_tile``)."""
+    return min([bn] + [2 * g for g in gs if g])
 
 
 def state_exponents(states: torch.Tensor, gs: int) -> torch.Tensor:

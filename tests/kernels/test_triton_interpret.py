@@ -251,6 +251,39 @@ def test_scaled_fp16_states_are_range_safe(state_pass, monkeypatch):
         assert torch.equal(g2[k], g[k] * scale[k]), (k, rel(g2[k], g[k] * scale[k]))
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_scaled_fp16_readers_of_two_groups_a_row(norm, monkeypatch):
+    """Readers whose n tile spans two scale groups (reader_bn allows 2 GS): 16-column walk tiles store one exponent per
+    16 columns, the scan, dx and dB/dC read 32-column tiles. With B's and C's column groups 8x apart (so neighbouring
+    groups' exponents differ), every output and gradient matches fp32 storage to fp16 rounding and float64 to the bf16
+    limit: a reader that gave a column its neighbour's exponent would be off by 8x there."""
+    from kernels.ssd_triton_fwd import reader_bn
+
+    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=16,16;fpass_b=16,16")
+    assert reader_bn(64, 16) == 32
+    opts = dict(normalize=True, D=True, init=True, seq=True) if norm else dict(D=True)
+    ins, seq = make_inputs(1, 90, 2, 2, 16, 64, dtype=torch.bfloat16, **opts)
+    colscale = 8.0 ** (torch.arange(64) // 16).double()
+    ins["B"] = (ins["B"].double() * colscale).bfloat16()  # (positive with normalize: the normaliser stays > 0)
+    ins["C"] = (ins["C"].double() / colscale).bfloat16()
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(1, 90, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double()
+    gs = torch.randn(1, 2, 16 + int(norm), 64, generator=gen, dtype=torch.float64)
+    out = {}
+    for storage in ("fp32", "fp16,fp16"):
+        monkeypatch.setenv("HMSCALE_SSD_STATES", storage)
+        out[storage] = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
+    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 16, gy, gs)
+    (y, s, g, _, _), (y32, s32, g32, _, _) = out["fp16,fp16"], out["fp32"]
+    assert rel(y, y32) < 5e-3 and rel(s, s32) < 1e-6  # the final state is carried in fp32 registers
+    assert rel(y, yr) < 1e-2
+    for k in g:
+        assert torch.isfinite(g[k]).all(), k
+        assert rel(g[k], g32[k]) < 5e-3, (k, rel(g[k], g32[k]))
+        assert rel(g[k], gr[k]) < 1e-2, (k, rel(g[k], gr[k]))
+
+
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
 def test_custom_ops_pass_opcheck(opts):
     """The core as torch.library custom ops (what a torch.compile graph holds): schema, fake shapes and dtypes,
@@ -597,12 +630,13 @@ def test_state_layout_scale_groups(monkeypatch):
     """Where scaled fp16 storage applies: its group is the fused walk's tile width (it must divide N) or, for the
     split pass, the widest of 64 / 32 / 16 dividing N; no group: fp32. ``auto`` keeps fp16 only for groups of 64+
     columns (narrower ones narrow the readers' tiles), an explicit fp16 takes any group; the v1 backward stores
-    fp32; the readers' n tiles never exceed a group (reader_bn)."""
+    fp32; the readers' n tiles never span more than two groups (reader_bn)."""
     from kernels.ssd_triton_fwd import reader_bn, scale_group, state_layout
 
     assert scale_group(256, 32) == 32 and scale_group(80, 64) == 0 and scale_group(128, None) == 64
     assert scale_group(96, None) == 32 and scale_group(80, None) == 16 and scale_group(40, None) == 0
-    assert reader_bn(64, 32, 0) == 32 and reader_bn(32, 0, 0) == 32 and reader_bn(64, 64, 16) == 16
+    assert reader_bn(64, 32, 0) == 64 and reader_bn(32, 0, 0) == 32 and reader_bn(64, 64, 16) == 32
+    assert reader_bn(128, 32) == 64 and reader_bn(16, 64) == 16
     bf16, cpu = torch.bfloat16, torch.device("cpu")  # the CPU: the split passes
     monkeypatch.setenv("HMSCALE_SSD_PASS", "split")
     monkeypatch.delenv("HMSCALE_SSD_STATES", raising=False)
