@@ -25,7 +25,7 @@ programs, and the scan writes it as a separate output ``den`` (b, l, h).
 
 Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
 B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in the dtype of
-``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 64 columns wide, else fp32; scaled
+``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 32+ columns wide, else fp32; scaled
 fp16 comes with int8 exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row); gdecay (b*h, nc) fp32.
 
 Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
@@ -602,9 +602,11 @@ def state_storage() -> tuple:
     scaled: fp16 values with one power of two (an int8 exponent) per group of 16-64 columns of a state row, chosen by
     the writer from the group's largest magnitude (``_group_exp``), so neither the states' range (an undecayed state
     grows with the length) nor the gradients' (a mean loss's sit near fp16's smallest normal) is lost: range-safe,
-    11 bits of each group's largest values. ``auto`` (default): fp16 for both where the groups are at least 64
-    columns wide (``state_layout``), else fp32 (narrower groups make the readers' n tiles narrower, which cost more
-    than the halved bytes gave: H100, 2026-12-05, 1.4b L=16384 at b = 1). Only the stored copies are rounded: the
+    11 bits of each group's largest values. ``auto`` (default): fp16 for both where the groups are at least 32
+    columns wide (``state_layout``), else fp32. (Until the readers took n tiles of two groups, 2026-12-06, 32-column
+    groups narrowed dB/dC's tiles and cost more than the halved bytes gave, so ``auto`` wanted 64; since, at 1.4b
+    L=16384 x 1, whose halved walk tiles make 32-column groups, fp16 takes the call 2.04 / 2.01 -> 1.95 / 1.94 ms on an
+    H100.) Only the stored copies are rounded: the
     running state is carried in fp32 registers along the walk (the split passes' per-chunk local states stay fp32
     too) and every consumer accumulates in fp32. bf16 storage (unscaled: bf16 has fp32's range) misses dA's 1e-2
     on the grid (kernels/NOTES.md, 2026-12-04). fp16 and fp32 inputs always keep fp32."""
@@ -816,7 +818,7 @@ def state_layout(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: tor
                  grad: bool = False):
     """(storage dtype, GS, fused walk config or None) of one call's chunk states (``grad``: state gradients):
     ``state_dtype``, and for fp16 the scale group of ``scale_group`` (fp32 where no group fits, where ``auto`` finds
-    it under 64 columns, and under the v1 backward, whose kernels read unscaled states), and the walk's (BP, BN, warps,
+    it under 32 columns, and under the v1 backward, whose kernels read unscaled states), and the walk's (BP, BN, warps,
     stages) when the pass is fused."""
     name = "fpass_b" if grad else "fpass"
     st = state_dtype(dtype, grad)
@@ -825,7 +827,7 @@ def state_layout(b: int, h: int, p: int, n: int, dtype: torch.dtype, device: tor
     gs = 0
     if st == torch.float16:
         gs = scale_group(n, cfg[1] if cfg else None) if bwd_variant() == "v2" else 0
-        if gs < (64 if state_storage()[2] else 1):
+        if gs < (32 if state_storage()[2] else 1):
             st, gs = torch.float32, 0
     return st, gs, cfg
 

@@ -628,8 +628,8 @@ def test_state_storage_setting(monkeypatch):
 
 def test_state_layout_scale_groups(monkeypatch):
     """Where scaled fp16 storage applies: its group is the fused walk's tile width (it must divide N) or, for the
-    split pass, the widest of 64 / 32 / 16 dividing N; no group: fp32. ``auto`` keeps fp16 only for groups of 64+
-    columns (narrower ones narrow the readers' tiles), an explicit fp16 takes any group; the v1 backward stores
+    split pass, the widest of 64 / 32 / 16 dividing N; no group: fp32. ``auto`` keeps fp16 only for groups of 32+
+    columns (a reader's tile spans at most two groups), an explicit fp16 takes any group; the v1 backward stores
     fp32; the readers' n tiles never span more than two groups (reader_bn)."""
     from kernels.ssd_triton_fwd import reader_bn, scale_group, state_layout
 
@@ -641,7 +641,8 @@ def test_state_layout_scale_groups(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_PASS", "split")
     monkeypatch.delenv("HMSCALE_SSD_STATES", raising=False)
     assert state_layout(2, 4, 64, 128, bf16, cpu)[:2] == (torch.float16, 64)
-    assert state_layout(2, 4, 64, 32, bf16, cpu)[:2] == (torch.float32, 0)  # auto: a 32-column group
+    assert state_layout(2, 4, 64, 32, bf16, cpu)[:2] == (torch.float16, 32)
+    assert state_layout(2, 4, 64, 16, bf16, cpu)[:2] == (torch.float32, 0)  # auto: a 16-column group
     assert state_layout(2, 4, 64, 128, torch.float32, cpu)[:2] == (torch.float32, 0)
     monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16,fp16")
     assert state_layout(2, 4, 64, 32, bf16, cpu, grad=True)[:2] == (torch.float16, 32)
