@@ -12,6 +12,8 @@
 #   ssd     benchmarks/ssd.py (ours against mamba_ssm and SDPA, the issue's shapes; ~160 s)
 #   train   benchmarks/train_throughput.py --compile --compile-mode reduce-overhead --steps 10 (160m and 410m, student and
 #           teacher; ~90 s)
+#   host    benchmarks/ssd_host.py at the host-bound shapes (410m at L=16384 x 1 and 2048 x 8) and 1.4b L=16384: wall,
+#           host and kernel time per call, ours and mamba_ssm (~100 s)
 # Each log starts with the card's name and the commit, as BENCHMARKS.md rows need them.
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
@@ -43,8 +45,11 @@ for part in "$@"; do
       { header "stage-2 training throughput"
         python3 benchmarks/train_throughput.py --compile --compile-mode reduce-overhead --steps 10; } > "$log" 2>&1 \
         || status=1 ;;
+    host)
+      { header "SSD host time per call"; python3 benchmarks/ssd_host.py --shapes 410m-16k,410m,1.4b-16k; } > "$log" 2>&1 \
+        || status=1 ;;
     *)
-      echo "gpu_session.sh: unknown part $part; choose from tests, grid, ssd, train" >&2; exit 2 ;;
+      echo "gpu_session.sh: unknown part $part; choose from tests, grid, ssd, train, host" >&2; exit 2 ;;
   esac
   echo "$part: $(tail -1 "$log")"
 done
