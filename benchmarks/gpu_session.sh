@@ -46,8 +46,8 @@ for part in "$@"; do
         python3 benchmarks/train_throughput.py --compile --compile-mode reduce-overhead --steps 10; } > "$log" 2>&1 \
         || status=1 ;;
     host)
-      { header "SSD host time per call"; python3 benchmarks/ssd_host.py --shapes 410m-16k,410m,1.4b-16k; } > "$log" 2>&1 \
-        || status=1 ;;
+      { header "SSD host time per call"
+        python3 benchmarks/ssd_host.py --shapes 410m-16k,410m,1.4b-16k; } > "$log" 2>&1 || status=1 ;;
     *)
       echo "gpu_session.sh: unknown part $part; choose from tests, grid, ssd, train, host" >&2; exit 2 ;;
   esac

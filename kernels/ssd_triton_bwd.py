@@ -380,10 +380,12 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
         accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
-        dSt = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, offs_n, N, GSD, BN, 1)  # (BN, BP) = dS^T
+        # (BN, BP) = dS^T
+        dSt = _load_st_tile(dst_ptr, s_base, so, sm, de_ptr, offs_p, mask_p, n0, offs_n, N, GSD, BN, 1)
         accZ = _xdot(Bt, dSt, accZ, XPREC, "a")
         if not Y_SAVED:
-            S0t = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, offs_n, N, GSS, BN, 1)  # (BN, BP) = S0^T
+            # (BN, BP) = S0^T
+            S0t = _load_st_tile(st_ptr, s_base, so, sm, se_ptr, offs_p, mask_p, n0, offs_n, N, GSS, BN, 1)
             accYI = _xdot(Ct, S0t, accYI, XPREC, "a")
         if NORM:
             dSr = _load_st_row(dst_ptr, s_base, offs_n, mask_n, de_ptr, n0, P, N, GSD, BN)
@@ -861,8 +863,8 @@ class BwdPlan(NamedTuple):
 
 
 @switch_cached
-def bwd_plan(b: int, l: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, Q: int,
-             nc: int, norm: bool, has_d: bool, has_doc: bool, has_dfinal: bool, need_dinit: bool, dy_scale: bool,
+def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, Q: int, nc: int,
+             norm: bool, has_d: bool, has_doc: bool, has_dfinal: bool, need_dinit: bool, dy_scale: bool,
              y_saved: bool, gss: int, dev: torch.device, sms) -> BwdPlan:
     """The launch plan of one backward call (``sms``: the multiprocessor count, part of the key; ``gss``: the
     forward states' scale group). Memoised with the switches' values, like ``fwd_plan``."""
@@ -959,7 +961,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dev = x.device
     gss = n // sexp.shape[-1] if sexp is not None and sexp.numel() else 0
     has_d, has_doc, has_dfinal = D is not None, doc is not None, dfinal is not None
-    pl = bwd_plan(b, l, h, g, p, n, x.dtype, dy.dtype, Q, nc, norm, has_d, has_doc, has_dfinal, need_dinit,
+    pl = bwd_plan(b, h, g, p, n, x.dtype, dy.dtype, Q, nc, norm, has_d, has_doc, has_dfinal, need_dinit,
                   dy_scale, ysaved is not None, gss, dev, _fwd._sm_count(dev))
     den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
     doc_arg = doc if has_doc else dt

@@ -606,10 +606,10 @@ def state_storage() -> tuple:
     columns wide (``state_layout``), else fp32. (Until the readers took n tiles of two groups, 2026-12-06, 32-column
     groups narrowed dB/dC's tiles and cost more than the halved bytes gave, so ``auto`` wanted 64; since, at 1.4b
     L=16384 x 1, whose halved walk tiles make 32-column groups, fp16 takes the call 2.04 / 2.01 -> 1.95 / 1.94 ms on an
-    H100.) Only the stored copies are rounded: the
-    running state is carried in fp32 registers along the walk (the split passes' per-chunk local states stay fp32
-    too) and every consumer accumulates in fp32. bf16 storage (unscaled: bf16 has fp32's range) misses dA's 1e-2
-    on the grid (kernels/NOTES.md, 2026-12-04). fp16 and fp32 inputs always keep fp32."""
+    H100.) Only the stored copies are rounded: the running state is carried in fp32 registers along the walk (the
+    split passes' per-chunk local states stay fp32 too) and every consumer accumulates in fp32. bf16 storage
+    (unscaled: bf16 has fp32's range) misses dA's 1e-2 on the grid (kernels/NOTES.md, 2026-12-04). fp16 and fp32
+    inputs always keep fp32."""
     v = env("HMSCALE_SSD_STATES", "auto").lower()
     if v == "auto":
         return torch.float16, torch.float16, True
@@ -894,7 +894,7 @@ class FwdPlan(NamedTuple):
 
 
 @switch_cached
-def fwd_plan(b: int, l: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, Q: int, norm: bool, has_d: bool,
+def fwd_plan(b: int, l: int, h: int, p: int, n: int, dtype: torch.dtype, Q: int, norm: bool, has_d: bool,
              has_doc: bool, has_init: bool, save_ynum: bool, dev: torch.device, sms) -> FwdPlan:
     """The launch plan of one forward call (``sms``: the multiprocessor count ``_sm_count`` gives, part of the key).
     Memoised with the switches' values: a repeated call shape reads no switch and recomputes no tile."""
@@ -936,8 +936,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     g, n = B.shape[2], B.shape[3]
     dev = x.device
     has_doc, has_init = doc is not None, initial_state is not None
-    pl = fwd_plan(b, l, h, g, p, n, x.dtype, Q, norm, D is not None, has_doc, has_init, save_ynum, dev,
-                  _sm_count(dev))
+    pl = fwd_plan(b, l, h, p, n, x.dtype, Q, norm, D is not None, has_doc, has_init, save_ynum, dev, _sm_count(dev))
     nc, ps = pl.nc, pl.ps
     states = torch.empty(b, h, nc, ps, n, device=dev, dtype=pl.st_dtype)
     sexp = state_exponents(states, pl.gs)
