@@ -652,7 +652,9 @@ DEFAULT_CFG_Q128 = {"scan": (64, 64, 8, 0), "dx": (16, 64, 8, 0), "fpass": (64, 
 # (2026-12-04 late: fstate + fdstate 675 -> 587 us at 1.4b L=2048, 607 -> 567 at L=8192)
 # the paired dx + dB/dC launch: dx in 64 x 32 tiles (three blocks a multiprocessor under the 168-register cap;
 # 2026-12-04, 1.4b dx + dB/dC 838 -> 733 us)
-DEFAULT_CFG_WIDE = {"scan": (128, 32, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b": (128, 64, 8, 3),
+# the scan's tile since fp16 state storage (H100, 2026-12-06 twentieth session, sweeps/wide_scan_walks.txt): 128 x 64,
+# 330 / 304 / 294 us at 1.4b L=16384 / 8192 / 2048 against 358 / 356 / 335 for the 128 x 32 of fp32 storage
+DEFAULT_CFG_WIDE = {"scan": (128, 64, 4, 0), "fpass": (128, 64, 8, 3), "fpass_b": (128, 64, 8, 3),
                     "pair": (64, 32, 4, 3)}
 DEFAULT_CFG_FP32 = {
     "state": (64, 64, 4), "dstate": (64, 64, 4), "scan": (64, 64, 8, 0), "dx": (64, 32, 8, 0),
@@ -793,14 +795,18 @@ def fused_pass_config(p: int, n: int, dtype: torch.dtype, name: str = "fpass", Q
     4-warp walks or one 8-warp walk, so the tile is halved while twice its programs still fit in one round, i.e.
     2 x programs < multiprocessors x (8 / warps). H200, 2026-12-04: 1.4b L=16384 at b=1 with 64 x 64 tiles, 128 ->
     256 programs, fstate + fdstate 1097 -> 891 us; the wide heads' 8-warp 128 x 64 tile at b=2 (128 programs) walks
-    in 567 us and halved (two rounds) in 732, at b=1 (64 programs) it is halved. Not with a tile set through
-    ``HMSCALE_SSD_CFG``."""
+    in 567 us and halved (two rounds) in 732, at b=1 (64 programs) it is halved. The backward walk of those heads
+    halves its rows too, into 4-warp 64 x 32 tiles, two a multiprocessor (H100, 2026-12-06 twentieth session: fdstate
+    340 -> 307 us at 1.4b L=16384 x 1; the forward walk unchanged that way, 362 -> 360; where the rule does not
+    halve, the 4-warp tile is slower: 227 -> 353 us at b=2). Not with a tile set through ``HMSCALE_SSD_CFG``."""
     bp, bn, nw, st = kcfg(name, dtype, Q, p)
     bp, bn = min(bp, _pow2(p)), min(bn, _pow2(n))
     sms = _sm_count(device) if device is not None else None
     if (sms and bn >= 64 and not _cfg_override(name)
             and 2 * bh * cdiv(p, bp) * cdiv(n, bn) < sms * max(1, 8 // nw)):
         bn //= 2
+        if name == "fpass_b" and nw == 8 and bp >= 128:  # the wide heads' backward walk: 4-warp tiles of half the rows
+            bp, nw = bp // 2, 4
     return bp, bn, nw, st
 
 

@@ -350,6 +350,8 @@ def test_fused_pass_tile_and_unroll(monkeypatch):
     assert cfg(128, 256, bf16, "fpass", 64, 2 * 16 - 1, cuda) == (128, 64, 8, 3)  # 124 programs
     assert cfg(128, 256, bf16, "fpass", 64, 16 + 1, cuda) == (128, 64, 8, 3)  # 68 programs: 136 would not fit
     assert cfg(128, 256, bf16, "fpass_b", 64, 8 * 16, cuda) == (128, 64, 8, 3)
+    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda) == (64, 32, 4, 3)  # the backward walk halves its rows too
+    assert cfg(128, 256, bf16, "fpass_b", 64, 2 * 16, cuda) == (128, 64, 8, 3)
     assert cfg(128, 256, bf16, "fpass", 64, 16, torch.device("cpu"))[:2] == (128, 64)
     assert cfg(128, 256, bf16, "fpass")[:2] == (128, 64)  # no device: the default
     assert cfg(64, 128, bf16, "fpass", 64, 16, cuda)[:2] == (64, 32)  # 410m, b=1: 32 programs -> 64
@@ -360,7 +362,9 @@ def test_fused_pass_tile_and_unroll(monkeypatch):
     assert cfg(128, 256, torch.float32, "fpass")[:2] == (32, 64)  # fp32 inputs keep their own tile
     monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass=64,64")
     assert cfg(128, 256, bf16, "fpass", 64, 16, cuda)[:2] == (64, 64)
-    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda)[:2] == (128, 32)
+    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda)[:2] == (64, 32)
+    monkeypatch.setenv("HMSCALE_SSD_CFG", "fpass_b=128,64,8,3")
+    assert cfg(128, 256, bf16, "fpass_b", 64, 16, cuda) == (128, 64, 8, 3)  # a tile set by hand is kept
     assert fwd.walk_unroll(bf16) == 2 and fwd.walk_unroll(torch.float16) == fwd.walk_unroll(torch.float32) == 1
     monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", "1")
     assert fwd.walk_unroll(bf16) == 1
