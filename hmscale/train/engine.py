@@ -63,6 +63,17 @@ def device_for(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
+def _deepspeed_on_cpu() -> None:
+    """A CPU engine (``parallel.use_gpu=false``) on a host with CUDA: DeepSpeed would take its CUDA accelerator (and
+    move the model to cuda:0, build its buffers there); give it the CPU one, as on a machine without CUDA."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
 _OWN_GROUP = "HMSCALE_SINGLE_PROCESS_GROUP_PORT"  # set beside MASTER_PORT when init_distributed made the group itself
 
 
@@ -88,6 +99,8 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(device_for(True))
+    elif torch.cuda.is_available():
+        _deepspeed_on_cpu()
     with _no_shm_inference_op(backend):
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if backend == "gloo" and os.environ.get("MASTER_PORT"):
@@ -174,6 +187,12 @@ class OptimSpec:
     # auto | fused | foreach | deepspeed: which Adam steps the ZeRO partitions (resolve_adam)
     adam: str = "auto"
     stage: str = ""  # "stage1" | "stage2": the config section the warnings name (warmup_note)
+    # whether the engine's parameters live on a GPU; None: whenever this host has CUDA. A CPU engine on a GPU host
+    # (parallel.use_gpu=false) passes False, so that its Adam and offload settings are a CPU machine's
+    on_gpu: bool | None = None
+
+    def gpu(self) -> bool:
+        return torch.cuda.is_available() if self.on_gpu is None else bool(self.on_gpu)
 
 
 def ds_config_path(zero_stage: int, path: str | None = None) -> Path:
@@ -209,7 +228,7 @@ def ds_config_for(spec: OptimSpec, dp_world: int) -> dict:
     zero = conf.setdefault("zero_optimization", {})
     if spec.ds_config is None or type(zero.get("stage")) is not int:
         zero["stage"] = int(spec.zero_stage)  # (a file's own stage is kept; none, or "auto": parallel.zero_stage)
-    if not torch.cuda.is_available():
+    if not spec.gpu():
         for k in ("offload_optimizer", "offload_param"):
             if k in zero:
                 zero[k]["pin_memory"] = False
@@ -252,7 +271,7 @@ def resolve_adam(spec: OptimSpec, conf: dict) -> str:
       flat fp32 partition, no JIT build); on CUDA (and CPU).
     * ``foreach``: torch's Adam as DeepSpeed builds it from the JSON (``torch_adam``: ~7 elementwise passes).
     * ``deepspeed``: DeepSpeed's own (FusedAdam, a CUDA JIT build; DeepSpeedCPUAdam when the optimizer is offloaded).
-    * ``auto``: ``fused`` on CUDA unless the ZeRO config offloads the optimizer (then what the JSON says); on CPU
+    * ``auto``: ``fused`` on CUDA (``OptimSpec.gpu()``: the engine's device, not the host's) unless the ZeRO config offloads the optimizer (then what the JSON says); on CPU
       ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds). A JSON whose optimizer is not Adam/AdamW
       (SGD, Lamb): ``deepspeed``, its own optimizer as DeepSpeed builds it (on CPU ``foreach`` handed torch's SGD a
       ``torch_adam`` argument: a TypeError traceback)."""
@@ -272,7 +291,7 @@ def resolve_adam(spec: OptimSpec, conf: dict) -> str:
         return spec.adam
     if kind not in ("adam", "adamw"):
         return "deepspeed"
-    if not torch.cuda.is_available():
+    if not spec.gpu():
         return "foreach"
     if kind in ("adam", "adamw") and not offload:
         return "fused"

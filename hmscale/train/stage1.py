@@ -431,7 +431,7 @@ def run_stage1(
     spec = OptimSpec(lr=s1.lr, micro_batch_size=s1.micro_batch_size, grad_accum=1, warmup_steps=s1.warmup_steps,
                      total_steps=total_steps, min_lr_ratio=s1.min_lr_ratio, weight_decay=0.0, grad_clip=1.0,
                      zero_stage=zero_stage, bf16=False, ds_config=ds_config,
-                     adam=par.adam, stage="stage1")
+                     adam=par.adam, stage="stage1", on_gpu=layout.device.type == "cuda")
     engine = build_engine(module, spec, dp_world=dp_size, mpu=mpu, params=params)
 
     ckpt = Checkpointer(out / "checkpoints", keep=par.keep_checkpoints, rank=layout.rank)

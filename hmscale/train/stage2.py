@@ -471,6 +471,7 @@ def run_stage2(
         lr=s2.lr, micro_batch_size=s2.micro_batch_size, grad_accum=s2.grad_accum, warmup_steps=s2.warmup_steps,
         total_steps=total_steps, min_lr_ratio=s2.min_lr_ratio, weight_decay=s2.weight_decay, grad_clip=s2.grad_clip,
         zero_stage=par.zero_stage, bf16=par.bf16, ds_config=par.ds_config, adam=par.adam, stage="stage2",
+        on_gpu=layout.device.type == "cuda",
     )
     groups = param_groups(model, s2.lr, getattr(s2, "new_params_lr_scale", 1.0), getattr(s2, "feature_map_lr_scale", 1.0))
     engine = build_engine(model, spec, dp_world=layout.dp_size, mpu=layout.mpu, params=groups)

@@ -71,6 +71,23 @@ def test_auto_choices(monkeypatch):
     assert _resolve("foreach", cuda=True, monkeypatch=monkeypatch) == "foreach"
 
 
+def test_choices_follow_the_engine_device_not_the_host(monkeypatch):
+    """A CPU engine on a GPU host (parallel.use_gpu=false) steps and offloads as on a CPU machine: foreach Adam, no
+    pinned offload buffers; on_gpu=None keeps the host's answer."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    offload = ds_config_for(OptimSpec(lr=1e-3, micro_batch_size=2, ds_config="ds_configs/zero3_offload.json"), 1)
+    assert offload["zero_optimization"]["offload_optimizer"].get("pin_memory") is not False
+    for on_gpu, adam, pinned in ((False, "foreach", False), (True, "fused", None), (None, "fused", None)):
+        spec = OptimSpec(lr=1e-3, micro_batch_size=2, zero_stage=2, on_gpu=on_gpu)
+        assert resolve_adam(spec, ds_config_for(spec, 1)) == adam, on_gpu
+        spec = OptimSpec(lr=1e-3, micro_batch_size=2, ds_config="ds_configs/zero3_offload.json", on_gpu=on_gpu)
+        zero = ds_config_for(spec, 1)["zero_optimization"]
+        assert (zero["offload_optimizer"].get("pin_memory") is False) == (pinned is False), on_gpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = OptimSpec(lr=1e-3, micro_batch_size=2, zero_stage=2, on_gpu=True)
+    assert resolve_adam(spec, ds_config_for(spec, 1)) == "fused"
+
+
 @pytest.mark.parametrize("edits, message", [
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offloads the optimizer"),
     ({"optimizer": {"type": "Lamb", "params": {}}}, "not Adam/AdamW"),

@@ -58,3 +58,24 @@ def test_no_test_or_benchmark_starts_deepspeed_comm_around_the_engine():
               for p in (repo / d).rglob("*.py")
               if "deepspeed.init_distributed(" in p.read_text() and p.name != "engine.py" and p != Path(__file__)]
     assert direct == [], f"call hmscale.train.engine.init_distributed instead in {direct}"
+
+
+def test_cpu_engine_on_a_cuda_host_gives_deepspeed_the_cpu_accelerator(tmp_path):
+    """parallel.use_gpu=false where CUDA is present (faked here): DeepSpeed's accelerator becomes the CPU one before
+    its process group is made, so the engine keeps the model on the CPU; use_gpu=true leaves it alone."""
+    code = """
+import torch
+torch.cuda.is_available = lambda: True
+from deepspeed.accelerator import get_accelerator, set_accelerator
+from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+import hmscale.train.engine as engine
+set_accelerator(CUDA_Accelerator())
+engine._deepspeed_on_cpu = (lambda real: lambda: (print("switch"), real()))(engine._deepspeed_on_cpu)
+print(engine.init_distributed(False), get_accelerator().device_name())
+"""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-2:] == ["switch", "(0, 1) cpu"], r.stdout
