@@ -271,8 +271,8 @@ def resolve_adam(spec: OptimSpec, conf: dict) -> str:
       flat fp32 partition, no JIT build); on CUDA (and CPU).
     * ``foreach``: torch's Adam as DeepSpeed builds it from the JSON (``torch_adam``: ~7 elementwise passes).
     * ``deepspeed``: DeepSpeed's own (FusedAdam, a CUDA JIT build; DeepSpeedCPUAdam when the optimizer is offloaded).
-    * ``auto``: ``fused`` on CUDA (``OptimSpec.gpu()``: the engine's device, not the host's) unless the ZeRO config offloads the optimizer (then what the JSON says); on CPU
-      ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds). A JSON whose optimizer is not Adam/AdamW
+    * ``auto``: ``fused`` on CUDA (``OptimSpec.gpu()``: the engine's device, not the host's) unless the ZeRO config
+      offloads the optimizer (then what the JSON says); on CPU ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds). A JSON whose optimizer is not Adam/AdamW
       (SGD, Lamb): ``deepspeed``, its own optimizer as DeepSpeed builds it (on CPU ``foreach`` handed torch's SGD a
       ``torch_adam`` argument: a TypeError traceback)."""
     if spec.adam not in ADAM_CHOICES:

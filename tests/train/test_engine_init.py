@@ -6,6 +6,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+_GROUP_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "HMSCALE_SINGLE_PROCESS_GROUP_PORT")
+
+
+def _env(tmp_path) -> dict:
+    """The environment of a child `python -c` run from tmp_path: no process-group variables, its own extensions
+    folder, and the repository importable (a machine without the editable install, e.g. the GPU hosts)."""
+    env = {k: v for k, v in os.environ.items() if k not in _GROUP_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return dict(env, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+
 
 def test_gloo_init_builds_no_shm_op_and_maps_no_buffer(tmp_path):
     code = """
@@ -21,10 +32,8 @@ assert torch.equal(t, torch.arange(4.0)), t
 port = os.environ["MASTER_PORT"]
 print(sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")))
 """
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert lines[-2] == "(0, 1)" and lines[-1] == "[]"
@@ -43,9 +52,8 @@ print(init_distributed(False), flush=True)
 child = "from hmscale.train.engine import init_distributed; print(init_distributed(False))"
 sys.exit(subprocess.run([sys.executable, "-c", child], timeout=120).returncode)
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                                             "LOCAL_RANK", "HMSCALE_SINGLE_PROCESS_GROUP_PORT")}
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0 and r.stdout.count("(0, 1)\n") == 2, (r.stdout + r.stderr)[-2000:]
 
 
@@ -53,9 +61,8 @@ def test_no_test_or_benchmark_starts_deepspeed_comm_around_the_engine():
     """Every process of the suite joins its group through `engine.init_distributed`: a direct
     `deepspeed.init_distributed` builds the shared-memory op above (a fresh CI machine spent ~70 s of g++ in the
     first test that did, with every other DeepSpeed start of the suite waiting on the build lock)."""
-    repo = Path(__file__).resolve().parents[2]
-    direct = [str(p.relative_to(repo)) for d in ("tests", "benchmarks", "scaling", "ray_jobs", "hmscale")
-              for p in (repo / d).rglob("*.py")
+    direct = [str(p.relative_to(REPO)) for d in ("tests", "benchmarks", "scaling", "ray_jobs", "hmscale")
+              for p in (REPO / d).rglob("*.py")
               if "deepspeed.init_distributed(" in p.read_text() and p.name != "engine.py" and p != Path(__file__)]
     assert direct == [], f"call hmscale.train.engine.init_distributed instead in {direct}"
 
@@ -73,9 +80,7 @@ set_accelerator(CUDA_Accelerator())
 engine._deepspeed_on_cpu = (lambda real: lambda: (print("switch"), real()))(engine._deepspeed_on_cpu)
 print(engine.init_distributed(False), get_accelerator().device_name())
 """
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-2:] == ["switch", "(0, 1) cpu"], r.stdout
