@@ -71,18 +71,22 @@ def switch_cached(fn):
     """Memoise ``fn(*args)`` (hashable positional arguments) together with the switches' values. The key's
     fingerprint is taken before the call: a call that reads a switch for the first time stores its result under a
     fingerprint that no later call can have (later ones are longer), so the next call computes it again and the
-    entry after it is the one that serves. Errors are not cached. ``fn.cache_clear()`` empties the memo."""
+    entry after it is the one that serves. A result is not stored when a switch it may have read changed during the
+    call (another thread setting os.environ): it answers that call only. Errors are not cached.
+    ``fn.cache_clear()`` empties the memo."""
     memo: dict = {}
 
     @functools.wraps(fn)
     def cached(*args):
-        key = (args, switches_fingerprint())
+        fp = switches_fingerprint()
+        key = (args, fp)
         got = memo.get(key)
         if got is None:
             got = fn(*args)
-            if len(memo) >= _CACHE_LIMIT:
-                memo.clear()
-            memo[key] = got
+            if switches_fingerprint()[:len(fp)] == fp:
+                if len(memo) >= _CACHE_LIMIT:
+                    memo.clear()
+                memo[key] = got
         return got
 
     cached.cache_clear = memo.clear

@@ -1,5 +1,7 @@
 """kernels.settings: switches read once inside env_frozen (per SSD call), straight from os.environ outside it."""
 
+import os
+
 import pytest
 
 from kernels.settings import env, env_frozen
@@ -47,6 +49,28 @@ def test_switch_cached_recomputes_when_a_switch_it_read_changes(monkeypatch):
     monkeypatch.delenv("HMSCALE_SSD_TEST_PLAN")
     assert plan(1) == (1, "dflt")  # the unset switch's entry again
     assert calls == [1, 1, 1, 1, 2]
+
+
+def test_switch_cached_does_not_keep_a_result_whose_switches_changed_during_the_call(monkeypatch):
+    """Another thread setting a switch while a plan is computed: that plan answers its own call but is not stored
+    under the key taken before the change (it may hold the new value, the key the old one)."""
+    from kernels.settings import switch_cached
+
+    calls = []
+
+    @switch_cached
+    def plan(k):
+        calls.append(k)
+        v = env("HMSCALE_SSD_TEST_RACE", "a")
+        if len(calls) == 2:
+            os.environ["HMSCALE_SSD_TEST_RACE"] = "b"  # (as another thread would, between the key and this read)
+        return v
+
+    monkeypatch.setenv("HMSCALE_SSD_TEST_RACE", "a")
+    plan(0)  # the switch's first read: known from now on
+    assert plan(0) == "a" and calls == [0, 0]  # the switch changed during this call: not stored under "a"
+    monkeypatch.setenv("HMSCALE_SSD_TEST_RACE", "a")
+    assert plan(0) == "a" and plan(0) == "a" and calls == [0, 0, 0]  # computed again, then served
 
 
 def test_switch_cached_does_not_keep_errors(monkeypatch):
