@@ -112,9 +112,10 @@ def to_hedgemamba(student: HedgehogForCausalLM, components=None) -> HedgeMambaFo
     _copy(bb.final_layer_norm.weight, neox.final_layer_norm.weight, "final_layer_norm.weight")
     _copy(bb.final_layer_norm.bias, neox.final_layer_norm.bias, "final_layer_norm.bias")
     if cfg.tie_word_embeddings:
-        # one matrix, as in the teacher: the head is the embedding just copied (HedgeMamba ties them at build)
-        if model.lm_head.weight is not bb.embed_in.weight:
-            raise RuntimeError("to_hedgemamba: HedgeMamba with tie_word_embeddings did not tie lm_head to embed_in")
+        # one matrix, as in the teacher: the head is the embedding just copied. HedgeMamba ties them at build through
+        # transformers' tie_weights, which another thread's from_pretrained replaces by a no-op for as long as it
+        # loads (transformers' no_tie_weights patches the class): tie here by hand, whatever that build did
+        model.lm_head.weight = bb.embed_in.weight
         if not torch.equal(teacher.get_output_embeddings().weight, neox.embed_in.weight):
             raise ValueError("to_hedgemamba: the teacher's config ties its word embeddings (tie_word_embeddings=True) "
                              "but its embed_out and embed_in weights differ; load the teacher so that they are tied, "

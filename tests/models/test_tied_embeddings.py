@@ -83,6 +83,22 @@ def test_a_tied_teacher_converts_to_a_tied_hedgemamba():
     assert compare_logits(student, model, _ids())["max_abs"] == 0.0
 
 
+def test_the_conversion_ties_while_another_thread_loads_a_model():
+    """transformers' from_pretrained replaces PreTrainedModel.tie_weights by a no-op while it loads (no_tie_weights,
+    a class-wide patch): a HedgeMamba built meanwhile in another thread came out untied, and the conversion raised
+    (seen once in a full suite run, 2026-12-06). It ties by hand now."""
+    from transformers.initialization import no_tie_weights
+
+    from hmscale.models.convert import to_hedgemamba
+
+    student = _student(tied=True)
+    with no_tie_weights():  # (what the other thread's load holds)
+        model = to_hedgemamba(student).eval()
+    assert _is_tied(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, student(_ids()).logits, rtol=2e-4, atol=2e-4)
+
+
 def test_an_untied_teacher_converts_as_before():
     from hmscale.models.convert import hedgemamba_config_from_teacher, to_hedgemamba
 
