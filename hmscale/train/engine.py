@@ -63,12 +63,17 @@ def device_for(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def _deepspeed_on_cpu() -> None:
-    """A CPU engine (``parallel.use_gpu=false``) on a host with CUDA: DeepSpeed would take its CUDA accelerator (and
-    move the model to cuda:0, build its buffers there); give it the CPU one, as on a machine without CUDA."""
+def _deepspeed_accelerator(gpu: bool) -> None:
+    """On a host with CUDA, DeepSpeed's accelerator for this engine: a CPU engine (``parallel.use_gpu=false``) gets
+    the CPU one, as on a machine without CUDA (DeepSpeed would take CUDA's, move the model to cuda:0 and build its
+    buffers there); a GPU engine after one in the same process gets CUDA's back."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
-    if get_accelerator().device_name() != "cpu":
+    if gpu and get_accelerator().device_name() == "cpu":
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
+    elif not gpu and get_accelerator().device_name() != "cpu":
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
@@ -97,10 +102,10 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
         os.environ.setdefault("LOCAL_RANK", "0")
     elif "LOCAL_RANK" not in os.environ:  # DeepSpeed insists on it; an existing one-node group: rank
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())
+    if torch.cuda.is_available():
+        _deepspeed_accelerator(use_gpu)
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(device_for(True))
-    elif torch.cuda.is_available():
-        _deepspeed_on_cpu()
     with _no_shm_inference_op(backend):
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if backend == "gloo" and os.environ.get("MASTER_PORT"):

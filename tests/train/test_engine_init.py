@@ -69,7 +69,7 @@ def test_no_test_or_benchmark_starts_deepspeed_comm_around_the_engine():
 
 def test_cpu_engine_on_a_cuda_host_gives_deepspeed_the_cpu_accelerator(tmp_path):
     """parallel.use_gpu=false where CUDA is present (faked here): DeepSpeed's accelerator becomes the CPU one before
-    its process group is made, so the engine keeps the model on the CPU; use_gpu=true leaves it alone."""
+    its process group is made, so the engine keeps the model on the CPU; a GPU engine after it gets CUDA's back."""
     code = """
 import torch
 torch.cuda.is_available = lambda: True
@@ -77,10 +77,11 @@ from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 import hmscale.train.engine as engine
 set_accelerator(CUDA_Accelerator())
-engine._deepspeed_on_cpu = (lambda real: lambda: (print("switch"), real()))(engine._deepspeed_on_cpu)
 print(engine.init_distributed(False), get_accelerator().device_name())
+engine._deepspeed_accelerator(True)  # a GPU engine later in the same process
+print(get_accelerator().device_name())
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-2:] == ["switch", "(0, 1) cpu"], r.stdout
+    assert r.stdout.strip().splitlines()[-2:] == ["(0, 1) cpu", "cuda"], r.stdout
