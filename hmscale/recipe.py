@@ -26,6 +26,7 @@ from pathlib import Path
 from hmscale.atomic import (atomic_write_json, flock_waiting, remove_temporaries, storage_error_line,
                             writable_dir_problem)
 from hmscale.config import RunConfig, save_resolved, stage1_cache_problem, unused_settings
+from hmscale.hf_load import from_pretrained
 from hmscale.run_identity import different_run, eval_hash, run_mismatch, saved_config_mismatch, training_hash
 
 
@@ -336,7 +337,7 @@ def load_final_model(run_dir: Path, data=None):
         if data is not None:
             data.tokenizer.save_pretrained(tmp)
         tmp.rename(model_dir)
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return from_pretrained(AutoModelForCausalLM, model_dir).eval()
 
 
 def stage1_label(results: dict) -> str:

@@ -4,7 +4,7 @@
     3:      hmscale.train, hmscale.eval, hmscale.teacher, hmscale.worker_processes (how their local workers start)
     2:      hmscale.models, hmscale.parallel, hmscale.data
     1:      kernels
-    base:   hmscale.config, hmscale.atomic, hmscale.requirements (importable from every layer)
+    base:   hmscale.config, hmscale.atomic, hmscale.requirements, hmscale.hf_load (importable from every layer)
 
 A package may import its own layer's other packages (train reads the teacher cache) and anything below it."""
 
@@ -17,7 +17,7 @@ RANK = {"kernels": 1, "hmscale.models": 2, "hmscale.parallel": 2, "hmscale.data"
         "hmscale.eval": 3, "hmscale.teacher": 3, "hmscale.worker_processes": 3, "ray_jobs": 4, "scaling": 4,
         "hmscale.cli": 4, "hmscale.recipe": 4,
         "hmscale.report": 4, "hmscale.submit": 4, "hmscale.ray_cluster": 4, "hmscale.run_identity": 4,
-        "hmscale.config": 0, "hmscale.atomic": 0, "hmscale.requirements": 0}
+        "hmscale.config": 0, "hmscale.atomic": 0, "hmscale.requirements": 0, "hmscale.hf_load": 0}
 # the exceptions, each for a stated reason (a new one must be added here, with its own)
 ALLOWED = {
     # build_cache(engine="ray") hands the shards to the Ray actors of the top layer, imported when asked for

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from hmscale.hf_load import from_pretrained
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -42,7 +44,7 @@ def load_model_and_tokenizer(model_dir: str, device: str | torch.device = "cpu",
 
     import hmscale.models  # noqa: F401  (registers HedgeMamba with the Auto classes)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device=device, dtype=dtype).eval()
+    model = from_pretrained(AutoModelForCausalLM, model_dir).to(device=device, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 

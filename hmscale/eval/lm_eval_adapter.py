@@ -17,6 +17,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from hmscale.hf_load import from_pretrained
+
 
 def _lm_device(device) -> torch.device:
     """The device to score on; lm_eval's CLI passes ``cuda:0`` unless told otherwise (``--device``), so without a GPU
@@ -89,7 +91,7 @@ class HmscaleLM(LM):
             import hmscale.models  # noqa: F401  (registers HedgeMamba with the Auto classes)
 
             pretrained = str(d) if local else pretrained
-            model = AutoModelForCausalLM.from_pretrained(pretrained, trust_remote_code=True)
+            model = from_pretrained(AutoModelForCausalLM, pretrained, trust_remote_code=True)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(pretrained)
         if tokenizer is None:
             raise ValueError("HmscaleLM needs the tokenizer the model was trained with")

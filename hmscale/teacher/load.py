@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hmscale.hf_load import from_pretrained
 from hmscale.models.neox_attention import check_default_rope
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -85,7 +86,7 @@ def load_teacher(name_or_path: str | os.PathLike, dtype="float32", device="cpu")
         config_dict, _ = PretrainedConfig.get_config_dict(source)
         check_architecture(name, config_dict)
         check_rope(name, config_dict)
-        model, info = GPTNeoXForCausalLM.from_pretrained(source, dtype=torch_dtype, output_loading_info=True)
+        model, info = from_pretrained(GPTNeoXForCausalLM, source, dtype=torch_dtype, output_loading_info=True)
     except StrictDataclassError as err:  # transformers 5's config validation (not a ValueError; several lines)
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         raise ValueError(f"teacher.name_or_path: {name!r}: transformers refuses its config.json "
