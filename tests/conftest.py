@@ -131,29 +131,31 @@ def pytest_runtest_teardown(item, nextitem):
         _check_tie_weights(item)
 
 
-_TIE_WEIGHTS: list = []  # transformers' PreTrainedModel.tie_weights, as first seen unpatched
+_TIE_WEIGHTS: list = []  # transformers' PreTrainedModel.tie_weights, as last seen unpatched
+
+
+def _tie_weights_patched() -> bool:
+    """Whether transformers' PreTrainedModel.tie_weights is its load-time no-op now (remembering it while it is not)."""
+    mu = sys.modules.get("transformers.modeling_utils")
+    cur = mu.PreTrainedModel.__dict__.get("tie_weights") if mu is not None else None
+    if cur is None or getattr(cur, "__name__", "") != "empty_func":
+        if cur is not None:
+            _TIE_WEIGHTS[:] = [cur]
+        return False
+    return True
 
 
 def pytest_runtest_setup(item):
-    mu = sys.modules.get("transformers.modeling_utils")
-    cur = mu.PreTrainedModel.__dict__.get("tie_weights") if mu is not None else None
-    if cur is not None and getattr(cur, "__name__", "") != "empty_func":
-        _TIE_WEIGHTS[:] = [cur]
+    _tie_weights_patched()
 
 
 def _check_tie_weights(item) -> None:
     """transformers' from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it loads and puts back what
     it found: two loads overlapping in threads leave the no-op for good, and every later tied model of this worker
-    comes out untied (a full run of 2026-12-06 failed so in a later test). Restore it, and name the test it
-    happened in (pytest's warnings summary)."""
-    mu = sys.modules.get("transformers.modeling_utils")
-    if mu is None:
-        return
-    cur = mu.PreTrainedModel.__dict__.get("tie_weights")
-    if getattr(cur, "__name__", "") != "empty_func":
-        _TIE_WEIGHTS[:] = [cur]
-    elif _TIE_WEIGHTS:
-        mu.PreTrainedModel.tie_weights = _TIE_WEIGHTS[0]
+    comes out untied (a full run of 2026-12-06 failed so in a later test; hmscale.hf_load now serialises the product's
+    loads). Restore it, and name the test it happened in (pytest's warnings summary)."""
+    if _tie_weights_patched() and _TIE_WEIGHTS:
+        sys.modules["transformers.modeling_utils"].PreTrainedModel.tie_weights = _TIE_WEIGHTS[0]
         import warnings
 
         warnings.warn(f"{item.nodeid} left transformers' PreTrainedModel.tie_weights patched to a no-op (restored)")

@@ -104,8 +104,8 @@ def init_distributed(use_gpu: bool = False) -> tuple[int, int]:
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % max(torch.cuda.device_count(), 1) if use_gpu else dist.get_rank())
     if torch.cuda.is_available():
         _deepspeed_accelerator(use_gpu)
-    if use_gpu and torch.cuda.is_available():
-        torch.cuda.set_device(device_for(True))
+        if use_gpu:
+            torch.cuda.set_device(device_for(True))
     with _no_shm_inference_op(backend):
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if backend == "gloo" and os.environ.get("MASTER_PORT"):
@@ -277,9 +277,9 @@ def resolve_adam(spec: OptimSpec, conf: dict) -> str:
     * ``foreach``: torch's Adam as DeepSpeed builds it from the JSON (``torch_adam``: ~7 elementwise passes).
     * ``deepspeed``: DeepSpeed's own (FusedAdam, a CUDA JIT build; DeepSpeedCPUAdam when the optimizer is offloaded).
     * ``auto``: ``fused`` on CUDA (``OptimSpec.gpu()``: the engine's device, not the host's) unless the ZeRO config
-      offloads the optimizer (then what the JSON says); on CPU ``foreach`` (DeepSpeed's fused and CPU Adams need their JIT builds). A JSON whose optimizer is not Adam/AdamW
-      (SGD, Lamb): ``deepspeed``, its own optimizer as DeepSpeed builds it (on CPU ``foreach`` handed torch's SGD a
-      ``torch_adam`` argument: a TypeError traceback)."""
+      offloads the optimizer (then what the JSON says); on CPU ``foreach`` (DeepSpeed's fused and CPU Adams need their
+      JIT builds). A JSON whose optimizer is not Adam/AdamW (SGD, Lamb): ``deepspeed``, its own optimizer as DeepSpeed
+      builds it (on CPU ``foreach`` handed torch's SGD a ``torch_adam`` argument: a TypeError traceback)."""
     if spec.adam not in ADAM_CHOICES:
         raise TrainingError(f"parallel.adam: {spec.adam!r}; use one of {', '.join(ADAM_CHOICES)}")
     kind = str(conf.get("optimizer", {}).get("type", "AdamW")).lower()
