@@ -22,36 +22,34 @@ from .chunked_torch import check_ssd_args
 from .reference import doc_ids_from_seq_idx
 from .settings import env, env_frozen
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
-from .ssd_triton_fwd import keeps_gram, keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd, state_layout
+from .ssd_triton_fwd import keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd, state_layout
 
 __all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_mode"]
 
 
 def _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum):
-    """(y, final, states, gdec, ynum, den, sexp, gram) of the Triton forward; ynum and den are None when not kept,
-    sexp (the states' exponents) empty unless they are stored as scaled fp16, gram (the chunks' C . B^T) empty
-    unless ``keeps_gram``."""
-    y, ynum, den, final, states, gdec, sexp, gram = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size,
-                                                            out_dtype, norm, Dhp, save_ynum=save_ynum)
-    return y, final, states, gdec, ynum, den, sexp, gram
+    """(y, final, states, gdec, ynum, den, sexp) of the Triton forward; ynum and den are None when not kept, sexp
+    (the states' exponents) empty unless they are stored as scaled fp16."""
+    y, ynum, den, final, states, gdec, sexp = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                      norm, Dhp, save_ynum=save_ynum)
+    return y, final, states, gdec, ynum, den, sexp
 
 
 def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm,
-                   sexp, gram):
+                   sexp):
     """(dx, ddt, dA, dB, dC, dinit, dD) of the Triton backward (dinit, dD None when absent)."""
     with env_frozen():
         return _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
-                                            chunk_size, has_init, norm, sexp, gram)
+                                            chunk_size, has_init, norm, sexp)
 
 
 def _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size,
-                                 has_init, norm, sexp, gram):
+                                 has_init, norm, sexp):
     if dy is None:
         dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
     dden = None
     dyn = dy
     ys = dict(ysaved=ynum, den=den) if ynum is not None and save_y_mode() else {}  # ynum: v2 only (keeps_ynum)
-    ys["gram"] = gram
     if norm and norm_bwd_mode() == "rowscale" and x.dtype == torch.bfloat16 and dy.dtype == torch.bfloat16:
         _, dden = norm_bwd_prologue(dy, ynum, den, write_dyn=False)
         return ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, chunk_size, has_init, D=Dhp, dyo=dy,
@@ -87,10 +85,9 @@ class SSDCoreFunction(torch.autograd.Function):
         # an unused output's gradient arrives as None, not as zeros autograd allocates and fills on every call (the
         # final state's, in training and in benchmarks): the backward then reads no dfinal
         ctx.set_materialize_grads(False)
-        y, final, states, gdec, ynum, den, sexp, gram = _core_forward(x, dt, A, B, C, initial_state, doc,
-                                                                      chunk_size, out_dtype, norm, Dhp,
-                                                                      any(ctx.needs_input_grad))
-        ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, gram)
+        y, final, states, gdec, ynum, den, sexp = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size,
+                                                                out_dtype, norm, Dhp, any(ctx.needs_input_grad))
+        ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp)
         ctx.chunk_size = chunk_size
         ctx.has_init = initial_state is not None
         ctx.norm = norm
@@ -99,9 +96,9 @@ class SSDCoreFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the Triton backward is not differentiable: a second derivative raises, not silently 0
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, gram = ctx.saved_tensors
+        x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp = ctx.saved_tensors
         dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
-                                                        ctx.chunk_size, ctx.has_init, ctx.norm, sexp, gram)
+                                                        ctx.chunk_size, ctx.has_init, ctx.norm, sexp)
         return dx, ddt, dA, dB, dC, dinit, None, None, None, None, dD
 
 
@@ -110,8 +107,6 @@ class SSDCoreFunction(torch.autograd.Function):
 # the backward op in the backward graph. Absent optional outputs are empty tensors (an op returns tensors).
 _Opt = Optional[torch.Tensor]
 _OUT7 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-_OUT8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-              torch.Tensor]
 
 
 def _or_empty(t, like):
@@ -125,10 +120,10 @@ def _none_if_empty(t):
 @torch.library.custom_op("hmscale::ssd_core_fwd", mutates_args=())
 def core_fwd_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 initial_state: _Opt, doc: _Opt, chunk_size: int, out_dtype: torch.dtype, norm: bool, Dhp: _Opt,
-                save_ynum: bool) -> _OUT8:
-    y, final, states, gdec, ynum, den, sexp, gram = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size,
-                                                                  out_dtype, norm, Dhp, save_ynum)
-    return y, final, states, gdec, _or_empty(ynum, x), _or_empty(den, x), sexp, gram
+                save_ynum: bool) -> _OUT7:
+    y, final, states, gdec, ynum, den, sexp = _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
+                                                            norm, Dhp, save_ynum)
+    return y, final, states, gdec, _or_empty(ynum, x), _or_empty(den, x), sexp
 
 
 @core_fwd_op.register_fake
@@ -143,24 +138,22 @@ def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save
             x.new_empty(b, h, nc, ps, n, dtype=st_dtype), x.new_empty(b * h, nc, dtype=f32),
             x.new_empty((b, l, h, p) if keeps_ynum(norm, save_ynum) else (0,), dtype=f32),
             x.new_empty((b, l, h) if norm else (0,), dtype=f32),
-            x.new_empty((b, h, nc, ps, n // gs) if gs else (0,), dtype=torch.int8),
-            x.new_empty((b * h, nc, chunk_size, chunk_size) if keeps_gram(keeps_ynum(norm, save_ynum)) else (0,),
-                        dtype=f32))
+            x.new_empty((b, h, nc, ps, n // gs) if gs else (0,), dtype=torch.int8))
 
 
 @torch.library.custom_op("hmscale::ssd_core_bwd", mutates_args=())
 def core_bwd_op(dy: _Opt, dfinal: _Opt, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, doc: _Opt, states: torch.Tensor, gdec: torch.Tensor, ynum: torch.Tensor,
                 den: torch.Tensor, Dhp: _Opt, chunk_size: int, has_init: bool, norm: bool,
-                sexp: torch.Tensor, gram: torch.Tensor) -> _OUT7:
+                sexp: torch.Tensor) -> _OUT7:
     dx, ddt, dA, dB, dC, dinit, dD = _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec,
                                                     _none_if_empty(ynum), _none_if_empty(den), Dhp, chunk_size,
-                                                    has_init, norm, sexp, gram)
+                                                    has_init, norm, sexp)
     return dx, ddt, dA, dB, dC, _or_empty(dinit, x), _or_empty(dD, x)
 
 
 @core_bwd_op.register_fake
-def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm, sexp, gram):
+def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm, sexp):
     b, l, h, p = x.shape
     f32 = torch.float32
     return (torch.empty_like(x), x.new_empty(b, l, h, dtype=f32), x.new_empty(h, dtype=f32), torch.empty_like(B),
@@ -170,15 +163,15 @@ def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size,
 
 def _op_setup_context(ctx, inputs, output):
     x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum = inputs
-    _, _, states, gdec, ynum, den, sexp, gram = output
-    ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, gram)
+    _, _, states, gdec, ynum, den, sexp = output
+    ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp)
     ctx.chunk_size, ctx.has_init, ctx.norm = chunk_size, initial_state is not None, norm
 
 
 def _op_backward(ctx, dy, dfinal, *_unused):
-    x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp, gram = ctx.saved_tensors
+    x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp = ctx.saved_tensors
     dx, ddt, dA, dB, dC, dinit, dD = core_bwd_op(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
-                                                 ctx.chunk_size, ctx.has_init, ctx.norm, sexp, gram)
+                                                 ctx.chunk_size, ctx.has_init, ctx.norm, sexp)
     return (dx, ddt, dA, dB, dC, dinit if ctx.has_init else None, None, None, None, None,
             dD if Dhp is not None else None, None)
 

@@ -316,14 +316,13 @@ def _dcs_store(ddt_direct, u, dyy, dt, wend, tt, ddt_ptr, dcs_ptr, po, Q: tl.con
 
 @triton.jit
 def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                      dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, gram_ptr,
+                      dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
                       L, H, G, P, N, NC, NPB,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                       DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr = False,
                       DY_SCALE: tl.constexpr = False, TILE_MAJOR: tl.constexpr = False,
-                      Y_SAVED: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                      GRAM_SAVED: tl.constexpr = False):
+                      Y_SAVED: tl.constexpr = False, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """Backward variant "v2" (the default; HMSCALE_SSD_BWD=v1 selects the older one): dx plus, as partial sums over
     this p tile, the direct dt gradient and d cs, using ``rowsum(PG dt) + v = dy . y`` (y recomputed in fp32) and
     ``colPG + wend u = x . (dx / dt)``. All dots feeding those sums run at about fp32 accuracy (XPREC). With NORM
@@ -335,9 +334,7 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
     B, C tiles: L2 hits instead of HBM reads); else (chunks, batch*head, p tiles).
     Y_SAVED: the forward kept y (the fp32 numerator, before 1/den and D) at ``ys_ptr``, and with NORM its
     normaliser den at ``den_ptr``: dy . y reads them instead of recomputing y, so the entering states S0 are not
-    read and 4 of the kernel's 9 state-precision dots go.
-    GRAM_SAVED: the forward kept each chunk's fp32 C . B^T at ``gram_ptr`` (``keeps_gram``): read instead of formed
-    over N (with Y_SAVED the n loop then loads no C at all)."""
+    read and 4 of the kernel's 9 state-precision dots go."""
     if TILE_MAJOR:
         c = tl.program_id(0) // NPB
         pb = tl.program_id(0) % NPB
@@ -345,20 +342,19 @@ def _chunk_bwd_dx_dcs(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_
         c = tl.program_id(0)
         pb = tl.program_id(2)
     _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                 dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, gram_ptr, c, pb,
+                 dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb,
                  tl.program_id(1).to(tl.int64), L, H, G, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT,
-                 NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD, GRAM_SAVED)
+                 NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD)
 
 
 @triton.jit
 def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr, dx_ptr,
-                 ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, gram_ptr, c, pb, bh,
+                 ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, pb, bh,
                  L, H, G, P, N, NC, NPB,
                  Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                  HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
                  DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr, GSD: tl.constexpr,
-                 GRAM_SAVED: tl.constexpr = False):
+                 DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr, GSD: tl.constexpr):
     """One (chunk ``c``, p tile ``pb``, batch*head ``bh``) program of ``_chunk_bwd_dx_dcs`` (also run by
     ``_chunk_bwd_pair``)."""
     b = bh // H
@@ -380,10 +376,8 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
         bc_off = offs_t[:, None] * (G * N) + offs_n[None, :]
         bc_mask = mask_t[:, None] & mask_n[None, :]
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
-        if not GRAM_SAVED or not Y_SAVED:
-            Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
-        if not GRAM_SAVED:
-            accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        accGT += tl.dot(Bt, tl.trans(Ct), input_precision=PREC)
         so = offs_p[None, :] * N + offs_n[:, None]
         sm = mask_p[None, :] & mask_n[:, None]
         # (BN, BP) = dS^T
@@ -400,8 +394,6 @@ def _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, 
                 S0r = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GSS, BN)
                 accYIr += tl.sum(Ct.to(tl.float32) * S0r[None, :], axis=1)
     tt = tl.arange(0, Q)
-    if GRAM_SAVED:  # [s, t] = the forward's [t, s]
-        accGT = tl.load(gram_ptr + (bh * NC + c) * (Q * Q) + (tt[None, :] * Q + tt[:, None]))
     keep = tt[:, None] <= tt[None, :]  # s <= t
     wend = tl.exp(cs_end - cs)
     win = tl.exp(cs)
@@ -593,12 +585,11 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
 @triton.jit
 def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
                     dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dcs_ptr, dg_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr,
-                    gram_ptr, L, H, P, N, NC, NPB, NNB,
+                    L, H, P, N, NC, NPB, NNB,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BPD: tl.constexpr, BND: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPREC: tl.constexpr,
                     IN_DTYPE: tl.constexpr, DY_EXACT: tl.constexpr, NORM: tl.constexpr, HAS_D: tl.constexpr,
-                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0,
-                    GRAM_SAVED: tl.constexpr = False):
+                    DY_SCALE: tl.constexpr, Y_SAVED: tl.constexpr, GSS: tl.constexpr = 0, GSD: tl.constexpr = 0):
     """``_chunk_bwd_dbc`` (one head per group) and ``_chunk_bwd_dx_dcs`` in one launch, their programs interleaved by
     chunk: grid (chunks x (NNB + NPB), batch*head); program k of chunk c is dB/dC's n tile k for k < NNB, else dx's
     p tile k - NNB. The NNB + NPB programs of a chunk run at about the same time and read the same dS, x, dy, B and
@@ -614,9 +605,8 @@ def _chunk_bwd_pair(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_pt
                   HAS_DOC, PREC, SPREC, IN_DTYPE, False, NORM, DY_EXACT, DY_SCALE, True, GSS, GSD)
     else:
         _dx_dcs_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, dst_ptr, se_ptr, de_ptr,
-                     dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, gram_ptr, c, k - NNB, bh, L,
-                     H, H, P, N, NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED,
-                     GSS, GSD, GRAM_SAVED)
+                     dx_ptr, ddt_ptr, dcs_ptr, dyo_ptr, D_ptr, dD_ptr, den_ptr, ys_ptr, c, k - NNB, bh, L, H, H, P, N,
+                     NC, NPB, Q, BP, BN, HAS_DOC, PREC, XPREC, DY_EXACT, NORM, HAS_D, DY_SCALE, Y_SAVED, GSS, GSD)
 
 
 @triton.jit
@@ -875,10 +865,9 @@ class BwdPlan(NamedTuple):
 @switch_cached
 def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, Q: int, nc: int,
              norm: bool, has_d: bool, has_doc: bool, has_dfinal: bool, need_dinit: bool, dy_scale: bool,
-             y_saved: bool, gss: int, dev: torch.device, sms, gram_saved: bool = False) -> BwdPlan:
+             y_saved: bool, gss: int, dev: torch.device, sms) -> BwdPlan:
     """The launch plan of one backward call (``sms``: the multiprocessor count, part of the key; ``gss``: the
-    forward states' scale group; ``gram_saved``: the forward kept its chunks' C . B^T). Memoised with the switches'
-    values, like ``fwd_plan``."""
+    forward states' scale group). Memoised with the switches' values, like ``fwd_plan``."""
     v2 = bwd_variant() == "v2"
     prec, sprec = precisions(dtype)
     # dtype of the dots that involve dy: the input dtype, except when dy is fp32 for 16-bit inputs
@@ -935,12 +924,11 @@ def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtyp
     if pair:
         kw = dict(Q=Q, BP=BP2, BN=BN2, BPD=BP_dbc, BND=BN_dbc, HAS_DOC=has_doc, PREC=prec, XPREC=xprec,
                   SPREC=dbc_state_precision(dtype), IN_DTYPE=in_dtype, DY_EXACT=dy_exact, **flags, Y_SAVED=y_saved,
-                  GSS=gss, GSD=gsd, GRAM_SAVED=gram_saved, num_warps=nw2, **extra,
-                  **register_cap("pair", dtype, Q, p))
+                  GSS=gss, GSD=gsd, num_warps=nw2, **extra, **register_cap("pair", dtype, Q, p))
         return BwdPlan(*head, "pair", nnb, npb, (nc * (npb + nnb), b * h), kw, (), {})
     tm = tile_major("dx", npb)
     dx_kw = dict(Q=Q, BP=BP2, BN=BN2, HAS_DOC=has_doc, PREC=prec, XPREC=xprec, DY_EXACT=dy_exact, **flags,
-                 TILE_MAJOR=tm, Y_SAVED=y_saved, GSS=gss, GSD=gsd, GRAM_SAVED=gram_saved, num_warps=nw2, **extra,
+                 TILE_MAJOR=tm, Y_SAVED=y_saved, GSS=gss, GSD=gsd, num_warps=nw2, **extra,
                  **register_cap("dx", dtype, Q))
     tmb = tile_major("dbc", nnb)
     dbc_kw = dict(SPREC=dbc_state_precision(dtype), DCS=False, NORM=int(norm), DY_SCALE=dy_scale, TILE_MAJOR=tmb,
@@ -950,7 +938,7 @@ def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtyp
 
 
 def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
-            dy_den=None, ysaved=None, den=None, sexp=None, gram=None):
+            dy_den=None, ysaved=None, den=None, sexp=None):
     """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
     when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
     the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
@@ -959,8 +947,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots).
     ``ysaved`` (v2 only): the forward's fp32 numerator y (b, l, h, p), and ``den`` its normaliser when normalised:
     the dx kernel reads them instead of recomputing y from the entering states. ``sexp``: the states' exponents
-    from ``ssd_fwd`` (scaled fp16 storage; None or empty otherwise). ``gram``: the chunks' C . B^T from ``ssd_fwd``
-    (``keeps_gram``; None or empty otherwise), read by the dx kernel (the paired and the two-launch forms)."""
+    from ``ssd_fwd`` (scaled fp16 storage; None or empty otherwise)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = states.shape[2]
@@ -973,12 +960,9 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
         raise ValueError("the saved numerator (ysaved) of a normalised call needs its den")
     dev = x.device
     gss = n // sexp.shape[-1] if sexp is not None and sexp.numel() else 0
-    gram_saved = gram is not None and gram.numel() > 0
-    if gram_saved and gram.shape != (b * h, nc, Q, Q):
-        raise ValueError(f"ssd_bwd: gram must be (b*h, chunks, Q, Q) = {(b * h, nc, Q, Q)}, got {tuple(gram.shape)}")
     has_d, has_doc, has_dfinal = D is not None, doc is not None, dfinal is not None
     pl = bwd_plan(b, h, g, p, n, x.dtype, dy.dtype, Q, nc, norm, has_d, has_doc, has_dfinal, need_dinit,
-                  dy_scale, ysaved is not None, gss, dev, _fwd._sm_count(dev), gram_saved)
+                  dy_scale, ysaved is not None, gss, dev, _fwd._sm_count(dev))
     den_arg = dy_den.contiguous() if dy_scale else (den.contiguous() if den is not None else dt)
     doc_arg = doc if has_doc else dt
     dy = dy.contiguous()
@@ -1013,12 +997,11 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     elif pl.kind == "pair":
         launch(_chunk_bwd_pair, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
                dB, dC, ddt_part, dcs_part, dg, dyo_arg, D_arg, dD_arg, den_arg,
-               ysaved if ysaved is not None else dt, gram if gram_saved else dt, l, h, p, n, nc, npb, nnb,
-               **pl.dx_kw)
+               ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb, **pl.dx_kw)
     elif pl.kind == "two":
         launch(_chunk_bwd_dx_dcs, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
                ddt_part, dcs_part, dyo_arg, D_arg, dD_arg, den_arg, ysaved if ysaved is not None else dt,
-               gram if gram_saved else dt, l, h, g, p, n, nc, npb, **pl.dx_kw)
+               l, h, g, p, n, nc, npb, **pl.dx_kw)
         launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dB, dC,
                ddt_part, dcs_part, den_arg, dg, l, h, g, p, n, nc, nnb, **pl.dbc_kw)
     else:  # v1

@@ -461,17 +461,14 @@ def _state_fused_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, doc_ptr, st_ptr, gdec_ptr, ini
 
 @triton.jit
 def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, den_ptr, ynum_ptr, D_ptr, se_ptr,
-                    gram_ptr, L, H, G, P, N, NC,
+                    L, H, G, P, N, NC,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     HAS_DOC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, NORM: tl.constexpr,
                     SAVE_YNUM: tl.constexpr = False, HAS_D: tl.constexpr = False, YPREC: tl.constexpr = "ieee",
-                    GS: tl.constexpr = 0, SAVE_GRAM: tl.constexpr = False):
+                    GS: tl.constexpr = 0):
     """y of one (chunk, p tile). SAVE_YNUM: also keep the fp32 numerator for the backward, whose decay gradient
     (sums that cancel) needs it at about fp32 accuracy: its two dots then run at YPREC (``state_precision``).
-    GS > 0: the states are stored scaled (``_load_st_tile``, exponents at ``se_ptr``).
-    SAVE_GRAM: the first p tile also keeps the chunk's fp32 C . B^T [t, s] (no decay, no document mask) at
-    ``gram_ptr`` (batch*head, chunk, Q, Q), which the backward's dx then reads instead of forming B . C^T again
-    (``keeps_gram``)."""
+    GS > 0: the states are stored scaled (``_load_st_tile``, exponents at ``se_ptr``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -515,10 +512,6 @@ def _chunk_scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_ptr, y_ptr, 
                          mask=mask_t[:, None] & mask_n[None, :], other=0.0)
             Sr = _load_st_row(st_ptr, s_base, offs_n, mask_n, se_ptr, n0, P, N, GS, BN)
             accR += tl.sum(Ct.to(tl.float32) * Sr[None, :], axis=1)
-    if SAVE_GRAM:
-        if pb == 0:
-            tq = tl.arange(0, Q)
-            tl.store(gram_ptr + (bh * NC + c) * (Q * Q) + (tq[:, None] * Q + tq[None, :]), accG)
     decay, win, _ = _chunk_weights(doc_ptr, b, c, L, offs_t, mask_t, cs, cs_end, Q, HAS_DOC)
     M = accG * decay * dt[None, :]
     x = _load_rows(x_ptr + (b * L * H + h) * P, offs_t, mask_t, H * P, offs_p, mask_p)
@@ -890,25 +883,6 @@ def keeps_ynum(norm: bool, save_ynum: bool) -> bool:
     return save_ynum and (norm or (save_y_mode() and bwd_variant() == "v2"))
 
 
-def save_gram_mode() -> str:
-    """``HMSCALE_SSD_SAVE_GRAM=auto|1|0``: whether a forward that keeps the numerator for the dx kernel
-    (``keeps_ynum`` under ``save_y_mode``) also keeps each chunk's fp32 C . B^T (Q x Q per chunk and head: Q * 4
-    bytes per token and head, 256 at chunk 64), which dx then reads instead of forming it again over N from its own
-    B and C tiles (one of its three dot families, and all of its C loads). ``auto`` (default): never, until timed;
-    ``1``: wherever the numerator is kept (the fused dx + dB/dC kernel, P <= 64 without the normaliser, forms it once
-    per chunk itself and ignores it); ``0``: never."""
-    v = env("HMSCALE_SSD_SAVE_GRAM", "auto").lower()
-    if v not in ("auto", "1", "0"):
-        raise ValueError(f"HMSCALE_SSD_SAVE_GRAM must be auto, 1 or 0, got {v!r}")
-    return v
-
-
-def keeps_gram(keep_ynum: bool) -> bool:
-    """Whether a forward keeps its chunks' C . B^T for the backward (``save_gram_mode``); ``keep_ynum`` is what
-    ``keeps_ynum`` said for the call."""
-    return keep_ynum and save_y_mode() and bwd_variant() == "v2" and save_gram_mode() == "1"
-
-
 class FwdPlan(NamedTuple):
     """What one forward launches, from its shapes, options and the switches (``fwd_plan``)."""
     nc: int
@@ -916,7 +890,6 @@ class FwdPlan(NamedTuple):
     st_dtype: torch.dtype
     gs: int  # scale group of scaled fp16 states, 0 otherwise
     keep_ynum: bool
-    keep_gram: bool  # the chunks' C . B^T kept for the backward (keeps_gram)
     fused: bool  # one walk launch (_state_fused_fwd) instead of _chunk_state_fwd + _state_pass_fwd
     grid_state: tuple
     state_kw: dict
@@ -950,22 +923,20 @@ def fwd_plan(b: int, l: int, h: int, p: int, n: int, dtype: torch.dtype, Q: int,
         pass_kw = dict(HAS_INIT=has_init, BLOCK=BLOCK, GS=gs, num_warps=nwp)
     prec, sprec = precisions(dtype)
     keep = keeps_ynum(norm, save_ynum)
-    gram = keeps_gram(keep)
     bp, bn, nw, nst = kcfg("scan", dtype, Q, p)
     bp = min(bp, _pow2(p))
     scan_kw = dict(Q=Q, BP=bp, BN=reader_bn(min(bn, _pow2(n)), gs), HAS_DOC=has_doc, PREC=prec, SPREC=sprec,
-                   NORM=int(norm), SAVE_YNUM=keep, HAS_D=has_d, YPREC=state_precision(dtype), GS=gs,
-                   SAVE_GRAM=gram, num_warps=nw,
+                   NORM=int(norm), SAVE_YNUM=keep, HAS_D=has_d, YPREC=state_precision(dtype), GS=gs, num_warps=nw,
                    **(dict(num_stages=nst) if nst else {}), **register_cap("scan", dtype, Q, p))
-    return FwdPlan(nc, ps, st_dtype, gs, keep, gram, walk is not None, grid_state, state_kw, grid_pass, pass_kw,
+    return FwdPlan(nc, ps, st_dtype, gs, keep, walk is not None, grid_state, state_kw, grid_pass, pass_kw,
                    (nc, b * h, cdiv(p, bp)), scan_kw)
 
 
 def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bool = False, D=None,
             save_ynum: bool = False):
     """Run the forward. Returns y, ynum, den, final_state, states (S_prev of each chunk, p + norm rows, in the
-    storage dtype of ``state_layout``), gdecay, the states' exponents (``state_exponents``: int8, empty unless
-    the states are scaled fp16) and the chunks' C . B^T (fp32 (b*h, nc, Q, Q) where ``keeps_gram``, else empty). With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and
+    storage dtype of ``state_layout``), gdecay, and the states' exponents (``state_exponents``: int8, empty unless
+    the states are scaled fp16). With ``norm`` (the fused normaliser) y is already divided by den (b, l, h) fp32, and
     ynum, the fp32 numerator, is kept when ``save_ynum`` (else None); ``D`` ((h, p) fp32, or None) adds ``D x``."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -980,7 +951,6 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     y = torch.empty(b, l, h, p, device=dev, dtype=out_dtype or x.dtype)
     den = torch.empty(b, l, h, device=dev, dtype=torch.float32) if norm else None
     ynum = torch.empty(b, l, h, p, device=dev, dtype=torch.float32) if pl.keep_ynum else None
-    gram = torch.empty(b * h, nc, Q, Q, device=dev, dtype=torch.float32) if pl.keep_gram else gdec.new_empty(0)
     doc_arg = doc if has_doc else dt
     e_arg = sexp if pl.gs else gdec
     init_arg = initial_state if has_init else final
@@ -994,9 +964,8 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         launch(_chunk_state_fwd, pl.grid_state, x, dt, A, B, doc_arg, local, gdec, l, h, g, p, n, nc, **pl.state_kw)
         launch(_state_pass_fwd, pl.grid_pass, local, states, gdec, init_arg, final, e_arg, nc, ps * n, **pl.pass_kw)
     launch(_chunk_scan_fwd, pl.grid_scan, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
-           ynum if ynum is not None else y, D if D is not None else dt, e_arg, gram if pl.keep_gram else gdec,
-           l, h, g, p, n, nc, **pl.scan_kw)
-    return y, ynum, den, final, states, gdec, sexp, gram
+           ynum if ynum is not None else y, D if D is not None else dt, e_arg, l, h, g, p, n, nc, **pl.scan_kw)
+    return y, ynum, den, final, states, gdec, sexp
 
 
 @triton.jit

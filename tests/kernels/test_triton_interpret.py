@@ -603,66 +603,6 @@ def test_saved_numerator_or_recomputed(case, dtype, monkeypatch):
             assert rel(out[save][k], gr[k]) < tol, (save, k, rel(out[save][k], gr[k]))
 
 
-@pytest.mark.parametrize("pair", ["1", "0"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", [(dict(b=1, l=45, h=3, g=3, p=8, n=40), 16, dict(D=True, init=True, seq=True)),
-                                  (dict(b=2, l=45, h=2, g=2, p=40, n=40), 16,
-                                   dict(normalize=True, D=True, init=True, seq=True))])
-def test_saved_gram_or_recomputed(case, pair, dtype, monkeypatch):
-    """HMSCALE_SSD_SAVE_GRAM=1: the forward scan keeps each chunk's C . B^T and dx (paired with dB/dC or launched
-    alone, over several p and n tiles) reads it instead of forming B . C^T: the same products summed in another
-    order, so every gradient agrees with the recomputing backward to fp32 rounding and with the float64 reference
-    to the dtype's limit; the outputs are the same tensors."""
-    import kernels.ssd_triton_bwd as bwd
-    import kernels.ssd_triton_fwd as fwd
-
-    shape, chunk, opts = case
-    seen = []
-
-    def spy(mod):
-        orig = mod.launch
-        monkeypatch.setattr(mod, "launch", lambda k, grid, *a, **kw: seen.append(
-            (getattr(k, "fn", k).__name__, kw.get("SAVE_GRAM"), kw.get("GRAM_SAVED")))
-            or orig(k, grid, *a, **kw))
-    spy(fwd)
-    spy(bwd)
-    monkeypatch.setenv("HMSCALE_SSD_BWD_FUSE", "0")
-    monkeypatch.setenv("HMSCALE_SSD_BWD_PAIR", pair)
-    monkeypatch.setenv("HMSCALE_SSD_CFG", "dx=16,16,4;pair=16,16,4;scan=16,16,4")
-    ins, seq = make_inputs(**shape, **opts, dtype=dtype)
-    out = {}
-    for save in ("0", "1"):
-        monkeypatch.setenv("HMSCALE_SSD_SAVE_GRAM", save)
-        seen.clear()
-        out[save] = _run(_triton, ins, seq, opts, chunk, *out["0"][3:] if out else (), device=TRITON_DEVICE)
-        dx_kernel = "_chunk_bwd_pair" if pair == "1" else "_chunk_bwd_dx_dcs"
-        assert ("_chunk_scan_fwd", save == "1", None) in seen, seen
-        assert (dx_kernel, None, save == "1") in seen, seen
-    gr = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, chunk, *out["0"][3:])[2]
-    assert torch.equal(out["1"][0], out["0"][0]) and torch.equal(out["1"][1], out["0"][1])
-    for k in gr:
-        assert torch.isfinite(out["1"][2][k]).all(), k
-        assert rel(out["1"][2][k], out["0"][2][k]) < 1e-5, (k, rel(out["1"][2][k], out["0"][2][k]))
-        assert rel(out["1"][2][k], gr[k]) < (TOL if dtype == torch.float32 else 1e-2), (k, rel(out["1"][2][k], gr[k]))
-
-
-def test_gram_setting(monkeypatch):
-    """``HMSCALE_SSD_SAVE_GRAM``: kept only where the numerator is kept for dx and the switch says 1; a bad value
-    names the switch."""
-    from kernels.ssd_triton_fwd import keeps_gram
-
-    monkeypatch.delenv("HMSCALE_SSD_SAVE_GRAM", raising=False)
-    assert not keeps_gram(True)
-    monkeypatch.setenv("HMSCALE_SSD_SAVE_GRAM", "1")
-    assert keeps_gram(True) and not keeps_gram(False)
-    monkeypatch.setenv("HMSCALE_SSD_SAVE_Y", "0")
-    assert not keeps_gram(True)
-    monkeypatch.delenv("HMSCALE_SSD_SAVE_Y")
-    monkeypatch.setenv("HMSCALE_SSD_SAVE_GRAM", "yes")
-    with pytest.raises(ValueError, match="HMSCALE_SSD_SAVE_GRAM must be"):
-        keeps_gram(True)
-
-
 def test_state_storage_setting(monkeypatch):
     """HMSCALE_SSD_STATES: auto by default (fp16 S and dS for bf16 inputs, scaled); S[,dS] for bf16 inputs (dS
     follows a bf16 S, else fp32); fp16 and fp32 inputs keep fp32 whatever it says; an unknown name is a one-line error
