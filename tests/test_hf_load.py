@@ -1,5 +1,5 @@
 """hmscale.hf_load.from_pretrained: loads one at a time, so that overlapping loads in threads cannot leave
-transformers' PreTrainedModel.tie_weights patched to a no-op (found: tests/teacher/test_walk_concurrent_pretrain.py
+transformers' PreTrainedModel.tie_weights patched to a no-op (found: tests/teacher/test_concurrent_pretrain.py
 did, and a later tied conversion in that worker came out untied)."""
 
 import threading

@@ -411,7 +411,7 @@ def _no_warmup_optimizer_step():
     weight decay the fp32 master weights are decayed once, at the full lr, before training. ZeRO 1/2/3 and fp32 ZeRO 0
     create the state at the first real step. Without the warm-up step the state is created there too (torch's and
     DeepSpeed's Adams create it lazily): ZeRO 0 bf16 then steps as ZeRO 1 does
-    (tests/train/test_walk_bf16_zero0.py)."""
+    (tests/train/test_zero0_bf16_optimizer.py)."""
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 

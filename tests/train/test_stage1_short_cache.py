@@ -50,7 +50,7 @@ def test_the_note_counts_stage_1_steps_and_workers():
 def test_stage_1_from_a_short_cache_says_so_at_its_start(tmp_path, capsys, monkeypatch):
     """The run's own line, from its cache and data plan: and the rows do differ from an online stage 1's."""
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
-    from tests.train.test_walk_stage1_paths import common, data_of, teacher_of
+    from tests.train.test_stage1_modes import common, data_of, teacher_of
 
     from hmscale.config import build_config
     from hmscale.teacher.cache import open_for_run

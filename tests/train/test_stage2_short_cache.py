@@ -20,8 +20,8 @@ def _notes(res):
 
 
 def _overrides_of(root, *extra):
-    """The walk's miniature run (tests/train/test_walk_stage1_paths.py) with top-k cached, stage 2 without KD."""
-    from tests.train.test_walk_stage1_paths import common
+    """The miniature run of tests/train/test_stage1_modes.py with top-k cached, stage 2 without KD."""
+    from tests.train.test_stage1_modes import common
 
     return common(root) + ["cache.capture.topk=4", "stage2.steps=2", "stage2.micro_batch_size=2",
                            "stage2.warmup_steps=1", *extra]
@@ -35,7 +35,7 @@ def _walk_kd(root, *extra):
 
 def test_a_cached_kd_stage_2_reads_fewer_shards_than_one_without_kd(tmp_path):
     """The gap itself: the shards (and rows) stage 2 reads with cached KD from a short cache vs without KD."""
-    from tests.train.test_walk_stage1_paths import data_of, teacher_of
+    from tests.train.test_stage1_modes import data_of, teacher_of
 
     from hmscale.config import build_config
     from hmscale.teacher.cache.build import build_cache, plan_meta, stage_shard_ids
@@ -103,7 +103,7 @@ def test_the_note_counts_stage_2_steps_accumulation_and_workers():
 def test_stage_2_from_a_short_cache_says_so_at_its_start(tmp_path, capsys, monkeypatch):
     """The run's own line, from its cache's data plan and its steps; not a word with the whole budget cached."""
     monkeypatch.setenv("HMSCALE_NO_PROGRESS", "1")
-    from tests.train.test_walk_stage1_paths import data_of, teacher_of
+    from tests.train.test_stage1_modes import data_of, teacher_of
 
     from hmscale.teacher.cache.build import build_cache
     from hmscale.train.stage2 import run_stage2
