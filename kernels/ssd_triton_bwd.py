@@ -968,7 +968,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
     dst = torch.empty(states.shape, device=dev, dtype=pl.dst_dtype)  # dS leaving each chunk
-    dexp = state_exponents(dst, pl.gsd)
+    dexp = state_exponents(dst, pl.gsd, "dS")
     se_arg, de_arg = (sexp if gss else gdec), (dexp if pl.gsd else gdec)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst

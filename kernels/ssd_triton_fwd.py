@@ -26,7 +26,8 @@ programs, and the scan writes it as a separate output ``den`` (b, l, h).
 Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
 B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in the dtype of
 ``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 32+ columns wide, else fp32; scaled
-fp16 comes with int8 exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row); gdecay (b*h, nc) fp32.
+fp16 comes with exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row, int8 unless
+``exponent_dtype``); gdecay (b*h, nc) fp32.
 
 Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
 into two bf16 parts (hi + lo, about 16 mantissa bits) and multiplied on the bf16 tensor cores against the
@@ -358,11 +359,11 @@ def _store_st_tile(ptr, e_ptr, S, Sr, soff, smask, offs_p, emask, offs_n, rmask,
     if GS > 0:
         k = _group_exp(tl.max(tl.abs(S), axis=1))
         tl.store(ptr + soff, (S * _pow2f(-k)[:, None]).to(ptr.dtype.element_ty), mask=smask)
-        tl.store(e_ptr + (offs_p * N + n0) // GS, k.to(tl.int8), mask=emask)
+        tl.store(e_ptr + (offs_p * N + n0) // GS, k.to(e_ptr.dtype.element_ty), mask=emask)
         if NORM:
             kr = _group_exp(tl.max(tl.abs(Sr), axis=0))
             tl.store(ptr + P * N + offs_n, (Sr * _pow2f(-kr)).to(ptr.dtype.element_ty), mask=rmask)
-            tl.store(e_ptr + (P * N + offs_n) // GS, (offs_n * 0 + kr).to(tl.int8), mask=rmask & (offs_n == n0))
+            tl.store(e_ptr + (P * N + offs_n) // GS, (offs_n * 0 + kr).to(e_ptr.dtype.element_ty), mask=rmask & (offs_n == n0))
     else:
         _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
 
@@ -374,7 +375,7 @@ def _pass_store(ptr, S, mask, e_ptr, erow, emask, GS: tl.constexpr):
     if GS > 0:
         k = _group_exp(tl.max(tl.abs(S), axis=1))
         tl.store(ptr, (S * _pow2f(-k)[:, None]).to(ptr.dtype.element_ty), mask=mask)
-        tl.store(e_ptr + erow, k.to(tl.int8), mask=emask)
+        tl.store(e_ptr + erow, k.to(e_ptr.dtype.element_ty), mask=emask)
     else:
         tl.store(ptr, S.to(ptr.dtype.element_ty), mask=mask)
 
@@ -844,11 +845,26 @@ def reader_bn(bn: int, *gs: int) -> int:
     return min([bn] + [2 * g for g in gs if g])
 
 
-def state_exponents(states: torch.Tensor, gs: int) -> torch.Tensor:
-    """The int8 exponents of scaled fp16 states (one per ``gs`` columns of each state row), or an empty tensor."""
+def exponent_dtype(which: str = "S") -> torch.dtype:
+    """``HMSCALE_SSD_EXP_DTYPE=int8|int32|S,dS``: the storage of the scaled states' (``which`` "S") or state
+    gradients' ("dS") exponents (default int8; "int8,int32": int8 for the states, int32 for their gradients). A reader
+    loads one exponent per tile row; Triton 3.6's pipeliner stages only loads of 32 bits or more a thread through
+    asynchronous copies, so int8 exponents are loaded synchronously inside the readers' loops."""
+    v = env("HMSCALE_SSD_EXP_DTYPE", "int8").lower().replace(" ", "")
+    parts = v.split(",")
+    if len(parts) not in (1, 2) or any(s not in ("int8", "int32") for s in parts):
+        raise ValueError(f"HMSCALE_SSD_EXP_DTYPE must be int8 or int32, or two of them (states, gradients), "
+                         f"got {v!r}")
+    got = parts[0] if which == "S" or len(parts) == 1 else parts[1]
+    return torch.int8 if got == "int8" else torch.int32
+
+
+def state_exponents(states: torch.Tensor, gs: int, which: str = "S") -> torch.Tensor:
+    """The exponents of scaled fp16 states (``which`` "S") or state gradients ("dS"), one per ``gs`` columns of each
+    row (``exponent_dtype``), or an empty tensor."""
     if not gs:
         return states.new_empty(0, dtype=torch.int8)
-    return states.new_empty(*states.shape[:-1], states.shape[-1] // gs, dtype=torch.int8)
+    return states.new_empty(*states.shape[:-1], states.shape[-1] // gs, dtype=exponent_dtype(which))
 
 
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
