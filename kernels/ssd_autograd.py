@@ -22,7 +22,7 @@ from .chunked_torch import check_ssd_args
 from .reference import doc_ids_from_seq_idx
 from .settings import env, env_frozen
 from .ssd_triton_bwd import bwd_variant, ssd_bwd
-from .ssd_triton_fwd import exponent_dtype, keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd, state_layout
+from .ssd_triton_fwd import keeps_ynum, norm_bwd_prologue, save_y_mode, ssd_fwd, state_layout
 
 __all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_mode"]
 
@@ -138,7 +138,7 @@ def _(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save
             x.new_empty(b, h, nc, ps, n, dtype=st_dtype), x.new_empty(b * h, nc, dtype=f32),
             x.new_empty((b, l, h, p) if keeps_ynum(norm, save_ynum) else (0,), dtype=f32),
             x.new_empty((b, l, h) if norm else (0,), dtype=f32),
-            x.new_empty((b, h, nc, ps, n // gs) if gs else (0,), dtype=exponent_dtype() if gs else torch.int8))
+            x.new_empty((b, h, nc, ps, n // gs) if gs else (0,), dtype=torch.int8))
 
 
 @torch.library.custom_op("hmscale::ssd_core_bwd", mutates_args=())

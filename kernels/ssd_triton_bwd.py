@@ -49,8 +49,9 @@ from . import ssd_triton_fwd as _fwd
 from .settings import env, switch_cached
 from .ssd_triton_fwd import (_chunk_decay, _chunk_docs, _chunk_weights, _load_rows, _load_st_row, _load_st_tile,
                              _load_state, _pass_block, _pass_store, _pow2, _state_tile, _store_st_tile, _store_state,
-                             _xdot, block_sizes, bwd_variant, dbc_state_precision, kcfg, pass_config, precisions,
-                             reader_bn, register_cap, state_exponents, state_layout, state_precision, walk_unroll)
+                             _xdot, block_sizes, bwd_variant, dbc_state_precision, exponent_words, kcfg, pass_config,
+                             precisions, reader_bn, register_cap, state_exponents, state_layout, state_precision,
+                             walk_unroll)
 
 
 @triton.jit
@@ -968,8 +969,9 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dy = dy.contiguous()
     dden = dden.contiguous() if norm else dy
     dst = torch.empty(states.shape, device=dev, dtype=pl.dst_dtype)  # dS leaving each chunk
-    dexp = state_exponents(dst, pl.gsd, "dS")
+    dexp = state_exponents(dst, pl.gsd)
     se_arg, de_arg = (sexp if gss else gdec), (dexp if pl.gsd else gdec)
+    se_read, de_read = exponent_words(se_arg, n), exponent_words(de_arg, n)  # the readers' view (the walks write bytes)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
     dinit_arg = dinit if need_dinit else dst
@@ -991,22 +993,22 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dyo_arg = dyo.contiguous() if has_d else dy
     D_arg, dD_arg = (D, dD_part) if has_d else (dt, dt)
     if pl.kind == "fused":
-        launch(_chunk_bwd_fused, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
+        launch(_chunk_bwd_fused, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_read, de_read,
                dx, dB, dC, ddt_part, dcs_part, dg, dyo_arg, D_arg, dD_arg, den_arg, ysaved, l, h, p, n, nc,
                **pl.dx_kw)
     elif pl.kind == "pair":
-        launch(_chunk_bwd_pair, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
+        launch(_chunk_bwd_pair, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_read, de_read, dx,
                dB, dC, ddt_part, dcs_part, dg, dyo_arg, D_arg, dD_arg, den_arg,
                ysaved if ysaved is not None else dt, l, h, p, n, nc, npb, nnb, **pl.dx_kw)
     elif pl.kind == "two":
-        launch(_chunk_bwd_dx_dcs, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dx,
+        launch(_chunk_bwd_dx_dcs, pl.grid_dx, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_read, de_read, dx,
                ddt_part, dcs_part, dyo_arg, D_arg, dD_arg, den_arg, ysaved if ysaved is not None else dt,
                l, h, g, p, n, nc, npb, **pl.dx_kw)
-        launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg, dB, dC,
+        launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dden, dt, A, B, C, doc_arg, states, dst, se_read, de_read, dB, dC,
                ddt_part, dcs_part, den_arg, dg, l, h, g, p, n, nc, nnb, **pl.dbc_kw)
     else:  # v1
         launch(_chunk_bwd_dx, pl.grid_dx, dy, dt, A, B, C, doc_arg, dst, dx, l, h, g, p, n, nc, **pl.dx_kw)
-        launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dy, dt, A, B, C, doc_arg, states, dst, se_arg, de_arg,
+        launch(_chunk_bwd_dbc, pl.grid_dbc, x, dy, dy, dt, A, B, C, doc_arg, states, dst, se_read, de_read,
                dB, dC, ddt_part, dcs_part, dt, dg, l, h, g, p, n, nc, nnb, **pl.dbc_kw)
     ddt, dA, dD = _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev)
     return dx, ddt, dA, dB, dC, dinit, dD

@@ -26,8 +26,8 @@ programs, and the scan writes it as a separate output ``den`` (b, l, h).
 Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
 B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in the dtype of
 ``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 32+ columns wide, else fp32; scaled
-fp16 comes with exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row, int8 unless
-``exponent_dtype``); gdecay (b*h, nc) fp32.
+fp16 comes with int8 exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row, which the readers load as
+bytes or as int32 words, ``exponent_words``); gdecay (b*h, nc) fp32.
 
 Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
 into two bf16 parts (hi + lo, about 16 mantissa bits) and multiplied on the bf16 tensor cores against the
@@ -36,6 +36,8 @@ the rate); fp16 inputs keep 3xTF32, fp32 inputs exact fp32.
 """
 
 from __future__ import annotations
+
+import math
 
 from typing import NamedTuple
 
@@ -313,19 +315,42 @@ def _group_exp(m):
 
 
 @triton.jit
+def _exp_byte(w, idx):
+    """Exponent ``idx`` (int32, sign-extended) out of ``w``, the little-endian int32 word holding bytes 4 (idx // 4)
+    .. 4 (idx // 4) + 3 of the int8 exponents."""
+    return (w << (24 - 8 * (idx & 3)).to(tl.int32)) >> 24  # (int32 shifts: the word's high bytes fall off the left)
+
+
+@triton.jit
+def _exp_load(e_ptr, idx, mask):
+    """Int8 exponents ``idx`` (int32): read as bytes, or, when the host passes the exponents as int32 words
+    (``exponent_words``), as the words holding them (a 32-bit load Triton's pipeliner can stage asynchronously)."""
+    if e_ptr.dtype.element_ty == tl.int32:
+        return _exp_byte(tl.load(e_ptr + (idx >> 2), mask=mask, other=0), idx)
+    return tl.load(e_ptr + idx, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
 def _load_st_tile(ptr, base, soff, smask, e_ptr, offs_p, mask_p, n0, offs_n, N, GS: tl.constexpr, BN: tl.constexpr,
                   P_AXIS: tl.constexpr):
     """A reader's tile of stored chunk states (or state gradients), ``ptr + base + soff`` with ``soff`` = p N + n over
     the columns ``offs_n`` = n0 .. n0 + BN - 1 (p along axis ``P_AXIS``): as stored when ``GS`` is 0, else (scaled
     fp16, ``state_layout``) in fp32, each row times 2^k of its group. The host keeps the readers' BN <= 2 GS
-    (``reader_bn``), so a tile row spans one group (one int8 load per row, ``e_ptr + (base + p N + n0) // GS``) or two
-    (two loads per row, each column taking its half's)."""
+    (``reader_bn``), so a tile row spans one group (one exponent per row, ``(base + p N + n0) // GS``) or two (each
+    column taking its half's: two byte loads a row, or one word, which ``exponent_words`` guarantees holds both)."""
     v = tl.load(ptr + base + soff, mask=smask, other=0.0)
     if GS > 0:
-        e_row = e_ptr + (base + offs_p * N + n0) // GS
-        k = _pow2f(tl.load(e_row, mask=mask_p, other=0).to(tl.int32))
+        idx = (base + offs_p * N + n0) // GS
+        if e_ptr.dtype.element_ty == tl.int32:
+            w = tl.load(e_ptr + (idx >> 2), mask=mask_p, other=0)
+            k = _pow2f(_exp_byte(w, idx))
+        else:
+            k = _pow2f(tl.load(e_ptr + idx, mask=mask_p, other=0).to(tl.int32))
         if BN > GS:
-            k2 = _pow2f(tl.load(e_row + 1, mask=mask_p & (offs_p * 0 + n0 + GS < N), other=0).to(tl.int32))
+            if e_ptr.dtype.element_ty == tl.int32:
+                k2 = _pow2f(tl.where(offs_p * 0 + n0 + GS < N, _exp_byte(w, idx + 1), 0))
+            else:
+                k2 = _pow2f(tl.load(e_ptr + idx + 1, mask=mask_p & (offs_p * 0 + n0 + GS < N), other=0).to(tl.int32))
             if P_AXIS == 1:
                 v = v.to(tl.float32) * tl.where((offs_n - n0)[:, None] < GS, k[None, :], k2[None, :])
             else:
@@ -344,7 +369,10 @@ def _load_st_row(ptr, base, offs_n, mask_n, e_ptr, n0, P, N, GS: tl.constexpr, B
     v = tl.load(ptr + base + P * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if GS > 0:
         if BN > GS:
-            v = v * _pow2f(tl.load(e_ptr + (base + P * N + offs_n) // GS, mask=mask_n, other=0).to(tl.int32))
+            v = v * _pow2f(_exp_load(e_ptr, (base + P * N + offs_n) // GS, mask_n))
+        elif e_ptr.dtype.element_ty == tl.int32:
+            ie = (base + P * N + n0) // GS
+            v = v * _pow2f(_exp_byte(tl.load(e_ptr + (ie >> 2)), ie))
         else:
             v = v * _pow2f(tl.load(e_ptr + (base + P * N + n0) // GS).to(tl.int32))
     return v
@@ -359,11 +387,11 @@ def _store_st_tile(ptr, e_ptr, S, Sr, soff, smask, offs_p, emask, offs_n, rmask,
     if GS > 0:
         k = _group_exp(tl.max(tl.abs(S), axis=1))
         tl.store(ptr + soff, (S * _pow2f(-k)[:, None]).to(ptr.dtype.element_ty), mask=smask)
-        tl.store(e_ptr + (offs_p * N + n0) // GS, k.to(e_ptr.dtype.element_ty), mask=emask)
+        tl.store(e_ptr + (offs_p * N + n0) // GS, k.to(tl.int8), mask=emask)
         if NORM:
             kr = _group_exp(tl.max(tl.abs(Sr), axis=0))
             tl.store(ptr + P * N + offs_n, (Sr * _pow2f(-kr)).to(ptr.dtype.element_ty), mask=rmask)
-            tl.store(e_ptr + (P * N + offs_n) // GS, (offs_n * 0 + kr).to(e_ptr.dtype.element_ty), mask=rmask & (offs_n == n0))
+            tl.store(e_ptr + (P * N + offs_n) // GS, (offs_n * 0 + kr).to(tl.int8), mask=rmask & (offs_n == n0))
     else:
         _store_state(ptr, S, Sr, soff, smask, offs_n, rmask, P, N, NORM)
 
@@ -375,7 +403,7 @@ def _pass_store(ptr, S, mask, e_ptr, erow, emask, GS: tl.constexpr):
     if GS > 0:
         k = _group_exp(tl.max(tl.abs(S), axis=1))
         tl.store(ptr, (S * _pow2f(-k)[:, None]).to(ptr.dtype.element_ty), mask=mask)
-        tl.store(e_ptr + erow, k.to(e_ptr.dtype.element_ty), mask=emask)
+        tl.store(e_ptr + erow, k.to(tl.int8), mask=emask)
     else:
         tl.store(ptr, S.to(ptr.dtype.element_ty), mask=mask)
 
@@ -845,26 +873,41 @@ def reader_bn(bn: int, *gs: int) -> int:
     return min([bn] + [2 * g for g in gs if g])
 
 
-def exponent_dtype(which: str = "S") -> torch.dtype:
-    """``HMSCALE_SSD_EXP_DTYPE=int8|int32|S,dS``: the storage of the scaled states' (``which`` "S") or state
-    gradients' ("dS") exponents (default int8; "int8,int32": int8 for the states, int32 for their gradients). A reader
-    loads one exponent per tile row; Triton 3.6's pipeliner stages only loads of 32 bits or more a thread through
-    asynchronous copies, so int8 exponents are loaded synchronously inside the readers' loops."""
-    v = env("HMSCALE_SSD_EXP_DTYPE", "int8").lower().replace(" ", "")
-    parts = v.split(",")
-    if len(parts) not in (1, 2) or any(s not in ("int8", "int32") for s in parts):
-        raise ValueError(f"HMSCALE_SSD_EXP_DTYPE must be int8 or int32, or two of them (states, gradients), "
-                         f"got {v!r}")
-    got = parts[0] if which == "S" or len(parts) == 1 else parts[1]
-    return torch.int8 if got == "int8" else torch.int32
-
-
-def state_exponents(states: torch.Tensor, gs: int, which: str = "S") -> torch.Tensor:
-    """The exponents of scaled fp16 states (``which`` "S") or state gradients ("dS"), one per ``gs`` columns of each
-    row (``exponent_dtype``), or an empty tensor."""
+def state_exponents(states: torch.Tensor, gs: int) -> torch.Tensor:
+    """The int8 exponents of scaled fp16 states (one per ``gs`` columns of each state row), or an empty tensor. Their
+    storage is padded to whole 4-byte words, so that ``exponent_words`` can give readers int32 words over it."""
     if not gs:
         return states.new_empty(0, dtype=torch.int8)
-    return states.new_empty(*states.shape[:-1], states.shape[-1] // gs, dtype=exponent_dtype(which))
+    shape = (*states.shape[:-1], states.shape[-1] // gs)
+    numel = math.prod(shape)
+    return states.new_empty(-(-numel // 4) * 4, dtype=torch.int8)[:numel].view(shape)
+
+
+def exponent_load_mode() -> str:
+    """``HMSCALE_SSD_EXP_LOAD=byte|word`` (default byte): how the readers (the scan, dx, dB/dC) load the scaled
+    states' int8 exponents: a byte per tile row, or the int32 word holding it. Triton 3.6's pipeliner stages only
+    loads of 32 bits or more a thread through asynchronous copies, so byte loads stay synchronous inside the readers'
+    loops (kernels/NOTES.md, twenty-second session)."""
+    v = env("HMSCALE_SSD_EXP_LOAD", "byte").lower()
+    if v not in ("byte", "word"):
+        raise ValueError(f"HMSCALE_SSD_EXP_LOAD must be byte or word, got {v!r}")
+    return v
+
+
+def exponent_words(exps: torch.Tensor, n: int) -> torch.Tensor:
+    """What the readers get for ``exps`` (``state_exponents``, or an empty / unscaled placeholder): with
+    ``HMSCALE_SSD_EXP_LOAD=word``, an int32 view of its padded storage, where a reader whose tile row spans two groups
+    finds both in one word; otherwise ``exps`` itself. The words need an even number of groups per row (so that a row's
+    groups 2j and 2j + 1 share a word) or one group; other layouts keep byte loads."""
+    if exps.dtype != torch.int8 or not exps.numel() or exponent_load_mode() != "word":
+        return exps
+    groups = exps.shape[-1]
+    if groups != 1 and groups % 2:
+        return exps
+    storage = exps.untyped_storage()
+    if exps.storage_offset() or storage.nbytes() % 4 or not exps.is_contiguous():
+        return exps
+    return torch.empty(0, dtype=torch.int32, device=exps.device).set_(storage, 0, (storage.nbytes() // 4,))
 
 
 def pass_config(pn: int, dtype: torch.dtype, name: str = "pass"):
@@ -980,7 +1023,8 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         launch(_chunk_state_fwd, pl.grid_state, x, dt, A, B, doc_arg, local, gdec, l, h, g, p, n, nc, **pl.state_kw)
         launch(_state_pass_fwd, pl.grid_pass, local, states, gdec, init_arg, final, e_arg, nc, ps * n, **pl.pass_kw)
     launch(_chunk_scan_fwd, pl.grid_scan, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
-           ynum if ynum is not None else y, D if D is not None else dt, e_arg, l, h, g, p, n, nc, **pl.scan_kw)
+           ynum if ynum is not None else y, D if D is not None else dt, exponent_words(e_arg, n), l, h, g, p, n, nc,
+           **pl.scan_kw)
     return y, ynum, den, final, states, gdec, sexp
 
 

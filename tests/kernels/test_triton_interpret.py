@@ -285,39 +285,42 @@ def test_scaled_fp16_readers_of_two_groups_a_row(norm, monkeypatch):
 
 
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("walk_tile", ["16,16", "16,32"])
-def test_scaled_fp16_int32_exponents_give_the_int8_results(norm, walk_tile, monkeypatch):
-    """HMSCALE_SSD_EXP_DTYPE=int32 stores the scaled states' exponents as int32 (what lets Triton's pipeliner stage the
-    readers' exponent loads): the same exponents, so the outputs and every gradient are bitwise those of int8 storage,
-    with readers of one scale group a tile row (32-column walk tiles) and of two (16-column); a bad value is refused."""
-    from kernels.ssd_triton_fwd import exponent_dtype, ssd_fwd
+@pytest.mark.parametrize("walk_tile", ["16,16", "16,32", "16,64"])
+def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monkeypatch):
+    """HMSCALE_SSD_EXP_LOAD=word: the readers load the int8 exponents as the int32 words holding them (what lets
+    Triton's pipeliner stage those loads): outputs and every gradient bitwise those of byte loads, with readers of two
+    scale groups a tile row (16- and 32-column walk tiles: both from one word) and of one (64), exponents of both signs
+    (x scaled up, the output gradient down); a bad value is refused."""
+    from kernels.ssd_triton_fwd import exponent_load_mode, exponent_words, ssd_fwd
 
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
     monkeypatch.setenv("HMSCALE_SSD_CFG", f"fpass={walk_tile};fpass_b={walk_tile}")
     monkeypatch.setenv("HMSCALE_SSD_STATES", "fp16,fp16")
     opts = dict(normalize=True, D=True, init=True, seq=True) if norm else dict(D=True)
     ins, seq = make_inputs(1, 90, 2, 2, 16, 64, dtype=torch.bfloat16, **opts)
-    ins["x"] = ins["x"] * 2.0 ** 18  # states past fp16's range: the exponents are not all zero
+    ins["x"] = ins["x"] * 2.0 ** 18  # states past fp16's range: positive exponents
     gen = torch.Generator().manual_seed(2)
-    gy = torch.randn(1, 90, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double()
-    gs = torch.randn(1, 2, 16 + int(norm), 64, generator=gen, dtype=torch.float64)
-    out, exps = {}, {}
-    for dt in ("int8", "int32"):
-        monkeypatch.setenv("HMSCALE_SSD_EXP_DTYPE", dt)
-        assert exponent_dtype() == getattr(torch, dt)
-        out[dt] = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
-        fwd_in = (ins["x"], ins["dt"].float(), ins["A"].float(), ins["B"], ins["C"])
-        exps[dt] = ssd_fwd(*(v.to(TRITON_DEVICE) for v in fwd_in), None, None, 16, norm=False)[6]
-    assert exps["int8"].dtype == torch.int8 and exps["int32"].dtype == torch.int32
-    assert exps["int8"].numel() > 0 and exps["int8"].abs().max() > 0
-    assert torch.equal(exps["int8"].to(torch.int32), exps["int32"])
-    (y8, s8, g8, _, _), (y32, s32, g32, _, _) = out["int8"], out["int32"]
-    assert torch.equal(y8, y32) and torch.equal(s8, s32)
-    for k in g8:
-        assert torch.equal(g8[k], g32[k]), k
-    monkeypatch.setenv("HMSCALE_SSD_EXP_DTYPE", "int16")
-    with pytest.raises(ValueError, match="HMSCALE_SSD_EXP_DTYPE must be int8 or int32"):
-        exponent_dtype()
+    gy = torch.randn(1, 90, 2, 16, generator=gen, dtype=torch.float64).bfloat16().double() * 2.0 ** -30
+    gs = torch.randn(1, 2, 16 + int(norm), 64, generator=gen, dtype=torch.float64) * 2.0 ** -30  # negative ones
+    out = {}
+    for mode in ("byte", "word"):
+        monkeypatch.setenv("HMSCALE_SSD_EXP_LOAD", mode)
+        assert exponent_load_mode() == mode
+        out[mode] = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
+    fwd_in = (ins["x"], ins["dt"].float(), ins["A"].float(), ins["B"], ins["C"])
+    exps = ssd_fwd(*(v.to(TRITON_DEVICE) for v in fwd_in), None, None, 16, norm=False)[6]
+    words = exponent_words(exps, 64)
+    assert exps.dtype == torch.int8 and exps.abs().max() > 0 and words.dtype == torch.int32
+    assert torch.equal(words.view(torch.int8)[:exps.numel()], exps.flatten())  # the same bytes, little-endian words
+    (yb, sb, gb, _, _), (yw, sw, gw, _, _) = out["byte"], out["word"]
+    assert torch.equal(yb, yw) and torch.equal(sb, sw)
+    for k in gb:
+        assert torch.isfinite(gb[k]).all() and torch.equal(gb[k], gw[k]), k
+    odd = torch.zeros(2, 3, dtype=torch.int8)  # three groups a row: a row's two groups may straddle words
+    assert exponent_words(odd, 96) is odd
+    monkeypatch.setenv("HMSCALE_SSD_EXP_LOAD", "int32")
+    with pytest.raises(ValueError, match="HMSCALE_SSD_EXP_LOAD must be byte or word"):
+        exponent_load_mode()
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
