@@ -971,7 +971,7 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     dst = torch.empty(states.shape, device=dev, dtype=pl.dst_dtype)  # dS leaving each chunk
     dexp = state_exponents(dst, pl.gsd)
     se_arg, de_arg = (sexp if gss else gdec), (dexp if pl.gsd else gdec)
-    se_read, de_read = exponent_words(se_arg, n), exponent_words(de_arg, n)  # the readers' view (the walks write bytes)
+    se_read, de_read = exponent_words(se_arg), exponent_words(de_arg)  # the readers' view (the walks write bytes)
     dinit = torch.empty(b, h, states.shape[3], n, device=dev, dtype=torch.float32) if need_dinit else None
     dfinal_arg = dfinal.contiguous() if has_dfinal else dst
     dinit_arg = dinit if need_dinit else dst

@@ -894,7 +894,7 @@ def exponent_load_mode() -> str:
     return v
 
 
-def exponent_words(exps: torch.Tensor, n: int) -> torch.Tensor:
+def exponent_words(exps: torch.Tensor) -> torch.Tensor:
     """What the readers get for ``exps`` (``state_exponents``, or an empty / unscaled placeholder): with
     ``HMSCALE_SSD_EXP_LOAD=word``, an int32 view of its padded storage, where a reader whose tile row spans two groups
     finds both in one word; otherwise ``exps`` itself. The words need an even number of groups per row (so that a row's
@@ -1023,7 +1023,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
         launch(_chunk_state_fwd, pl.grid_state, x, dt, A, B, doc_arg, local, gdec, l, h, g, p, n, nc, **pl.state_kw)
         launch(_state_pass_fwd, pl.grid_pass, local, states, gdec, init_arg, final, e_arg, nc, ps * n, **pl.pass_kw)
     launch(_chunk_scan_fwd, pl.grid_scan, x, dt, A, B, C, doc_arg, states, y, den if norm else y,
-           ynum if ynum is not None else y, D if D is not None else dt, exponent_words(e_arg, n), l, h, g, p, n, nc,
+           ynum if ynum is not None else y, D if D is not None else dt, exponent_words(e_arg), l, h, g, p, n, nc,
            **pl.scan_kw)
     return y, ynum, den, final, states, gdec, sexp
 

@@ -309,7 +309,7 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
         out[mode] = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
     fwd_in = (ins["x"], ins["dt"].float(), ins["A"].float(), ins["B"], ins["C"])
     exps = ssd_fwd(*(v.to(TRITON_DEVICE) for v in fwd_in), None, None, 16, norm=False)[6]
-    words = exponent_words(exps, 64)
+    words = exponent_words(exps)
     assert exps.dtype == torch.int8 and exps.abs().max() > 0 and words.dtype == torch.int32
     assert torch.equal(words.view(torch.int8)[:exps.numel()], exps.flatten())  # the same bytes, little-endian words
     (yb, sb, gb, _, _), (yw, sw, gw, _, _) = out["byte"], out["word"]
@@ -317,7 +317,7 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
     for k in gb:
         assert torch.isfinite(gb[k]).all() and torch.equal(gb[k], gw[k]), k
     odd = torch.zeros(2, 3, dtype=torch.int8)  # three groups a row: a row's two groups may straddle words
-    assert exponent_words(odd, 96) is odd
+    assert exponent_words(odd) is odd
     monkeypatch.setenv("HMSCALE_SSD_EXP_LOAD", "int32")
     with pytest.raises(ValueError, match="HMSCALE_SSD_EXP_LOAD must be byte or word"):
         exponent_load_mode()
