@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "train" / "dist_job.py"
 
 # slow; the tests sharing the `runs` fixture stay on one xdist worker (`make test`): else each worker would launch them
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("walk_tp_user_runs")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tp_stage2_runs")]
 
 
 def _launch(runs: list, world: int, tmp: Path, timeout: int = 120) -> list:
@@ -42,7 +42,7 @@ TP2 = ["parallel.tp=2", "parallel.num_workers=2"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """tp=1 and tp=2 (one launch each): a bf16 ZeRO-0 run with clipping, and an fp32 ZeRO-1 run with its HF export."""
-    root = tmp_path_factory.mktemp("walk_tp")
+    root = tmp_path_factory.mktemp("tp_stage2")
     out = {}
     for tp, world, extra in (("tp1", 1, []), ("tp2", 2, TP2)):
         d = root / tp

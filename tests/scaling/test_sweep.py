@@ -276,7 +276,7 @@ def _sweep(out, *overrides, recipe=identity_recipe):
 
 
 def test_rerun_with_other_training_settings_stops_naming_them(tmp_path):
-    """The walkthrough: a finished size rerun with budget.total_tokens=30000 (was 20000) was skipped and its old
+    """A finished size rerun with budget.total_tokens=30000 (was 20000) was skipped and its old
     results written as `skipped`. Now the study stops before any work, naming the setting and what to do."""
     out = tmp_path / "scale"
     assert _sweep(out)[0]["status"] == "done"

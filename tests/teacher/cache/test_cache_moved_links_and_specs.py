@@ -171,7 +171,7 @@ def test_a_cache_linked_into_the_root_whose_directory_is_gone_is_named(tmp_path,
     moved.parent.mkdir()
     path.rename(moved)
     path.symlink_to(moved, target_is_directory=True)
-    shutil.rmtree(moved)  # removed behind hmscale's back (`cache rm` of it removes the link too, sixteenth walk)
+    shutil.rmtree(moved)  # removed behind hmscale's back (`cache rm` of it removes the link too)
     assert path.is_symlink() and not path.exists()
     capsys.readouterr()
     assert main(["cache", "list", str(root)]) == 0
