@@ -38,7 +38,6 @@ the rate); fp16 inputs keep 3xTF32, fp32 inputs exact fp32.
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import torch
