@@ -29,11 +29,13 @@ _ENCODE = getattr(os.environ, "encodekey", None)
 
 
 def env(name: str, default: str | None = None) -> str | None:
-    """``os.environ.get(name, default)``, memoised inside ``env_frozen()``."""
-    if name not in _SEEN:
-        _SEEN[name] = _ENCODE(name) if _ENV_DATA is not None and _ENCODE is not None else name
+    """``os.environ.get(name, default)``, memoised inside ``env_frozen()``. Inside a ``torch.compile`` trace the name
+    is not recorded either: a traced dict mutation made Dynamo (torch 2.11) fail its own guard on ``_SEEN`` ("Guard
+    failed on the same frame it was created"); the launch plans, computed outside traces, record what they read."""
     if torch.compiler.is_compiling():
         return os.environ.get(name, default)
+    if name not in _SEEN:
+        _SEEN[name] = _ENCODE(name) if _ENV_DATA is not None and _ENCODE is not None else name
     memo = _MEMO.get()
     if memo is None:
         return os.environ.get(name, default)

@@ -3,7 +3,9 @@
 import os
 
 import pytest
+import torch
 
+from kernels import settings
 from kernels.settings import env, env_frozen
 
 
@@ -89,3 +91,20 @@ def test_switch_cached_does_not_keep_errors(monkeypatch):
             parse()
     monkeypatch.setenv("HMSCALE_SSD_TEST_PARSE", "7")
     assert parse() == 7
+
+
+def test_env_inside_a_compile_trace_reads_the_environment_and_records_nothing(monkeypatch):
+    """A switch first read inside a torch.compile trace: the traced function sees the environment's value, and the
+    switch registry is not mutated by the trace (on torch 2.11 that mutation made Dynamo fail its own guard, "Guard
+    failed on the same frame it was created", and stopped the compiled stage-2 benchmark on the H200)."""
+    name = "HMSCALE_TEST_SWITCH_FIRST_READ_IN_A_TRACE"
+    monkeypatch.setenv(name, "b")
+
+    def f(x):
+        return x + 1 if settings.env(name, "a") == "b" else x - 1
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))
+    assert name not in settings._SEEN
+    assert settings.env(name, "a") == "b" and name in settings._SEEN  # recorded by the first read outside a trace
