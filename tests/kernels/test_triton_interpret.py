@@ -288,7 +288,8 @@ def test_scaled_fp16_readers_of_two_groups_a_row(norm, monkeypatch):
 @pytest.mark.parametrize("walk_tile", ["16,16", "16,32", "16,64"])
 def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monkeypatch):
     """HMSCALE_SSD_EXP_LOAD=word: the readers load the int8 exponents as the int32 words holding them (what lets
-    Triton's pipeliner stage those loads): outputs and every gradient bitwise those of byte loads, with readers of two
+    Triton's pipeliner stage those loads): outputs and every gradient bitwise those of byte loads (on a GPU within 1e-6:
+    the compiled kernels may round a sum differently), with readers of two
     scale groups a tile row (16- and 32-column walk tiles: both from one word) and of one (64), exponents of both signs
     (x scaled up, the output gradient down); a bad value is refused."""
     from kernels.ssd_triton_fwd import exponent_load_mode, exponent_words, ssd_fwd
@@ -314,8 +315,13 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
     assert torch.equal(words.view(torch.int8)[:exps.numel()], exps.flatten())  # the same bytes, little-endian words
     (yb, sb, gb, _, _), (yw, sw, gw, _, _) = out["byte"], out["word"]
     assert torch.equal(yb, yw) and torch.equal(sb, sw)
-    for k in gb:
-        assert torch.isfinite(gb[k]).all() and torch.equal(gb[k], gw[k]), k
+    for k in gb:  # compiled for a GPU the two forms may round a sum differently (H200: dt's gradient, ~1 ulp)
+        assert torch.isfinite(gb[k]).all(), k
+        if TRITON_DEVICE == "cpu":
+            assert torch.equal(gb[k], gw[k]), k
+        else:
+            print("words vs bytes", k, rel(gw[k], gb[k]))
+            assert rel(gw[k], gb[k]) < 1e-6, (k, rel(gw[k], gb[k]))
     odd = torch.zeros(2, 3, dtype=torch.int8)  # three groups a row: a row's two groups may straddle words
     assert exponent_words(odd) is odd
     monkeypatch.setenv("HMSCALE_SSD_EXP_LOAD", "int32")
