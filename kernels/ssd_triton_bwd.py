@@ -159,23 +159,15 @@ def _state_pass_bwd(dst_ptr, out_ptr, gdec_ptr, dfinal_ptr, dinit_ptr, e_ptr, NC
 @triton.jit
 def _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c, L, H, G, P, N,
                     NC, offs_p, mask_p, offs_n, mask_n, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, DY_SCALE: tl.constexpr,
-                    G_FROM_DT: tl.constexpr = False):
+                    HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, DY_SCALE: tl.constexpr):
     """What chunk c adds to a (BP x BN) state-gradient tile and its normaliser row, and its decay g: the gradient
-    entering c (leaving c - 1) is ``g dS + T`` with dS the one leaving c (``Tr`` for the row; zeros without NORM).
-    G_FROM_DT: g from the chunk's dt as the forward computed it (``exp(cs_end)``, 0 across a document start; the pad
-    chunk c = NC has no tokens, so 1) instead of the forward's stored gdecay (a load the loop waits on)."""
+    entering c (leaving c - 1) is ``g dS + T`` with dS the one leaving c (``Tr`` for the row; zeros without NORM)."""
     offs_t, mask_t, dt, cs, cs_end = _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q)
     win = tl.exp(cs)
     if HAS_DOC:
         doc, doc_end, doc_prev = _chunk_docs(doc_ptr, b, c, L, offs_t, mask_t, Q)
         win = tl.where(doc == doc_prev, win, 0.0)
-    if G_FROM_DT:
-        g = tl.exp(cs_end)
-        if HAS_DOC:
-            g = tl.where(doc_end == doc_prev, g, 0.0)
-    else:
-        g = tl.where(c < NC, tl.load(gdec_ptr + bh * NC + tl.minimum(c, NC - 1)), 1.0)  # (c = NC: the walks' pad)
+    g = tl.where(c < NC, tl.load(gdec_ptr + bh * NC + tl.minimum(c, NC - 1)), 1.0)  # (c = NC: the walks' pad)
     dy = _load_rows(dy_base, offs_t, mask_t, H * P, offs_p, mask_p)
     Ct = _load_rows(c_base, offs_t, mask_t, G * N, offs_n, mask_n)
     wy = win
@@ -200,7 +192,7 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr, DY_SCALE: tl.constexpr = False,
-                      UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0, G_FROM_DT: tl.constexpr = False):
+                      UNROLL: tl.constexpr = 1, GS: tl.constexpr = 0):
     """``_chunk_dstate_bwd`` and ``_state_pass_bwd`` in one launch (``HMSCALE_SSD_PASS=fused``): one program per
     (batch*head, state tile) walks the chunks backwards, builds each chunk's local state gradient in registers
     and writes only the gradient leaving each chunk (the first p tile's programs also the normaliser row's).
@@ -222,13 +214,13 @@ def _dstate_fused_bwd(dy_ptr, dden_ptr, dt_ptr, A_ptr, C_ptr, doc_ptr, gdec_ptr,
         c = NC - 1 - i
         T, Tr, g = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h, bh, c,
                                    L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, NORM,
-                                   DY_SCALE, G_FROM_DT)
+                                   DY_SCALE)
         if UNROLL == 2:
             # a lone first chunk pairs with the chunk past the end: masked loads give T1 = 0, g1 = 1, nothing stored
             c1 = tl.where(c > 0, c - 1, NC)
             T1, Tr1, g1 = _bwd_chunk_term(dy_base, c_base, dt_ptr, A_ptr, doc_ptr, gdec_ptr, dden_ptr, den_ptr, b, h,
                                           bh, c1, L, H, G, P, N, NC, offs_p, mask_p, offs_n, mask_n, Q, BP, BN,
-                                          HAS_DOC, PREC, NORM, DY_SCALE, G_FROM_DT)
+                                          HAS_DOC, PREC, NORM, DY_SCALE)
         # the gradient of the state leaving chunk c
         _store_st_tile(dst_ptr + (bh * NC + c) * PN, e_ptr + (bh * NC + c) * EPC, dS, dSr, soff, smask, offs_p,
                        mask_p, offs_n, rmask, n0, P, N, NORM, GS)
@@ -871,16 +863,6 @@ class BwdPlan(NamedTuple):
     dbc_kw: dict
 
 
-def walk_decay_from_dt() -> bool:
-    """``HMSCALE_SSD_WALK_G=saved|dt`` (default saved): where the backward walk gets each chunk's decay, from the
-    forward's stored gdecay (a scalar load inside the walk's loop, synchronous in the sm_90 code of Triton 3.6) or
-    recomputed from the dt it already loads, as the forward walk does (kernels/NOTES.md, twenty-third session)."""
-    v = env("HMSCALE_SSD_WALK_G", "saved").lower()
-    if v not in ("saved", "dt"):
-        raise ValueError(f"HMSCALE_SSD_WALK_G must be saved or dt, got {v!r}")
-    return v == "dt"
-
-
 @switch_cached
 def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtype: torch.dtype, Q: int, nc: int,
              norm: bool, has_d: bool, has_doc: bool, has_dfinal: bool, need_dinit: bool, dy_scale: bool,
@@ -904,8 +886,7 @@ def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtyp
         BP, BN, nw, nst = walk
         grid_dstate = (b * h, cdiv(p, BP) * cdiv(n, BN))
         dstate_kw = dict(common, BP=BP, BN=BN, HAS_DFINAL=has_dfinal, HAS_DINIT=need_dinit, DY_SCALE=dy_scale,
-                         UNROLL=walk_unroll(dtype), GS=gsd, G_FROM_DT=walk_decay_from_dt(), num_warps=nw,
-                         num_stages=nst,
+                         UNROLL=walk_unroll(dtype), GS=gsd, num_warps=nw, num_stages=nst,
                          **register_cap("fpass_b", dtype, Q))
         grid_pass, pass_kw = (), {}
     else:

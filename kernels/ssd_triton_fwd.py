@@ -27,7 +27,7 @@ Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp3
 B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in the dtype of
 ``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 32+ columns wide, else fp32; scaled
 fp16 comes with int8 exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row, which the readers load as
-bytes or as int32 words, ``exponent_words``); gdecay (b*h, nc) fp32.
+the int32 words holding them by default, ``exponent_words``); gdecay (b*h, nc) fp32.
 
 Precision of the dots against fp32 states (``state_precision``): for bf16 inputs the fp32 operand is split
 into two bf16 parts (hi + lo, about 16 mantissa bits) and multiplied on the bf16 tensor cores against the
@@ -883,21 +883,23 @@ def state_exponents(states: torch.Tensor, gs: int) -> torch.Tensor:
 
 
 def exponent_load_mode() -> str:
-    """``HMSCALE_SSD_EXP_LOAD=byte|word`` (default byte): how the readers (the scan, dx, dB/dC) load the scaled
-    states' int8 exponents: a byte per tile row, or the int32 word holding it. Triton 3.6's pipeliner stages only
-    loads of 32 bits or more a thread through asynchronous copies, so byte loads stay synchronous inside the readers'
-    loops (kernels/NOTES.md, twenty-second session)."""
-    v = env("HMSCALE_SSD_EXP_LOAD", "byte").lower()
+    """``HMSCALE_SSD_EXP_LOAD=word|byte`` (default word): how the readers (the scan, dx, dB/dC) load the scaled
+    states' int8 exponents: the int32 word holding a tile row's exponent, or the byte itself. Triton 3.6's pipeliner
+    stages only loads of 32 bits or more a thread through asynchronous copies, so byte loads stay synchronous inside
+    the readers' loops (kernels/NOTES.md, twenty-second session). H200, 2026-12-07 (sweeps/exp_words.txt), fwd+bwd:
+    1.4b L=2048 x 8 1.543 / 1.530 -> 1.486 / 1.476 ms, L=16384 x 1 1.822 / 1.806 -> 1.706 / 1.698 (the pair -60-65 us,
+    the b = 1 scan -55 us); the 160m / 410m training calls within noise."""
+    v = env("HMSCALE_SSD_EXP_LOAD", "word").lower()
     if v not in ("byte", "word"):
         raise ValueError(f"HMSCALE_SSD_EXP_LOAD must be byte or word, got {v!r}")
     return v
 
 
 def exponent_words(exps: torch.Tensor) -> torch.Tensor:
-    """What the readers get for ``exps`` (``state_exponents``, or an empty / unscaled placeholder): with
-    ``HMSCALE_SSD_EXP_LOAD=word``, an int32 view of its padded storage, where a reader whose tile row spans two groups
-    finds both in one word; otherwise ``exps`` itself. The words need an even number of groups per row (so that a row's
-    groups 2j and 2j + 1 share a word) or one group; other layouts keep byte loads."""
+    """What the readers get for ``exps`` (``state_exponents``, or an empty / unscaled placeholder): with word loads
+    (``HMSCALE_SSD_EXP_LOAD``, the default), an int32 view of its padded storage, where a reader whose tile row spans
+    two groups finds both in one word; otherwise ``exps`` itself. The words need an even number of groups per row (so
+    that a row's groups 2j and 2j + 1 share a word) or one group; other layouts keep byte loads."""
     if exps.dtype != torch.int8 or not exps.numel() or exponent_load_mode() != "word":
         return exps
     groups = exps.shape[-1]

@@ -329,38 +329,6 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
         exponent_load_mode()
 
 
-@pytest.mark.parametrize("unroll", ["1", "2"])
-@pytest.mark.parametrize("norm", [False, True])
-def test_backward_walk_decay_from_dt_gives_the_saved_results(norm, unroll, monkeypatch):
-    """HMSCALE_SSD_WALK_G=dt: the backward walk recomputes each chunk's decay from dt (no gdecay load in its loop):
-    outputs and every gradient bitwise those of the saved decay, across document starts (where the decay is 0), an
-    odd chunk count (the two-chunk walk's pad step, decay 1) and a short last chunk; a bad value is refused."""
-    from kernels.ssd_triton_bwd import walk_decay_from_dt
-
-    monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
-    monkeypatch.setenv("HMSCALE_SSD_WALK_UNROLL", unroll)
-    opts = dict(normalize=True, D=True, init=True, seq=True) if norm else dict(D=True, init=True, seq=True)
-    ins, seq = make_inputs(1, 75, 2, 2, 16, 32, dtype=torch.float32, **opts)  # 5 chunks of 16, the last 11 long
-    assert int(seq.max()) >= 1
-    gen = torch.Generator().manual_seed(3)
-    gy = torch.randn(1, 75, 2, 16, generator=gen, dtype=torch.float64)
-    gs = torch.randn(1, 2, 16 + int(norm), 32, generator=gen, dtype=torch.float64)
-    out = {}
-    for mode in ("saved", "dt"):
-        monkeypatch.setenv("HMSCALE_SSD_WALK_G", mode)
-        assert walk_decay_from_dt() == (mode == "dt")
-        out[mode] = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
-    (ya, sa, ga, _, _), (yb, sb, gb, _, _) = out["saved"], out["dt"]
-    assert torch.equal(ya, yb) and torch.equal(sa, sb)
-    yr, sr, gr, _, _ = _run(ssd_reference, {k: v.double() for k, v in ins.items()}, seq, opts, 16, gy, gs)
-    for k in ga:
-        assert torch.isfinite(gb[k]).all() and torch.equal(ga[k], gb[k]), k
-        assert rel(gb[k], gr[k]) < TOL, (k, rel(gb[k], gr[k]))
-    monkeypatch.setenv("HMSCALE_SSD_WALK_G", "load")
-    with pytest.raises(ValueError, match="HMSCALE_SSD_WALK_G must be saved or dt"):
-        walk_decay_from_dt()
-
-
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
 def test_custom_ops_pass_opcheck(opts):
     """The core as torch.library custom ops (what a torch.compile graph holds): schema, fake shapes and dtypes,
