@@ -887,7 +887,7 @@ def exponent_load_mode() -> str:
     states' int8 exponents: the int32 word holding a tile row's exponent, or the byte itself. Triton 3.6's pipeliner
     stages only loads of 32 bits or more a thread through asynchronous copies, so byte loads stay synchronous inside
     the readers' loops (kernels/NOTES.md, twenty-second session). H200, 2026-12-07 (sweeps/exp_words.txt), fwd+bwd:
-    1.4b L=2048 x 8 1.543 / 1.530 -> 1.486 / 1.476 ms, L=16384 x 1 1.822 / 1.806 -> 1.706 / 1.698 (the pair -60-65 us,
+    1.4b L=2048 x 8 1.543 / 1.530 -> 1.486 / 1.476 ms, L=16384 x 1 1.822 / 1.806 -> 1.706 / 1.698 (the pair -61-67 us,
     the b = 1 scan -55 us); the 160m / 410m training calls within noise."""
     v = env("HMSCALE_SSD_EXP_LOAD", "word").lower()
     if v not in ("byte", "word"):
