@@ -261,6 +261,7 @@ def _op_setup_context(ctx, inputs, output):
     x, prev, weight, bias = inputs
     ctx.save_for_backward(x, prev, weight)
     ctx.bias_dtype = bias.dtype
+    ctx.set_materialize_grads(False)  # as the eager Function: an unused state gives None, not zeros to copy in
 
 
 def _op_backward(ctx, dy, dstate):

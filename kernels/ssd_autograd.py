@@ -166,6 +166,7 @@ def _op_setup_context(ctx, inputs, output):
     _, _, states, gdec, ynum, den, sexp = output
     ctx.save_for_backward(x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, sexp)
     ctx.chunk_size, ctx.has_init, ctx.norm = chunk_size, initial_state is not None, norm
+    ctx.set_materialize_grads(False)  # as the eager Function: an unused final state gives None, not zeros to read
 
 
 def _op_backward(ctx, dy, dfinal, *_unused):

@@ -346,6 +346,23 @@ def test_custom_ops_pass_opcheck(opts):
     torch.library.opcheck(core_fwd_op, args)
 
 
+def test_custom_op_with_an_unused_final_state_reads_no_final_gradient(monkeypatch):
+    """In training the final state is unused: as in the eager Function, its gradient reaches the compiled graph's
+    backward op as None (no zeros allocated, filled and read by the backward walk); a used one as its values."""
+    import kernels.ssd_autograd as sa
+
+    seen = []
+    real = sa._core_backward
+    monkeypatch.setattr(sa, "_core_backward", lambda dy, dfinal, *a: seen.append(dfinal) or real(dy, dfinal, *a))
+    ins, _ = on_triton_device(*make_inputs(1, 40, 2, 1, 16, 16, dtype=torch.float32))
+    leaves = [ins[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C")]
+    y, final = sa.core_fwd_op(*leaves, None, None, 16, torch.float32, False, None, True)[:2]
+    torch.autograd.grad(y.sum(), leaves, retain_graph=True)
+    assert seen == [None]
+    torch.autograd.grad((y.sum() + final.sum()), leaves)
+    assert seen[1] is not None and torch.equal(seen[1], torch.ones_like(final))
+
+
 def test_state_pass_mode_choice(monkeypatch):
     """HMSCALE_SSD_PASS=auto: fused passes when the (batch x head x state tile) programs occupy at least 7/8 of the
     GPU's multiprocessors, split ones for long single sequences of smaller states; explicit modes win; a bad value is
