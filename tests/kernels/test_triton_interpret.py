@@ -320,7 +320,6 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
         if TRITON_DEVICE == "cpu":
             assert torch.equal(gb[k], gw[k]), k
         else:
-            print("words vs bytes", k, rel(gw[k], gb[k]))
             assert rel(gw[k], gb[k]) < 1e-6, (k, rel(gw[k], gb[k]))
     odd = torch.zeros(2, 3, dtype=torch.int8)  # three groups a row: a row's two groups may straddle words
     assert exponent_words(odd) is odd
