@@ -165,11 +165,11 @@ def test_the_exported_model_module_only_imports_the_installed_package(tmp_path):
     assert "from hmscale.models.hedgemamba import" in module
 
 
-def test_every_benchmark_prints_its_run_line_but_the_two_the_readme_names():
-    # README, "Development": `benchmarks/*.py` measure (each prints a `run:` line first ...; not `gpu_gaps.py` and
-    # `ssd_registers.py`, which only read a trace or compile). Said of every script before; those two print none
-    readers = {"gpu_gaps.py", "ssd_registers.py"}
-    assert "not `gpu_gaps.py` and `ssd_registers.py`" in README
+def test_every_benchmark_prints_its_run_line_but_the_readers_the_readme_names():
+    # README, "Development": `benchmarks/*.py` measure (each prints a `run:` line first ...; not `gpu_gaps.py`,
+    # `ncu_lines.py` and `ssd_registers.py`, which only read a trace or an export or compile). Those print none
+    readers = {"gpu_gaps.py", "ncu_lines.py", "ssd_registers.py"}
+    assert "not `gpu_gaps.py`, `ncu_lines.py` and `ssd_registers.py`" in README
     silent = sorted(f.name for f in (REPO / "benchmarks").glob("*.py")
                     if f.name != "_runinfo.py" and "_runinfo" not in f.read_text())
     assert silent == sorted(readers), f"benchmarks without the run: line (benchmarks/_runinfo.py): {silent}"
