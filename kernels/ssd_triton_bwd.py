@@ -544,9 +544,9 @@ def _dbc_body(x_ptr, dy_ptr, dden_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, doc_ptr, st_
                                                      NNB, offs_n, mask_n, Q, BP, BN, HAS_DOC, PREC, SPREC, IN_DTYPE,
                                                      NORM, DY_EXACT, DY_SCALE, GSS, GSD)
         Bt = tl.load(B_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
+        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)  # both loads in flight at once
         dC = tl.dot((Pm * dt[None, :]).to(IN_DTYPE), Bt.to(IN_DTYPE), win[:, None] * accDYS, input_precision=PREC)
         tl.store(dC_ptr + bc_base + bc_off, dC.to(dC_ptr.dtype.element_ty), mask=bc_mask)
-        Ct = tl.load(C_ptr + bc_base + bc_off, mask=bc_mask, other=0.0)
         dB = tl.dot(tl.trans(Pm).to(IN_DTYPE), Ct.to(IN_DTYPE), wend[:, None] * accXS, input_precision=PREC)
         tl.store(dB_ptr + bc_base + bc_off, (dt[:, None] * dB).to(dB_ptr.dtype.element_ty), mask=bc_mask)
         return
