@@ -28,8 +28,8 @@ __all__ = ["ssd_triton", "SSDCoreFunction", "core_fwd_op", "core_bwd_op", "norm_
 
 
 def _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, norm, Dhp, save_ynum):
-    """(y, final, states, gdec, ynum, den, sexp) of the Triton forward; ynum and den are None when not kept, sexp
-    (the states' exponents) empty unless they are stored as scaled fp16."""
+    """(y, final, states, gdec, ynum, den, sexp) of the Triton forward (dt heads-major, (b, h, l)); ynum and den are
+    None when not kept, sexp (the states' exponents) empty unless they are stored as scaled fp16."""
     y, ynum, den, final, states, gdec, sexp = ssd_fwd(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype,
                                                       norm, Dhp, save_ynum=save_ynum)
     return y, final, states, gdec, ynum, den, sexp
@@ -37,7 +37,7 @@ def _core_forward(x, dt, A, B, C, initial_state, doc, chunk_size, out_dtype, nor
 
 def _core_backward(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm,
                    sexp):
-    """(dx, ddt, dA, dB, dC, dinit, dD) of the Triton backward (dinit, dD None when absent)."""
+    """(dx, ddt, dA, dB, dC, dinit, dD) of the Triton backward (dt, ddt heads-major; dinit, dD None when absent)."""
     with env_frozen():
         return _core_backward_switches_read(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp,
                                             chunk_size, has_init, norm, sexp)
@@ -156,7 +156,7 @@ def core_bwd_op(dy: _Opt, dfinal: _Opt, x: torch.Tensor, dt: torch.Tensor, A: to
 def _(dy, dfinal, x, dt, A, B, C, doc, states, gdec, ynum, den, Dhp, chunk_size, has_init, norm, sexp):
     b, l, h, p = x.shape
     f32 = torch.float32
-    return (torch.empty_like(x), x.new_empty(b, l, h, dtype=f32), x.new_empty(h, dtype=f32), torch.empty_like(B),
+    return (torch.empty_like(x), x.new_empty(b, h, l, dtype=f32), x.new_empty(h, dtype=f32), torch.empty_like(B),
             torch.empty_like(C), x.new_empty((b, h, states.shape[3], B.shape[3]) if has_init else (0,), dtype=f32),
             x.new_empty((h, p) if Dhp is not None else (0,), dtype=f32))
 
@@ -232,7 +232,9 @@ def _ssd_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize
     fused = bwd_variant() == "v2" and (not normalize or norm_mode() == "fused")
     if normalize and not fused:
         xc = torch.cat([xc, torch.ones_like(xc[..., :1])], dim=-1)
-    dtc = dt.contiguous().float() if dt.dtype != torch.float32 else dt.contiguous()
+    # the kernels read dt heads-major, (b, h, l): one copy here (free when dt arrives stored that way, and fused into
+    # dt's producer in a compiled graph); autograd hands ddt back through the transpose as a view
+    dtc = dt.float().transpose(1, 2).contiguous()
     Ac = A.contiguous().float() if A.dtype != torch.float32 else A.contiguous()
     Bc = B.contiguous().to(x.dtype)
     Cc = C.contiguous().to(x.dtype)

@@ -725,10 +725,10 @@ def _finish_bwd(dcs_ptr, ddtp_ptr, dg_ptr, gdec_ptr, dt_ptr, A_ptr, ddt_ptr, dAp
                 Q: tl.constexpr, BB: tl.constexpr):
     """Per chunk: sum the tile partials of d cs and of the direct dt gradient, add the carry factor's gradient
     (sum over dB/dC's n tiles of <dS, S_prev>, times g) to the chunk's last position, reverse cumulative sum
-    (d cs -> d a, a = dt A), then ddt = direct + A d a (stored (b, l, h)) and the chunk's partial of dA = sum d a dt."""
+    (d cs -> d a, a = dt A), then ddt = direct + A d a (stored heads-major, (b, h, l)) and the chunk's partial of
+    dA = sum d a dt."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
     h = bh % H
     tt = tl.arange(0, Q)
     dcs = tl.zeros([Q], dtype=tl.float32)
@@ -743,8 +743,8 @@ def _finish_bwd(dcs_ptr, ddtp_ptr, dg_ptr, gdec_ptr, dt_ptr, A_ptr, ddt_ptr, dAp
     da = tl.cumsum(dcs, axis=0, reverse=True)
     offs_t = c * Q + tt
     mask = offs_t < L
-    dtv = tl.load(dt_ptr + (b * L * H + h) + offs_t * H, mask=mask, other=0.0)
-    tl.store(ddt_ptr + (b * L * H + h) + offs_t * H, ddt + tl.load(A_ptr + h) * da, mask=mask)
+    dtv = tl.load(dt_ptr + bh * L + offs_t, mask=mask, other=0.0)  # dt and ddt heads-major, (b, h, l)
+    tl.store(ddt_ptr + bh * L + offs_t, ddt + tl.load(A_ptr + h) * da, mask=mask)
     tl.store(dAp_ptr + bh * NC + c, tl.sum(tl.where(mask, da * dtv, 0.0), axis=0))
 
 
@@ -940,7 +940,7 @@ def bwd_plan(b: int, h: int, g: int, p: int, n: int, dtype: torch.dtype, dy_dtyp
 
 def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_dinit: bool, D=None, dyo=None,
             dy_den=None, ysaved=None, den=None, sexp=None):
-    """Gradients (dx, ddt, dA, dB, dC, dinit, dD). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
+    """Gradients (dx, ddt, dA, dB, dC, dinit, dD); dt and ddt heads-major, (b, h, l). ``states`` holds S_prev per chunk (from ssd_fwd), with p + 1 rows
     when the normaliser is fused (``dden`` the gradient of ``den``, else None; v2 only). ``D`` ((h, p) fp32, v2 only):
     the D skip was fused into the forward; ``dyo`` is then the gradient of the final output (``dy`` that of the
     numerator when normalised, else the same) and dD (h, p) is returned, else None. ``dy_den`` (the normaliser
@@ -1027,7 +1027,7 @@ def _partials(bh, nnb, npb, nc, Q, p_d, dev):
 def _finish(dcs_part, ddt_part, dg, gdec, dt, A, dD_part, dA_part, b, l, h, p, nc, nnb, Q, dev):
     """d cs -> d a (reverse cumulative sum within each chunk), then dt and A: one launch; dA and dD summed from
     their per-chunk partials (dA_part (b h, nc) is filled here)."""
-    ddt = torch.empty(b, l, h, device=dev, dtype=torch.float32)
+    ddt = torch.empty(b, h, l, device=dev, dtype=torch.float32)
     launch(_finish_bwd, (nc, b * h), dcs_part, ddt_part, dg, gdec, dt, A, ddt, dA_part, l, h, nc,
            dcs_part.shape[1], nnb,
            Q=Q, BB=_pow2(nnb, 2), num_warps=2)

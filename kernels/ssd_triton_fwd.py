@@ -23,7 +23,8 @@ not materialised as a column of x (P + 1 columns would double the p tiles at P =
 one extra row (row P of a (P + 1) x N state), built and consumed with vector ops by the first p tile's
 programs, and the scan writes it as a separate output ``den`` (b, l, h).
 
-Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt (b, l, h) fp32; A (h,) fp32;
+Layouts (all contiguous): x/y (b, l, h, p); den (b, l, h) fp32; dt heads-major (b, h, l) fp32 (a chunk's steps of
+one head in adjacent words; ``ssd`` takes dt (b, l, h) and transposes it); A (h,) fp32;
 B/C (b, l, g, n); doc (b, l) int32 monotone document ids; states (b, h, nc, p + NORM, n) in the dtype of
 ``state_layout`` (for bf16 inputs by default scaled fp16 where its groups are 32+ columns wide, else fp32; scaled
 fp16 comes with int8 exponents (b, h, nc, p + NORM, n / GS), one per GS columns of a row, which the readers load as
@@ -95,10 +96,15 @@ def _xdot(a, b, acc, PREC: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q: tl.constexpr):
-    """Offsets, mask, dt and within-chunk inclusive cumulative log-decay of chunk c."""
+    """Offsets, mask, dt and within-chunk inclusive cumulative log-decay of chunk c (dt heads-major, (b, h, l)).
+    dt is loaded one word a thread: ``L // L`` (1, unknown to the compiler's contiguity analysis) keeps the load from
+    being vectorised; adjacent threads still read adjacent words, and the load can be repeated in each layout its
+    users need. A vectorised load cost the backward's paired kernel registers to convert its layout (spills at 1.4b
+    88 -> 128 bytes, the pair 2-5 % slower on an H100, 2026-12-07); ``tl.max_contiguous(offs_t, 1)`` compiled to
+    slower code at the training shapes (the pair +5 % at 160m and 410m)."""
     offs_t = c * Q + tl.arange(0, Q)
     mask_t = offs_t < L
-    dt = tl.load(dt_ptr + (b * L * H + h) + offs_t * H, mask=mask_t, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + (b * H + h) * L + offs_t * (L // L), mask=mask_t, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
     cs = tl.cumsum(dt * A, axis=0)
     cs_end = tl.sum(tl.where(tl.arange(0, Q) == Q - 1, cs, 0.0), axis=0)
@@ -1001,6 +1007,7 @@ def ssd_fwd(x, dt, A, B, C, initial_state, doc, Q: int, out_dtype=None, norm: bo
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     dev = x.device
+    assert dt.shape == (b, h, l), "ssd_fwd takes dt heads-major, (b, h, l)"
     has_doc, has_init = doc is not None, initial_state is not None
     pl = fwd_plan(b, l, h, p, n, x.dtype, Q, norm, D is not None, has_doc, has_init, save_ynum, dev, _sm_count(dev))
     nc, ps = pl.nc, pl.ps

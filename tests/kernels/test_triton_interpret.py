@@ -210,7 +210,7 @@ def test_scaled_fp16_states_hold_the_stored_values(state_pass, norm, monkeypatch
     ins, seq = on_triton_device(*make_inputs(1, 150, 2, 1, 16, 64, dtype=torch.bfloat16, **opts))
     ins["x"] = ins["x"] * 2.0 ** 20  # states past fp16's largest value (65504) unless scaled
     doc = doc_ids_from_seq_idx(seq, 1, 150, seq.device).contiguous() if seq is not None else None
-    args = (ins["x"], ins["dt"].float(), ins["A"].float(), ins["B"], ins["C"],
+    args = (ins["x"], ins["dt"].float().transpose(1, 2).contiguous(), ins["A"].float(), ins["B"], ins["C"],
             ins["initial_state"].float() if norm else None, doc, 32)
     out = {}
     for storage in ("fp32", "fp16,fp16"):
@@ -308,7 +308,7 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
         monkeypatch.setenv("HMSCALE_SSD_EXP_LOAD", mode)
         assert exponent_load_mode() == mode
         out[mode] = _run(_triton, ins, seq, opts, 16, gy, gs, device=TRITON_DEVICE)
-    fwd_in = (ins["x"], ins["dt"].float(), ins["A"].float(), ins["B"], ins["C"])
+    fwd_in = (ins["x"], ins["dt"].float().transpose(1, 2).contiguous(), ins["A"].float(), ins["B"], ins["C"])
     exps = ssd_fwd(*(v.to(TRITON_DEVICE) for v in fwd_in), None, None, 16, norm=False)[6]
     words = exponent_words(exps)
     assert exps.dtype == torch.int8 and exps.abs().max() > 0 and words.dtype == torch.int32
@@ -328,6 +328,11 @@ def test_scaled_fp16_exponent_words_give_the_byte_results(norm, walk_tile, monke
         exponent_load_mode()
 
 
+def _core_leaf(ins, k):
+    """A leaf input of the core ops (``core_fwd_op``): as ``ssd`` passes it, dt heads-major (b, h, l)."""
+    return (ins[k].transpose(1, 2).contiguous() if k == "dt" else ins[k]).clone().requires_grad_()
+
+
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True, D=True, init=True, seq=True)])
 def test_custom_ops_pass_opcheck(opts):
     """The core as torch.library custom ops (what a torch.compile graph holds): schema, fake shapes and dtypes,
@@ -339,7 +344,7 @@ def test_custom_ops_pass_opcheck(opts):
     norm = opts.get("normalize", False)
     doc = doc_ids_from_seq_idx(seq, 1, 40, seq.device).contiguous() if seq is not None else None
     Dhp = _d_hp(ins["D"], 2, 16) if "D" in ins else None
-    leaves = [ins[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C")]
+    leaves = [_core_leaf(ins, k) for k in ("x", "dt", "A", "B", "C")]  # the core takes dt heads-major
     init = ins["initial_state"].clone().requires_grad_() if "initial_state" in ins else None
     args = (*leaves, init, doc, 16, torch.float32, norm, Dhp, True)
     torch.library.opcheck(core_fwd_op, args)
@@ -354,7 +359,7 @@ def test_custom_op_with_an_unused_final_state_reads_no_final_gradient(monkeypatc
     real = sa._core_backward
     monkeypatch.setattr(sa, "_core_backward", lambda dy, dfinal, *a: seen.append(dfinal) or real(dy, dfinal, *a))
     ins, _ = on_triton_device(*make_inputs(1, 40, 2, 1, 16, 16, dtype=torch.float32))
-    leaves = [ins[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C")]
+    leaves = [_core_leaf(ins, k) for k in ("x", "dt", "A", "B", "C")]  # the core takes dt heads-major
     y, final = sa.core_fwd_op(*leaves, None, None, 16, torch.float32, False, None, True)[:2]
     torch.autograd.grad(y.sum(), leaves, retain_graph=True)
     assert seen == [None]
