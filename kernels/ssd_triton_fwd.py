@@ -100,8 +100,8 @@ def _chunk_decay(dt_ptr, A_ptr, b, h, c, L, H, Q: tl.constexpr):
     dt is loaded one word a thread: ``L // L`` (1, unknown to the compiler's contiguity analysis) keeps the load from
     being vectorised; adjacent threads still read adjacent words, and the load can be repeated in each layout its
     users need. A vectorised load cost the backward's paired kernel registers to convert its layout (spills at 1.4b
-    88 -> 128 bytes, the pair 2-5 % slower on an H100, 2026-12-07); ``tl.max_contiguous(offs_t, 1)`` compiled to
-    slower code at the training shapes (the pair +5 % at 160m and 410m)."""
+    88 -> 128 bytes, the pair 2-3 % slower on an H100, 2026-12-07); ``tl.max_contiguous(offs_t, 1)`` compiled to
+    slower code at the training shapes (the pair +5-6 % at 160m and 410m)."""
     offs_t = c * Q + tl.arange(0, Q)
     mask_t = offs_t < L
     dt = tl.load(dt_ptr + (b * H + h) * L + offs_t * (L // L), mask=mask_t, other=0.0).to(tl.float32)
