@@ -367,6 +367,29 @@ def test_custom_op_with_an_unused_final_state_reads_no_final_gradient(monkeypatc
     assert seen[1] is not None and torch.equal(seen[1], torch.ones_like(final))
 
 
+def test_dt_reaches_the_kernels_heads_major_and_a_heads_major_dt_is_not_copied(monkeypatch):
+    """The kernels read dt as (b, h, l): ``ssd`` transposes a (b, l, h) dt once, and hands a dt already stored
+    heads-major (a transposed view) over without a copy; both give the same outputs and gradients, ddt in dt's
+    shape."""
+    import kernels.ssd_autograd as sa
+
+    seen = []
+    real = sa._core_forward
+    monkeypatch.setattr(sa, "_core_forward", lambda x, dt, *a: seen.append(dt) or real(x, dt, *a))
+    ins, _ = on_triton_device(*make_inputs(2, 40, 3, 1, 16, 16, dtype=torch.float32))
+    outs = []
+    for heads_major in (False, True):
+        dt = ins["dt"].transpose(1, 2).contiguous().transpose(1, 2) if heads_major else ins["dt"].clone()
+        dt.requires_grad_()
+        y = _triton(x=ins["x"], dt=dt, A=ins["A"], B=ins["B"], C=ins["C"], chunk_size=16)
+        (ddt,) = torch.autograd.grad((y * y).sum(), [dt])
+        assert seen[-1].shape == (2, 3, 40) and seen[-1].is_contiguous()
+        assert (seen[-1].data_ptr() == dt.data_ptr()) == heads_major  # copied only when stored (b, l, h)
+        assert ddt.shape == dt.shape == (2, 40, 3)
+        outs.append((y, ddt))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_state_pass_mode_choice(monkeypatch):
     """HMSCALE_SSD_PASS=auto: fused passes when the (batch x head x state tile) programs occupy at least 7/8 of the
     GPU's multiprocessors, split ones for long single sequences of smaller states; explicit modes win; a bad value is
