@@ -99,7 +99,8 @@ def parse(rows) -> list[Line]:
 
 
 def report(lines: list[Line], top: int) -> str:
-    """Markdown: per kernel, totals, then the lines with the most stall samples, excessive sectors and spills."""
+    """Markdown: per kernel, totals, then the lines with the most stall samples, L2 sectors (what the kernel moves
+    through L2, reused tiles included), excessive sectors and spills."""
     out = []
     for kernel in dict.fromkeys(ln.kernel for ln in lines):
         ks = [ln for ln in lines if ln.kernel == kernel]
@@ -110,6 +111,7 @@ def report(lines: list[Line], top: int) -> str:
                    f" ({100 * excess / max(sectors, 1):.1f} %); spill instructions executed "
                    f"{sum(ln.spill for ln in ks)}\n")
         for title, key, shown in (("stall samples", lambda ln: ln.stall, True),
+                                  ("L2 sectors", lambda ln: ln.sectors, any(ln.sectors for ln in ks)),
                                   ("excessive L2 sectors", lambda ln: ln.excess, any(ln.excess for ln in ks)),
                                   ("spill instructions", lambda ln: ln.spill, any(ln.spill for ln in ks))):
             if not shown:

@@ -52,6 +52,8 @@ def test_report_ranks_lines_and_gives_each_kernel_its_totals():
     assert stall_table.index("a.py:12") < stall_table.index("a.py:10")  # 12 samples before 8
     assert "| a.py:10 | `y = tl.load(p)` | 40.0 | 96 | 16 | 0 | LDG |" in k1
     assert "Lines by excessive L2 sectors" not in text.split("## k2")[1]  # k2 has none
+    sector_table = k1.split("Lines by L2 sectors:")[1].split("Lines by")[0]
+    assert "a.py:10" in sector_table and "a.py:12" not in sector_table  # line 12 moves no sectors
 
 
 def test_a_csv_without_source_rows_says_how_to_export_one(tmp_path):
