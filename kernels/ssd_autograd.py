@@ -232,8 +232,8 @@ def _ssd_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, normalize
     fused = bwd_variant() == "v2" and (not normalize or norm_mode() == "fused")
     if normalize and not fused:
         xc = torch.cat([xc, torch.ones_like(xc[..., :1])], dim=-1)
-    # the kernels read dt heads-major, (b, h, l): one copy here (free when dt arrives stored that way, and fused into
-    # dt's producer in a compiled graph); autograd hands ddt back through the transpose as a view
+    # the kernels read dt heads-major, (b, h, l): one copy here (none when dt arrives stored that way; in a compiled
+    # graph an op inductor may fuse with dt's producer); autograd hands ddt back through the transpose as a view
     dtc = dt.float().transpose(1, 2).contiguous()
     Ac = A.contiguous().float() if A.dtype != torch.float32 else A.contiguous()
     Bc = B.contiguous().to(x.dtype)
