@@ -31,7 +31,7 @@ for pass in auto fused; do
     done
   done
 done
-for op in conv fm qkfm ce; do  # the glue kernels and stage 2's loss
+for op in conv fm ce; do  # the glue kernels and stage 2's loss
   for dtype in bf16 fp32; do
     echo "== $op $dtype"
     PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$python" benchmarks/ssd_registers.py --op "$op" --dtype "$dtype" \

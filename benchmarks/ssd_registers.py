@@ -7,7 +7,7 @@ of the cubin (cuobjdump, bundled with Triton). A tiling that spills here spills 
 was predicted this way); one that does not may still be slow, so timings stay on the GPU (``ssd.py --sweep``).
 
     python benchmarks/ssd_registers.py --shape 1.4b --chunk 128
-    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # glue: conv | fm | qkfm | ce
+    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # the mixer's glue: conv | fm | ce
     HMSCALE_SSD_CFG="scan=64,64,8" HMSCALE_SSD_DBC_CFG="16,32,3,8" python benchmarks/ssd_registers.py --chunk 128
 
 Shapes are those of ``ssd.py --sweep`` (at a shorter L: registers do not depend on it). bf16 unless ``--dtype``.
@@ -124,15 +124,12 @@ def record_launches(H, G, P, N, norm, chunk, dtype, L, b=1):
     return rec.launches
 
 
-def record_glue_launches(op, dtype, L, b=1, p=64):
+def record_glue_launches(op, dtype, L, b=1):
     """The Triton launches of one fwd+bwd call of a glue kernel at the 410m training widths (the conv over 3 x 1024
-    channels, width 4; the feature map over 16 heads of 64; ``qkfm`` over 16 heads of ``p``), on CPU tensors,
-    without running them."""
+    channels, width 4; the feature map over 16 heads of 64), on CPU tensors, without running them."""
     import kernels.conv as kc  # decorated as real JIT functions before the flag below
     import kernels.cross_entropy as kce
     import kernels.feature_map as kf
-    import kernels.qk_feature_map as kq
-    from hmscale.models.neox_attention import rotary_cos_sin
     os.environ["TRITON_INTERPRET"] = "1"
     g = torch.Generator().manual_seed(0)
     with Recorder() as rec:
@@ -154,14 +151,6 @@ def record_glue_launches(op, dtype, L, b=1, p=64):
             y = ce + kd
             y.backward()
             return rec.launches
-        elif op == "qkfm":  # split + rotary + feature map of q and k in one kernel each way (16 heads of 64)
-            qkv = torch.randn(b, L, 48 * p, generator=g).to(dtype).requires_grad_()
-            cos, sin = rotary_cos_sin(torch.arange(L)[None], p // 4, 10000.0, dtype=dtype)
-            C, B, v = kq.qk_feature_maps_triton(qkv, 16, cos, sin, torch.randn(16, p, p, requires_grad=True),
-                                                torch.zeros(16, p, requires_grad=True))
-            y = C.sum() + B.sum() + v.sum()
-            y.backward()
-            return rec.launches
         else:
             u = torch.randn(b, L, 16, 64, generator=g).to(dtype).requires_grad_()
             y = kf._HedgehogFeatureMap.apply(u, torch.randn(16, 64, 64, requires_grad=True),
@@ -172,7 +161,7 @@ def record_glue_launches(op, dtype, L, b=1, p=64):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm", "qkfm", "ce"),
+    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm", "ce"),
                     help="the SSD's kernels or a glue op's (ce: stage 2's loss)")
     ap.add_argument("--shape", default="1.4b", choices=sorted(SHAPES))
     ap.add_argument("--chunk", type=int, default=64)
@@ -188,12 +177,12 @@ def main():
     if args.op == "ssd":
         launches = record_launches(H, G, P, N, norm, args.chunk, dtype, args.seq, args.batch)
     else:
-        launches = record_glue_launches(args.op, dtype, args.seq, p=P)
+        launches = record_glue_launches(args.op, dtype, args.seq)
     cap = int(args.arch[3:5])
     target = GPUTarget("cuda", cap, 32)
     backend = triton.compiler.make_backend(target)
     what = (f"{args.shape} (H={H}, G={G}, P={P}, N={N}{', normalize' if norm else ''}), chunk {args.chunk}"
-            if args.op == "ssd" else f"{args.op} at the 410m widths{f', heads of {P}' if args.op == 'qkfm' else ''}")
+            if args.op == "ssd" else f"{args.op} at the 410m widths")
     print(f"# {what}, {args.dtype}, {args.arch}")
     print("| kernel | warps | stages | tiles | registers | stack (spill) bytes | shared KiB |")
     print("|---|---|---|---|---|---|---|")

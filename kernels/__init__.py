@@ -12,8 +12,7 @@ Public API (see DESIGN.md, "Contracts"):
   ``hedgehog_feature_map(u, weight, bias)`` (``feature_map.py``; ``hedgehog_feature_map_reference``),
   ``causal_depthwise_conv_triton(x, prev, weight, bias)`` (``conv.py``; ``causal_depthwise_conv_reference``),
   ``split_qkv_rotary_triton(qkv, n_heads, cos, sin)`` (``rotary.py``; the model's plain NeoX split + rotary),
-  ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``); and the split + rotary and the feature
-  map of q and k fused, ``qk_feature_maps_triton(qkv, n_heads, cos, sin, weight, bias)`` (``qk_feature_map.py``).
+  ``sigmoid_gate_triton(y, z)`` (``gate.py``; ``sigmoid_gate_reference``).
 - ``compat.mamba_chunk_scan_combined`` / ``compat.selective_state_update``: mamba_ssm's signatures (dt_bias,
   softplus, dt_limit, the z gate; the decode step in place) on ``ssd`` / ``ssd_step``.
 - The training loss: ``cross_entropy_sum_triton(logits, target)`` and ``next_token_loss_sums(logits, input_ids,
@@ -48,7 +47,6 @@ __all__ = ["ssd", "ssd_step", "check_ssd_args", "ssd_reference", "ssd_recurrent_
            "ssd_triton", "ssd_step_torch", "ssd_step_triton", "resolve_backend", "glue_on_triton",
            "hedgehog_feature_map", "hedgehog_feature_map_reference",
            "causal_depthwise_conv_triton", "causal_depthwise_conv_reference", "split_qkv_rotary_triton",
-           "qk_feature_maps_triton",
            "sigmoid_gate_triton", "sigmoid_gate_reference",
            "cross_entropy_sum_triton", "next_token_loss_sums", "cross_entropy_reference"]
 
@@ -131,7 +129,6 @@ _LAZY = {
     "hedgehog_feature_map": "feature_map",
     "causal_depthwise_conv_triton": "conv",
     "split_qkv_rotary_triton": "rotary",
-    "qk_feature_maps_triton": "qk_feature_map",
     "sigmoid_gate_triton": "gate",
     "cross_entropy_sum_triton": "cross_entropy",
     "next_token_loss_sums": "cross_entropy",

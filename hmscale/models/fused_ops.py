@@ -12,9 +12,6 @@ step did not lose (BENCHMARKS.md, 2026-12-03 evening). The gate stays inductor's
   ``[prev, x]`` (no document boundaries; the module's loop handles ``seq_idx``);
   ``kernels.causal_depthwise_conv_triton`` or ``kernels.causal_depthwise_conv_reference``.
 - `sigmoid_gate(y, z)`  ``y * 2 sigmoid(z)``; ``kernels.sigmoid_gate_triton`` or ``kernels.sigmoid_gate_reference``.
-- `qk_feature_maps(qkv, n_heads, cos, sin, feature_map)`  the split + rotary above, then the Hedgehog map on q
-  and k: ``kernels.qk_feature_maps_triton`` (one kernel each way, q and k never stored) where the glue runs on
-  Triton and ``HMSCALE_QK_FM=fused`` (the default), else the two steps.
 
 The Hedgehog feature map makes the same choice (``compiled_glue_on_triton`` included) in
 ``feature_map.HedgehogFeatureMap``.
@@ -30,7 +27,7 @@ import kernels
 
 from .neox_attention import apply_rotary, split_qkv
 
-__all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate", "compiled_glue_on_triton", "qk_feature_maps"]
+__all__ = ["split_qkv_rotary", "causal_depthwise_conv", "sigmoid_gate", "compiled_glue_on_triton"]
 
 
 def compiled_glue_on_triton(tensor: torch.Tensor) -> bool:
@@ -53,26 +50,6 @@ def split_qkv_rotary(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
         return kernels.split_qkv_rotary_triton(qkv, n_heads, cos, sin)
     q, k, v = split_qkv(qkv, n_heads)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-
-def qk_fused() -> bool:
-    """``HMSCALE_QK_FM=fused|apart``: the mixer's split + rotary + feature maps as one Triton kernel each way
-    (``fused``, the default) or as the split kernel then the feature map's on q and on k (``apart``)."""
-    choice = os.environ.get("HMSCALE_QK_FM", "fused").lower()
-    if choice not in ("fused", "apart"):
-        raise ValueError(f"HMSCALE_QK_FM must be fused or apart, got {choice!r}")
-    return choice == "fused"
-
-
-def qk_feature_maps(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, feature_map):
-    """(C, B, v) = (phi(rot q), phi(rot k), v) of the per-head [q|k|v] tensor (b, l, 3*h*p): the linear-attention
-    query and key features (b, l, h, 2F) and the values (b, l, h, p); ``feature_map`` the layer's
-    ``HedgehogFeatureMap`` (its weight and bias), cos/sin as for ``split_qkv_rotary``."""
-    r = cos.shape[-1]
-    if (r and not r % 2 and qk_fused() and (kernels.glue_on_triton(qkv) or compiled_glue_on_triton(qkv))):
-        return kernels.qk_feature_maps_triton(qkv, n_heads, cos, sin, feature_map.weight, feature_map.bias)
-    q, k, v = split_qkv_rotary(qkv, n_heads, cos, sin)
-    return feature_map(q), feature_map(k), v
 
 
 def causal_depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):

@@ -49,7 +49,7 @@ import kernels
 
 from .feature_map import HedgehogFeatureMap, feature_map_init
 from .hedgehog import causal_lm_loss
-from .fused_ops import causal_depthwise_conv, qk_feature_maps, sigmoid_gate
+from .fused_ops import causal_depthwise_conv, sigmoid_gate, split_qkv_rotary
 from .neox_attention import rotary_cos_sin
 
 __all__ = [
@@ -438,7 +438,8 @@ class HedgeMambaMixer(nn.Module):
             if cache is not None:
                 cache.conv_states[i] = new_conv
         cos, sin = rope
-        Cf, Bf, v = qk_feature_maps(qkv, H, cos, sin, self.feature_map)
+        q, k, v = split_qkv_rotary(qkv, H, cos, sin)
+        Cf, Bf = self.feature_map(q), self.feature_map(k)
         dt, A, D = self.ssm_parameters(h)
         if token_mask is not None:
             # a row that is all padding keeps its dt: with dt = 0 its normaliser would be 0 everywhere and the
