@@ -30,7 +30,8 @@ for part in "$@"; do
     tests)
       { header "GPU tests"
         TRITON_INTERPRET=0 python3 -m pytest -q -n 8 tests/kernels/test_triton_interpret.py \
-          tests/kernels/test_model_triton.py tests/kernels/test_compat.py tests/kernels/test_cross_entropy.py \
+          tests/kernels/test_model_triton.py tests/kernels/test_feature_map.py tests/kernels/test_compat.py \
+          tests/kernels/test_cross_entropy.py \
           tests/kernels/test_cross_entropy_bad_targets.py tests/train/test_loss_kernel.py tests/models/test_gpu.py \
           tests/models/test_lora.py tests/eval/test_long_context.py; } > "$log" 2>&1 || status=1 ;;
     grid)

@@ -124,9 +124,9 @@ def record_launches(H, G, P, N, norm, chunk, dtype, L, b=1):
     return rec.launches
 
 
-def record_glue_launches(op, dtype, L, b=1):
+def record_glue_launches(op, dtype, L, b=1, p=64):
     """The Triton launches of one fwd+bwd call of a glue kernel at the 410m training widths (the conv over 3 x 1024
-    channels, width 4; the feature map over 16 heads of 64), on CPU tensors, without running them."""
+    channels, width 4; the feature map over 16 heads of ``p``, 64 at 410m), on CPU tensors, without running them."""
     import kernels.conv as kc  # decorated as real JIT functions before the flag below
     import kernels.cross_entropy as kce
     import kernels.feature_map as kf
@@ -152,9 +152,9 @@ def record_glue_launches(op, dtype, L, b=1):
             y.backward()
             return rec.launches
         else:
-            u = torch.randn(b, L, 16, 64, generator=g).to(dtype).requires_grad_()
-            y = kf._HedgehogFeatureMap.apply(u, torch.randn(16, 64, 64, requires_grad=True),
-                                             torch.zeros(16, 64, requires_grad=True))
+            u = torch.randn(b, L, 16, p, generator=g).to(dtype).requires_grad_()
+            y = kf._HedgehogFeatureMap.apply(u, torch.randn(16, p, p, requires_grad=True),
+                                             torch.zeros(16, p, requires_grad=True))
         y.backward(torch.randn_like(y))
     return rec.launches
 
@@ -177,12 +177,12 @@ def main():
     if args.op == "ssd":
         launches = record_launches(H, G, P, N, norm, args.chunk, dtype, args.seq, args.batch)
     else:
-        launches = record_glue_launches(args.op, dtype, args.seq)
+        launches = record_glue_launches(args.op, dtype, args.seq, p=P)
     cap = int(args.arch[3:5])
     target = GPUTarget("cuda", cap, 32)
     backend = triton.compiler.make_backend(target)
     what = (f"{args.shape} (H={H}, G={G}, P={P}, N={N}{', normalize' if norm else ''}), chunk {args.chunk}"
-            if args.op == "ssd" else f"{args.op} at the 410m widths")
+            if args.op == "ssd" else f"{args.op} at the 410m widths{f', heads of {P}' if args.op == 'fm' else ''}")
     print(f"# {what}, {args.dtype}, {args.arch}")
     print("| kernel | warps | stages | tiles | registers | stack (spill) bytes | shared KiB |")
     print("|---|---|---|---|---|---|---|")

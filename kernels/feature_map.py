@@ -47,6 +47,11 @@ __all__ = ["hedgehog_feature_map"]
 # (Triton 3.6, u (8, 2048, 16, 64) bf16, min of do_bench, noisy machine): forward 39 us, backward 68 us with du
 # (60 us without), the reduction of the partial sums included; (32, 2, 512-1024) backward about the same.
 _DEFAULT_CFG = {"fwd": (64, 4), "bwd": (64, 4, 1024)}
+# fp32 inputs (exact fp32 dots): 8 warps, fewer rows. The 16-bit tiles spilled there (255 registers) and at heads of
+# 128 the backward needed 424 KiB of shared memory, past the 227 KiB a block may have on an H100 / H200, so it did not
+# launch (found 2026-12-07); these compile for sm_90 without backward spills at heads of 64 and 128, in 62 and 160
+# KiB (benchmarks/ssd_registers.py --op fm --dtype fp32 --shape 410m | 1.4b)
+_DEFAULT_CFG_FP32 = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
 
 
 @triton.jit
@@ -128,9 +133,11 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.const
     tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
-def _tiles() -> dict:
-    """Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults."""
-    cfg = tile_config("HMSCALE_FM_CFG", _DEFAULT_CFG, "fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows")
+def _tiles(dtype: torch.dtype) -> dict:
+    """Tile sizes for inputs of ``dtype``: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides
+    the defaults."""
+    default = _DEFAULT_CFG_FP32 if dtype == torch.float32 else _DEFAULT_CFG
+    cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows")
     for name, (block_r, warps, *_) in cfg.items():
         if not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
             raise ValueError(f"HMSCALE_FM_CFG: {name} BLOCK_R must be a power of two >= 16 and warps a power of two, "
@@ -152,7 +159,7 @@ def _forward(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     R = u.numel() // (h * P)
     out = u.new_empty(*u.shape[:-1], 2 * F)
     if R:
-        block_r, warps = _tiles()["fwd"]
+        block_r, warps = _tiles(u.dtype)["fwd"]
         launch(_fm_fwd, (cdiv(R, block_r), h), u, weight.contiguous(), bias.contiguous(), out, R, h, P, F,
                BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), IEEE=u.dtype == torch.float32, num_warps=warps)
     return out
@@ -164,7 +171,7 @@ def _backward(g, u, weight, phi, bias_dtype, need_u: bool, need_w: bool):
     h, F, P = weight.shape
     u, g = u.contiguous(), g.to(phi.dtype).contiguous()
     R = u.numel() // (h * P)
-    block_r, warps, rows = _tiles()["bwd"]
+    block_r, warps, rows = _tiles(u.dtype)["bwd"]
     groups = cdiv(R, rows)
     du = torch.empty_like(u) if need_u else u.new_empty(0)
     nw = h * F * P if need_w else 0

@@ -33,8 +33,11 @@ def _grads(fn, u, w, b, gy):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("lead,h,P,F", [((2, 7), 3, 16, 24), ((1, 5), 2, 20, 8), ((3,), 4, 8, 8)])
+@pytest.mark.parametrize("lead,h,P,F", [((2, 7), 3, 16, 24), ((1, 5), 2, 20, 8), ((3,), 4, 8, 8),
+                                        ((2, 3), 1, 128, 128)])
 def test_fused_matches_reference(dtype, tol, lead, h, P, F):
+    """(Heads of 128 in fp32: the 16-bit tiles needed 424 KiB of shared memory for the backward there and did not
+    launch on an H100 / H200; fp32 has its own tiles since.)"""
     u, w, b, gy = _inputs(lead, h, P, F, dtype)
     y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
     y, g = _grads(hedgehog_feature_map, u, w, b, gy)
@@ -55,6 +58,16 @@ def test_fp32_gradients_against_float64():
     _, g = _grads(hedgehog_feature_map, u, w, b, gy)
     for a, r in zip(g, g64):
         assert rel(a, r) <= 1e-5
+
+
+def test_fp32_inputs_take_their_own_tiles(monkeypatch):
+    from kernels.feature_map import _DEFAULT_CFG, _DEFAULT_CFG_FP32, _tiles
+
+    monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
+    assert _tiles(torch.float32) == _DEFAULT_CFG_FP32 and _tiles(torch.bfloat16) == _DEFAULT_CFG
+    assert _DEFAULT_CFG_FP32 != _DEFAULT_CFG
+    monkeypatch.setenv("HMSCALE_FM_CFG", "bwd=32,4,512")
+    assert _tiles(torch.float32)["bwd"] == (32, 4, 512) and _tiles(torch.float32)["fwd"] == _DEFAULT_CFG_FP32["fwd"]
 
 
 def test_shape_mismatch_is_a_clear_error():
