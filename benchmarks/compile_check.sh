@@ -31,12 +31,11 @@ for pass in auto fused; do
     done
   done
 done
-for op in conv fm fm-wide ce; do  # the glue kernels (the feature map at heads of 64 and 128) and stage 2's loss
+for op in conv fm-all ce; do  # the glue kernels (the feature map at every size it takes) and stage 2's loss
   for dtype in bf16 fp32; do
     echo "== $op $dtype"
-    shape=410m; [ "$op" = fm-wide ] && shape=1.4b
-    PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$python" benchmarks/ssd_registers.py --op "${op%-wide}" \
-      --shape "$shape" --dtype "$dtype" --seq 64 | grep '^| _' | tee -a "$out"
+    PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$python" benchmarks/ssd_registers.py --op "$op" --dtype "$dtype" \
+      --seq 64 | grep '^| _' | tee -a "$out"
   done
 done
 if grep -q ERROR "$out"; then

@@ -7,7 +7,7 @@ of the cubin (cuobjdump, bundled with Triton). A tiling that spills here spills 
 was predicted this way); one that does not may still be slow, so timings stay on the GPU (``ssd.py --sweep``).
 
     python benchmarks/ssd_registers.py --shape 1.4b --chunk 128
-    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # the mixer's glue: conv | fm | ce
+    HMSCALE_CONV_CFG="bwd=32,64,4,512" python benchmarks/ssd_registers.py --op conv   # glue: conv | fm | fm-all | ce
     HMSCALE_SSD_CFG="scan=64,64,8" HMSCALE_SSD_DBC_CFG="16,32,3,8" python benchmarks/ssd_registers.py --chunk 128
 
 Shapes are those of ``ssd.py --sweep`` (at a shorter L: registers do not depend on it). bf16 unless ``--dtype``.
@@ -151,6 +151,15 @@ def record_glue_launches(op, dtype, L, b=1, p=64):
             y = ce + kd
             y.backward()
             return rec.launches
+        elif op == "fm-all":  # every head / feature size the kernels take (kernel_fits), two heads each
+            for P in (32, 64, 80, 128, 256):
+                for F in (16, 64, 128, 256):
+                    if kf.kernel_fits(dtype, P, F):
+                        u = torch.randn(b, L, 2, P, generator=g).to(dtype).requires_grad_()
+                        y = kf._HedgehogFeatureMap.apply(u, torch.randn(2, F, P, requires_grad=True),
+                                                         torch.zeros(2, F, requires_grad=True))
+                        y.backward(torch.randn_like(y))
+            return rec.launches
         else:
             u = torch.randn(b, L, 16, p, generator=g).to(dtype).requires_grad_()
             y = kf._HedgehogFeatureMap.apply(u, torch.randn(16, p, p, requires_grad=True),
@@ -161,7 +170,7 @@ def record_glue_launches(op, dtype, L, b=1, p=64):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm", "ce"),
+    ap.add_argument("--op", default="ssd", choices=("ssd", "conv", "fm", "fm-all", "ce"),
                     help="the SSD's kernels or a glue op's (ce: stage 2's loss)")
     ap.add_argument("--shape", default="1.4b", choices=sorted(SHAPES))
     ap.add_argument("--chunk", type=int, default=64)
@@ -182,7 +191,8 @@ def main():
     target = GPUTarget("cuda", cap, 32)
     backend = triton.compiler.make_backend(target)
     what = (f"{args.shape} (H={H}, G={G}, P={P}, N={N}{', normalize' if norm else ''}), chunk {args.chunk}"
-            if args.op == "ssd" else f"{args.op} at the 410m widths{f', heads of {P}' if args.op == 'fm' else ''}")
+            if args.op == "ssd" else "fm at every head and feature size it takes" if args.op == "fm-all"
+            else f"{args.op} at the 410m widths{f', heads of {P}' if args.op == 'fm' else ''}")
     print(f"# {what}, {args.dtype}, {args.arch}")
     print("| kernel | warps | stages | tiles | registers | stack (spill) bytes | shared KiB |")
     print("|---|---|---|---|---|---|---|")

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .host_math import cdiv, is_pow2
 from .launch import launch
+from .reference import hedgehog_feature_map_reference
 from .settings import tile_config
 
 
@@ -52,6 +53,17 @@ _DEFAULT_CFG = {"fwd": (64, 4), "bwd": (64, 4, 1024)}
 # launch (found 2026-12-07); these compile for sm_90 without backward spills at heads of 64 and 128, in 62 and 160
 # KiB (benchmarks/ssd_registers.py --op fm --dtype fp32 --shape 410m | 1.4b)
 _DEFAULT_CFG_FP32 = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
+# 16-bit inputs where one of P and F pads to 256 (the other to at most 128): the same 8-warp tiles. Wider than that
+# (Pythia-1b's heads of 256 with F = 256: the forward alone needed 264+ KiB at any row count), or fp32 past 128 x 128,
+# the kernel keeps a whole head's W in one tile and does not fit: ``hedgehog_feature_map`` runs the reference there.
+_DEFAULT_CFG_WIDE = _DEFAULT_CFG_FP32
+
+
+def kernel_fits(dtype: torch.dtype, p: int, f: int) -> bool:
+    """Whether the kernels have tiles for heads of ``p`` channels and ``f`` features with inputs of ``dtype`` (the
+    padded W_h tile within 128 x 128, or 128 x 256 for 16-bit inputs)."""
+    area = _pad(p) * _pad(f)
+    return area <= 128 * 128 or (dtype != torch.float32 and area <= 128 * 256)
 
 
 @triton.jit
@@ -133,10 +145,13 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.const
     tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
-def _tiles(dtype: torch.dtype) -> dict:
-    """Tile sizes for inputs of ``dtype``: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides
-    the defaults."""
-    default = _DEFAULT_CFG_FP32 if dtype == torch.float32 else _DEFAULT_CFG
+def _tiles(dtype: torch.dtype, p: int = 64, f: int = 64) -> dict:
+    """Tile sizes for inputs of ``dtype``, heads of ``p``, ``f`` features;
+    ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults."""
+    if dtype == torch.float32:
+        default = _DEFAULT_CFG_FP32
+    else:
+        default = _DEFAULT_CFG if max(_pad(p), _pad(f)) <= 128 else _DEFAULT_CFG_WIDE
     cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows")
     for name, (block_r, warps, *_) in cfg.items():
         if not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
@@ -159,7 +174,7 @@ def _forward(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     R = u.numel() // (h * P)
     out = u.new_empty(*u.shape[:-1], 2 * F)
     if R:
-        block_r, warps = _tiles(u.dtype)["fwd"]
+        block_r, warps = _tiles(u.dtype, P, F)["fwd"]
         launch(_fm_fwd, (cdiv(R, block_r), h), u, weight.contiguous(), bias.contiguous(), out, R, h, P, F,
                BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), IEEE=u.dtype == torch.float32, num_warps=warps)
     return out
@@ -171,7 +186,7 @@ def _backward(g, u, weight, phi, bias_dtype, need_u: bool, need_w: bool):
     h, F, P = weight.shape
     u, g = u.contiguous(), g.to(phi.dtype).contiguous()
     R = u.numel() // (h * P)
-    block_r, warps, rows = _tiles(u.dtype)["bwd"]
+    block_r, warps, rows = _tiles(u.dtype, P, F)["bwd"]
     groups = cdiv(R, rows)
     du = torch.empty_like(u) if need_u else u.new_empty(0)
     nw = h * F * P if need_w else 0
@@ -245,10 +260,13 @@ fm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The fused feature map (Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); the same contract
-    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op."""
+    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads too wide for the
+    kernels' tiles (``kernel_fits``: e.g. Pythia-1b's 256 channels with F = 256) run the reference instead."""
     if u.shape[-2:] != (weight.shape[0], weight.shape[2]) or bias.shape != weight.shape[:2]:
         raise ValueError(f"hedgehog_feature_map: u {tuple(u.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not match ((..., h, P), (h, F, P), (h, F))")
+    if not kernel_fits(u.dtype, weight.shape[2], weight.shape[1]):
+        return hedgehog_feature_map_reference(u, weight, bias)
     if torch.compiler.is_compiling():
         return fm_fwd_op(u, weight, bias)
     return _HedgehogFeatureMap.apply(u, weight, bias)

@@ -70,6 +70,32 @@ def test_fp32_inputs_take_their_own_tiles(monkeypatch):
     assert _tiles(torch.float32)["bwd"] == (32, 4, 512) and _tiles(torch.float32)["fwd"] == _DEFAULT_CFG_FP32["fwd"]
 
 
+def test_heads_too_wide_for_the_kernels_run_the_reference(monkeypatch):
+    """The kernels keep a head's whole W in one tile: past 128 x 128 (fp32) or 128 x 256 (16-bit) padded it does not fit
+    an H100's shared memory (Pythia-1b: heads of 256, F = 256), and ``hedgehog_feature_map`` runs the reference there;
+    at 128 x 256 in 16 bits the 8-warp tiles (``benchmarks/ssd_registers.py --op fm-all``, part of ``make
+    compile-check``: at most 224 KiB of shared memory over every size that fits)."""
+    import kernels.feature_map as kfm
+
+    assert kfm.kernel_fits(torch.bfloat16, 128, 128) and kfm.kernel_fits(torch.bfloat16, 256, 128)
+    assert kfm.kernel_fits(torch.float32, 80, 128) and not kfm.kernel_fits(torch.float32, 128, 256)
+    assert not kfm.kernel_fits(torch.bfloat16, 256, 256) and not kfm.kernel_fits(torch.float16, 256, 200)
+    monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
+    assert kfm._tiles(torch.bfloat16, 64, 256) == kfm._DEFAULT_CFG_WIDE
+    assert kfm._tiles(torch.bfloat16, 128, 128) == kfm._DEFAULT_CFG
+    calls = []
+    monkeypatch.setattr(kfm, "hedgehog_feature_map_reference",
+                        lambda *a: calls.append(1) or hedgehog_feature_map_reference(*a))
+    u, w, b, gy = _inputs((2,), 1, 256, 256, torch.bfloat16)
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    assert calls == [1] and torch.equal(y, y_ref) and all(torch.equal(a, r) for a, r in zip(g, g_ref))
+    u, w, b, gy = _inputs((2, 3), 1, 64, 256, torch.bfloat16)  # 128 x 256 in 16 bits: the kernels, wide tiles
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    assert calls == [1] and rel(y, y_ref) <= 2e-2 and all(rel(a, r) <= 2e-2 for a, r in zip(g, g_ref))
+
+
 def test_shape_mismatch_is_a_clear_error():
     u, w, b, _ = _inputs((2,), 2, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="do not match"):
