@@ -227,6 +227,28 @@ def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
 
 
+def test_too_wide_heads_trace_the_reference_in_compiled_graphs(monkeypatch):
+    """Heads the kernels do not take (256 x 256): a compiled HedgehogFeatureMap traces the reference in one graph
+    (fullgraph) with the eager module's output and input gradient."""
+    from hmscale.models.feature_map import HedgehogFeatureMap
+
+    monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
+    monkeypatch.setenv("HMSCALE_COMPILED_GLUE", "triton")
+    fm = HedgehogFeatureMap(2, 256, 256).to(DEVICE)
+    with torch.no_grad():
+        fm.bias.normal_()
+    u, _, _, gy = _inputs((3, 2), 2, 256, 256, torch.float32)
+    torch._dynamo.reset()
+    outs = []
+    for m in (fm, torch.compile(fm, backend="aot_eager", fullgraph=True)):
+        ul = u.clone().requires_grad_()
+        y = m(ul)
+        (y * gy).sum().backward()
+        outs.append((y.detach(), ul.grad))
+    for a, r in zip(*outs):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("spec", ["fwd=64", "fwd=a,4", "fwd=48,4", "fwd=8,4", "fwd=64,3", "bwd=16,4,40",
                                   "bwd=16,4,0", "bwd=64,8", "side=1,2", "bwd=16,4,32;fwd=64,4,1"])
 def test_bad_tile_config_is_a_clear_error(monkeypatch, spec):
