@@ -19,7 +19,10 @@ two matmuls. Here it is one Triton kernel each way, the projection included, and
   atomics).
   ``du`` and ``dW`` are skipped when autograd does not need them (stage 1: u, the teacher's q and k, has no grad).
 
-Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults (tuning runs).
+Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults (tuning runs), which
+depend on the dtype and the padded head and feature sizes. Each program holds a head's whole W_h (F x P) in one tile:
+past 128 x 128 padded in fp32, or 128 x 256 in 16 bits, that does not fit a block's shared memory, and
+``hedgehog_feature_map`` runs the reference instead (``kernel_fits``; Pythia-1b's 256 x 256 heads).
 Row offsets are int64 (rows x h x 2F may pass 2^31).
 
 The kernels are also torch.library custom ops (``hmscale::hedgehog_fm_fwd`` / ``hmscale::hedgehog_fm_bwd``), which
