@@ -51,15 +51,14 @@ __all__ = ["hedgehog_feature_map"]
 # (Triton 3.6, u (8, 2048, 16, 64) bf16, min of do_bench, noisy machine): forward 39 us, backward 68 us with du
 # (60 us without), the reduction of the partial sums included; (32, 2, 512-1024) backward about the same.
 _DEFAULT_CFG = {"fwd": (64, 4), "bwd": (64, 4, 1024)}
-# fp32 inputs (exact fp32 dots): 8 warps, fewer rows. The 16-bit tiles spilled there (255 registers) and at heads of
-# 128 the backward needed 424 KiB of shared memory, past the 227 KiB a block may have on an H100 / H200, so it did not
-# launch (found 2026-12-07); these compile for sm_90 without backward spills at heads of 64 and 128, in 62 and 160
-# KiB (benchmarks/ssd_registers.py --op fm --dtype fp32 --shape 410m | 1.4b)
-_DEFAULT_CFG_FP32 = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
-# 16-bit inputs where one of P and F pads to 256 (the other to at most 128): the same 8-warp tiles. Wider than that
-# (Pythia-1b's heads of 256 with F = 256: the forward alone needed 264+ KiB at any row count), or fp32 past 128 x 128,
-# the kernel keeps a whole head's W in one tile and does not fit: ``hedgehog_feature_map`` runs the reference there.
-_DEFAULT_CFG_WIDE = _DEFAULT_CFG_FP32
+# 8 warps, fewer rows: fp32 inputs (exact fp32 dots), and 16-bit inputs where one of P and F pads to 256 (the other
+# to at most 128). For fp32 the 16-bit tiles spilled (255 registers) and at heads of 128 the backward needed 424 KiB of
+# shared memory, past the 227 KiB a block may have on an H100 / H200, so it did not launch (found 2026-12-07); these
+# compile for sm_90 without backward spills at fp32 heads of 64 and 128, in 62 and 160 KiB (benchmarks/
+# ssd_registers.py --op fm-all). Wider than that (Pythia-1b's heads of 256 with F = 256: the forward alone needed 264+
+# KiB at any row count), or fp32 past 128 x 128, a head's whole W in one tile does not fit: ``hedgehog_feature_map``
+# runs the reference there.
+_DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
 
 
 def kernel_fits(dtype: torch.dtype, p: int, f: int) -> bool:
@@ -148,13 +147,11 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.const
     tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
-def _tiles(dtype: torch.dtype, p: int = 64, f: int = 64) -> dict:
+def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
     """Tile sizes for inputs of ``dtype``, heads of ``p``, ``f`` features;
     ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults."""
-    if dtype == torch.float32:
-        default = _DEFAULT_CFG_FP32
-    else:
-        default = _DEFAULT_CFG if max(_pad(p), _pad(f)) <= 128 else _DEFAULT_CFG_WIDE
+    narrow = dtype != torch.float32 and max(_pad(p), _pad(f)) <= 128
+    default = _DEFAULT_CFG if narrow else _DEFAULT_CFG_8WARPS
     cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows")
     for name, (block_r, warps, *_) in cfg.items():
         if not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):

@@ -61,13 +61,14 @@ def test_fp32_gradients_against_float64():
 
 
 def test_fp32_inputs_take_their_own_tiles(monkeypatch):
-    from kernels.feature_map import _DEFAULT_CFG, _DEFAULT_CFG_FP32, _tiles
+    from kernels.feature_map import _DEFAULT_CFG, _DEFAULT_CFG_8WARPS, _tiles
 
     monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
-    assert _tiles(torch.float32) == _DEFAULT_CFG_FP32 and _tiles(torch.bfloat16) == _DEFAULT_CFG
-    assert _DEFAULT_CFG_FP32 != _DEFAULT_CFG
+    assert _tiles(torch.float32, 64, 64) == _DEFAULT_CFG_8WARPS and _tiles(torch.bfloat16, 64, 64) == _DEFAULT_CFG
+    assert _DEFAULT_CFG_8WARPS != _DEFAULT_CFG
     monkeypatch.setenv("HMSCALE_FM_CFG", "bwd=32,4,512")
-    assert _tiles(torch.float32)["bwd"] == (32, 4, 512) and _tiles(torch.float32)["fwd"] == _DEFAULT_CFG_FP32["fwd"]
+    fp32 = _tiles(torch.float32, 64, 64)
+    assert fp32["bwd"] == (32, 4, 512) and fp32["fwd"] == _DEFAULT_CFG_8WARPS["fwd"]
 
 
 def test_heads_too_wide_for_the_kernels_run_the_reference(monkeypatch):
@@ -81,7 +82,7 @@ def test_heads_too_wide_for_the_kernels_run_the_reference(monkeypatch):
     assert kfm.kernel_fits(torch.float32, 80, 128) and not kfm.kernel_fits(torch.float32, 128, 256)
     assert not kfm.kernel_fits(torch.bfloat16, 256, 256) and not kfm.kernel_fits(torch.float16, 256, 200)
     monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
-    assert kfm._tiles(torch.bfloat16, 64, 256) == kfm._DEFAULT_CFG_WIDE
+    assert kfm._tiles(torch.bfloat16, 64, 256) == kfm._DEFAULT_CFG_8WARPS
     assert kfm._tiles(torch.bfloat16, 128, 128) == kfm._DEFAULT_CFG
     calls = []
     monkeypatch.setattr(kfm, "hedgehog_feature_map_reference",
