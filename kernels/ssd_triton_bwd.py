@@ -944,9 +944,9 @@ def ssd_bwd(dy, dden, dfinal, x, dt, A, B, C, doc, states, gdec, Q: int, need_di
     chunk (from ssd_fwd), with p + 1 rows when the normaliser is fused (``dden`` the gradient of ``den``, else None;
     v2 only). ``D`` ((h, p) fp32, v2 only): the D skip was fused into the forward; ``dyo`` is then the gradient of
     the final output (``dy`` that of the numerator when normalised, else the same) and dD (h, p) is returned, else
-    None. ``dy_den`` (the normaliser
-    ``den``, (b, l, h) fp32; v2 only): ``dy`` is the output's gradient and the numerator's is ``dy / den``, applied
-    inside the kernels as a row scale (dy then stays an exact 16-bit operand: no fp32 copy, no tf32 dots).
+    None. ``dy_den`` (the normaliser ``den``, (b, l, h) fp32; v2 only): ``dy`` is the output's gradient and the
+    numerator's is ``dy / den``, applied inside the kernels as a row scale (dy then stays an exact 16-bit operand: no
+    fp32 copy, no tf32 dots).
     ``ysaved`` (v2 only): the forward's fp32 numerator y (b, l, h, p), and ``den`` its normaliser when normalised:
     the dx kernel reads them instead of recomputing y from the entering states. ``sexp``: the states' exponents
     from ``ssd_fwd`` (scaled fp16 storage; None or empty otherwise)."""
