@@ -5,7 +5,7 @@ references (what a compiled training step runs by default), forward and forward+
     python3 benchmarks/glue.py --op conv --conv-cfg "" --conv-cfg "bwd=16,128,4,256"   # '' = the defaults
 
 Shapes: micro batch 8 x seq 2048 (16K tokens), bf16, the mixer's conv over the 3 d qkv channels (width 4) and the
-Hedgehog feature map of one of q / k (h heads, P = F = 64). The floor is the bytes each way must move (inputs read
+Hedgehog feature map of one of q / k (h heads, P = F = d / h: 64 at 160m and 410m, 256 at 1b, 128 at 1.4b). The floor is the bytes each way must move (inputs read
 once, outputs written once) at the copy bandwidth measured in the same run. ms are medians of triton.testing.do_bench;
 ``--profile`` adds the per-kernel CUDA time of one fwd+bwd call of each variant.
 """
@@ -28,7 +28,7 @@ from kernels.conv import causal_depthwise_conv_triton  # noqa: E402
 from kernels.feature_map import hedgehog_feature_map  # noqa: E402
 from ssd import kernel_times  # noqa: E402  (benchmarks/ssd.py, beside this script)
 
-SHAPES = {"160m": (768, 12), "410m": (1024, 16)}  # hidden size, heads
+SHAPES = {"160m": (768, 12), "410m": (1024, 16), "1b": (2048, 8), "1.4b": (2048, 16)}  # hidden size, heads
 
 
 def bench(fn):

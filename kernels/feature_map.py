@@ -19,16 +19,18 @@ two matmuls. Here it is one Triton kernel each way, the projection included, and
   atomics).
   ``du`` and ``dW`` are skipped when autograd does not need them (stage 1: u, the teacher's q and k, has no grad).
 
-Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults (tuning runs), which
-depend on the dtype and the padded head and feature sizes. Each program holds a head's whole W_h (F x P) in one tile:
-past 128 x 128 padded in fp32, or 128 x 256 in 16 bits, that does not fit a block's shared memory, and
-``hedgehog_feature_map`` runs the reference instead (``kernel_fits``; Pythia-1b's 256 x 256 heads).
+Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows;k=BK,BPT"`` overrides the defaults (tuning
+runs), which depend on the dtype and the padded head and feature sizes. Up to 128 x 128 padded (128 x 256 in 16 bits)
+a program holds a head's whole W_h (F x P) in one tile; past that it does not fit a block's shared memory, and W_h
+is taken in slices of P: the forward accumulates z over steps of BK columns, the backward splits P into tiles of BPT
+columns over adjacent programs (Pythia-1b's 256 x 256 heads). Heads or feature maps past 256 (padded) run the
+reference (``kernel_fits``).
 Row offsets are int64 (rows x h x 2F may pass 2^31).
 
 The kernels are also torch.library custom ops (``hmscale::hedgehog_fm_fwd`` / ``hmscale::hedgehog_fm_bwd``), which
 a ``torch.compile``d block holds as opaque ops (``HMSCALE_COMPILED_GLUE=triton``, ``models.fused_ops``).
-``hedgehog_feature_map_reference`` is the plain PyTorch version (``models.feature_map`` uses it on CPU and, by
-default, inside compiled graphs); the tests compare the two, forward and backward, under ``TRITON_INTERPRET=1``.
+``hedgehog_feature_map_reference`` is the plain PyTorch version (``models.feature_map`` uses it on CPU and, with
+``HMSCALE_COMPILED_GLUE=inductor``, inside compiled graphs); the tests compare the two, forward and backward, under ``TRITON_INTERPRET=1``.
 One difference from the reference: z stays fp32 (the reference rounds the bf16/fp16 matmul's output to u's dtype
 before the bias and softmax), so half-precision results differ from it by about that rounding.
 """
@@ -51,21 +53,22 @@ __all__ = ["hedgehog_feature_map"]
 # (Triton 3.6, u (8, 2048, 16, 64) bf16, min of do_bench, noisy machine): forward 39 us, backward 68 us with du
 # (60 us without), the reduction of the partial sums included; (32, 2, 512-1024) backward about the same.
 _DEFAULT_CFG = {"fwd": (64, 4), "bwd": (64, 4, 1024)}
-# 8 warps, fewer rows: fp32 inputs (exact fp32 dots), and 16-bit inputs where one of P and F pads to 256 (the other
-# to at most 128). For fp32 the 16-bit tiles spilled (255 registers) and at heads of 128 the backward needed 424 KiB of
-# shared memory, past the 227 KiB a block may have on an H100 / H200, so it did not launch (found 2026-12-07); these
-# compile for sm_90 without backward spills at fp32 heads of 64 and 128, in 62 and 160 KiB (benchmarks/
-# ssd_registers.py --op fm-all). Wider than that (Pythia-1b's heads of 256 with F = 256: the forward alone needed 264+
-# KiB at any row count), or fp32 past 128 x 128, a head's whole W in one tile does not fit: ``hedgehog_feature_map``
-# runs the reference there.
+# 8 warps, fewer rows, W_h in slices of P: fp32 inputs (exact fp32 dots) and 16-bit inputs where P or F pads to 256
+# (Pythia-1b: heads of 256, F = 256). A head's whole W_h in one tile did not fit a block's shared memory there (227 KiB
+# on an H100 / H200: fp32 heads of 128 needed 424 KiB in the backward and did not launch, found 2026-12-07; 16-bit
+# 256 x 256 264+ KiB in the forward) or spilled (fp32 forwards of 64 x 256, 128 x 128), so the forward steps along P
+# (BK columns of u and W_h at a time, z for all F accumulated) and the backward splits P into tiles of BPT columns over
+# adjacent programs (each its du columns and its F x BPT part of dW): `_STEP` columns in 16 bits, `_STEP_FP32` in
+# fp32 (benchmarks/ssd_registers.py --op fm-all: every size compiles for sm_90, part of `make compile-check`).
 _DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
+_STEP, _STEP_FP32 = 64, 32
+_MAX_PAD = 256
 
 
-def kernel_fits(dtype: torch.dtype, p: int, f: int) -> bool:
-    """Whether the kernels have tiles for heads of ``p`` channels and ``f`` features with inputs of ``dtype`` (the
-    padded W_h tile within 128 x 128, or 128 x 256 for 16-bit inputs)."""
-    area = _pad(p) * _pad(f)
-    return area <= 128 * 128 or (dtype != torch.float32 and area <= 128 * 256)
+def kernel_fits(p: int, f: int) -> bool:
+    """Whether the kernels have tiles for heads of ``p`` channels and ``f`` features (both padded within 256: the
+    softmax holds a row's F features at once, and the backward's accumulators F x BPT)."""
+    return _pad(p) <= _MAX_PAD and _pad(f) <= _MAX_PAD
 
 
 @triton.jit
@@ -79,19 +82,23 @@ def _mm(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _fm_fwd(U, WT, BIAS, OUT, R, H, P, F, BLOCK_R: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
-            IEEE: tl.constexpr):
+            BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (row tile, head hh): z = u W_h^T over P in steps of BK (BK = BP: one step), then the softmax of the
+    rows' [z + b, -(z + b)] over all F at once (BF: F padded)."""
     hh = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows x h x 2F may pass 2^31
-    pc = tl.arange(0, BP)
     fc = tl.arange(0, BF)
     rmask = rows < R
-    pmask = pc < P
     fmask = fc < F
     base = rows * H + hh  # (row, head) index
-    u = tl.load(U + base[:, None] * P + pc[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
-    # W_h^T as a (P x F) tile, in u's dtype (the reference casts the weight too)
-    wt = tl.load(WT + hh * F * P + fc[None, :] * P + pc[:, None], mask=pmask[:, None] & fmask[None, :], other=0.0)
-    z = _mm(u, wt.to(U.dtype.element_ty), tl.zeros((BLOCK_R, BF), dtype=tl.float32), IEEE)
+    z = tl.zeros((BLOCK_R, BF), dtype=tl.float32)
+    for k in range(0, BP, BK):
+        pc = k + tl.arange(0, BK)
+        pmask = pc < P
+        u = tl.load(U + base[:, None] * P + pc[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
+        # W_h^T's (BK x F) slice, in u's dtype (the reference casts the weight too)
+        wt = tl.load(WT + hh * F * P + fc[None, :] * P + pc[:, None], mask=pmask[:, None] & fmask[None, :], other=0.0)
+        z = _mm(u, wt.to(U.dtype.element_ty), z, IEEE)
     z += tl.load(BIAS + hh * F + fc, mask=fmask, other=0.0).to(tl.float32)[None, :]
     m = tl.max(tl.where(fmask[None, :], tl.abs(z), float("-inf")), axis=1)  # the max of [z, -z]
     e_pos = tl.where(fmask[None, :], tl.exp(z - m[:, None]), 0.0)
@@ -104,21 +111,24 @@ def _fm_fwd(U, WT, BIAS, OUT, R, H, P, F, BLOCK_R: tl.constexpr, BP: tl.constexp
 
 
 @triton.jit
-def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.constexpr, BP: tl.constexpr,
-            BF: tl.constexpr, NEED_U: tl.constexpr, NEED_W: tl.constexpr, IEEE: tl.constexpr):
-    """Program (group gi, head hh): rows [gi ROWS, (gi + 1) ROWS) of head hh, in tiles of BLOCK_R (ROWS a multiple
-    of BLOCK_R). Writes du for those rows and the group's sums of dz^T u (F x P) and of dz (F) into row gi of PART
-    (groups, STRIDE): [the h (F x P) weight partials (if NEED_W), then the h (F) bias partials]."""
-    gi = tl.program_id(0).to(tl.int64)
+def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, NPT, BLOCK_R: tl.constexpr, BF: tl.constexpr,
+            BPT: tl.constexpr, NEED_U: tl.constexpr, NEED_W: tl.constexpr, IEEE: tl.constexpr):
+    """Program (group gi and p tile pt, head hh): rows [gi ROWS, (gi + 1) ROWS) of head hh, in tiles of BLOCK_R
+    (ROWS a multiple of BLOCK_R), and the head's columns [pt BPT, (pt + 1) BPT) (NPT tiles; one when BPT covers P).
+    Writes du's columns for those rows and the group's sums of dz^T u (F x BPT) into row gi of PART (groups, STRIDE):
+    [the h (F x P) weight partials (if NEED_W), then the h (F) bias partials, from the p tile 0 programs]. The p tiles
+    of a group are adjacent programs: each recomputes dz from the same phi and g rows, read from L2 after the first."""
+    gi = tl.program_id(0).to(tl.int64) // NPT
+    pt = tl.program_id(0) % NPT
     hh = tl.program_id(1)
-    pc = tl.arange(0, BP)
+    pc = pt * BPT + tl.arange(0, BPT)
     fc = tl.arange(0, BF)
     pmask = pc < P
     fmask = fc < F
-    acc_w = tl.zeros((BF, BP), dtype=tl.float32)
+    acc_w = tl.zeros((BF, BPT), dtype=tl.float32)
     acc_b = tl.zeros((BF,), dtype=tl.float32)
     w = tl.load(WT + hh * F * P + fc[:, None] * P + pc[None, :], mask=fmask[:, None] & pmask[None, :],
-                other=0.0).to(U.dtype.element_ty)  # (F x P), for du
+                other=0.0).to(U.dtype.element_ty)  # (F x BPT), for du
     for r in range(0, ROWS, BLOCK_R):
         rows = gi * ROWS + r + tl.arange(0, BLOCK_R)
         rmask = rows < R
@@ -135,7 +145,7 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.const
         dzc = dz.to(U.dtype.element_ty)  # as the reference's autograd: the matmuls' gradients in u's dtype
         umask = rmask[:, None] & pmask[None, :]
         if NEED_U:
-            du = _mm(dzc, w, tl.zeros((BLOCK_R, BP), dtype=tl.float32), IEEE)
+            du = _mm(dzc, w, tl.zeros((BLOCK_R, BPT), dtype=tl.float32), IEEE)
             tl.store(DU + base[:, None] * P + pc[None, :], du.to(DU.dtype.element_ty), mask=umask)
         if NEED_W:
             u = tl.load(U + base[:, None] * P + pc[None, :], mask=umask, other=0.0)
@@ -144,17 +154,27 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, BLOCK_R: tl.const
     if NEED_W:
         tl.store(part + (hh * F + fc[:, None]) * P + pc[None, :], acc_w, mask=fmask[:, None] & pmask[None, :])
         part += H * F * P
-    tl.store(part + hh * F + fc, acc_b, mask=fmask)
+    if pt == 0:
+        tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
 def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
-    """Tile sizes for inputs of ``dtype``, heads of ``p``, ``f`` features;
-    ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows"`` overrides the defaults."""
-    narrow = dtype != torch.float32 and max(_pad(p), _pad(f)) <= 128
-    default = _DEFAULT_CFG if narrow else _DEFAULT_CFG_8WARPS
-    cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps or bwd=BLOCK_R,warps,rows")
+    """Tile sizes for inputs of ``dtype``, heads of ``p``, ``f`` features: {"fwd": (BLOCK_R, warps), "bwd": (BLOCK_R,
+    warps, rows), "k": (the forward's step along P, the backward's p tile)};
+    ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows;k=BK,BPT"`` overrides the defaults."""
+    bp, bf = _pad(p), _pad(f)
+    if dtype != torch.float32 and max(bp, bf) <= 128:
+        default = dict(_DEFAULT_CFG, k=(bp, bp))
+    else:
+        step = min(bp, _STEP_FP32 if dtype == torch.float32 else _STEP)
+        default = dict(_DEFAULT_CFG_8WARPS, k=(step, step))
+    cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps, bwd=BLOCK_R,warps,rows or k=BK,BPT")
     for name, (block_r, warps, *_) in cfg.items():
-        if not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
+        if name == "k":
+            if not all(is_pow2(v) and 16 <= v <= bp for v in (block_r, warps)):
+                raise ValueError(f"HMSCALE_FM_CFG: k=BK,BPT must be powers of two from 16 to the padded head size "
+                                 f"{bp}, got {block_r},{warps}")
+        elif not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
             raise ValueError(f"HMSCALE_FM_CFG: {name} BLOCK_R must be a power of two >= 16 and warps a power of two, "
                              f"got BLOCK_R={block_r}, warps={warps}")
     block_r, _, rows = cfg["bwd"]
@@ -174,9 +194,11 @@ def _forward(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     R = u.numel() // (h * P)
     out = u.new_empty(*u.shape[:-1], 2 * F)
     if R:
-        block_r, warps = _tiles(u.dtype, P, F)["fwd"]
+        cfg = _tiles(u.dtype, P, F)
+        block_r, warps = cfg["fwd"]
         launch(_fm_fwd, (cdiv(R, block_r), h), u, weight.contiguous(), bias.contiguous(), out, R, h, P, F,
-               BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), IEEE=u.dtype == torch.float32, num_warps=warps)
+               BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), BK=cfg["k"][0], IEEE=u.dtype == torch.float32,
+               num_warps=warps)
     return out
 
 
@@ -186,14 +208,17 @@ def _backward(g, u, weight, phi, bias_dtype, need_u: bool, need_w: bool):
     h, F, P = weight.shape
     u, g = u.contiguous(), g.to(phi.dtype).contiguous()
     R = u.numel() // (h * P)
-    block_r, warps, rows = _tiles(u.dtype, P, F)["bwd"]
+    cfg = _tiles(u.dtype, P, F)
+    block_r, warps, rows = cfg["bwd"]
+    bpt = cfg["k"][1]
+    npt = cdiv(P, bpt)
     groups = cdiv(R, rows)
     du = torch.empty_like(u) if need_u else u.new_empty(0)
     nw = h * F * P if need_w else 0
     part = torch.empty(groups, nw + h * F, dtype=torch.float32, device=u.device)  # one reduction for dW and db
     if R:
-        launch(_fm_bwd, (groups, h), u, weight.contiguous(), phi.contiguous(), g, du, part, R, h, P, F, rows,
-               part.shape[1], BLOCK_R=block_r, BP=_pad(P), BF=_pad(F), NEED_U=need_u, NEED_W=need_w,
+        launch(_fm_bwd, (groups * npt, h), u, weight.contiguous(), phi.contiguous(), g, du, part, R, h, P, F, rows,
+               part.shape[1], npt, BLOCK_R=block_r, BF=_pad(F), BPT=bpt, NEED_U=need_u, NEED_W=need_w,
                IEEE=u.dtype == torch.float32, num_warps=warps)
     sums = part.sum(0)
     dw = sums[:nw].view(h, F, P).to(weight.dtype) if need_w else weight.new_empty(0)
@@ -261,11 +286,11 @@ fm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The fused feature map (Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); the same contract
     as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads too wide for the
-    kernels' tiles (``kernel_fits``: e.g. Pythia-1b's 256 channels with F = 256) run the reference instead."""
+    kernels' tiles (``kernel_fits``: padded past 256 channels or features) run the reference instead."""
     if u.shape[-2:] != (weight.shape[0], weight.shape[2]) or bias.shape != weight.shape[:2]:
         raise ValueError(f"hedgehog_feature_map: u {tuple(u.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not match ((..., h, P), (h, F, P), (h, F))")
-    if not kernel_fits(u.dtype, weight.shape[2], weight.shape[1]):
+    if not kernel_fits(weight.shape[2], weight.shape[1]):
         return hedgehog_feature_map_reference(u, weight, bias)
     if torch.compiler.is_compiling():
         return fm_fwd_op(u, weight, bias)

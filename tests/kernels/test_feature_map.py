@@ -64,37 +64,58 @@ def test_fp32_inputs_take_their_own_tiles(monkeypatch):
     from kernels.feature_map import _DEFAULT_CFG, _DEFAULT_CFG_8WARPS, _tiles
 
     monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
-    assert _tiles(torch.float32, 64, 64) == _DEFAULT_CFG_8WARPS and _tiles(torch.bfloat16, 64, 64) == _DEFAULT_CFG
+    fp32, bf16 = _tiles(torch.float32, 64, 64), _tiles(torch.bfloat16, 64, 64)
+    assert fp32 == dict(_DEFAULT_CFG_8WARPS, k=(32, 32)) and bf16 == dict(_DEFAULT_CFG, k=(64, 64))
     assert _DEFAULT_CFG_8WARPS != _DEFAULT_CFG
     monkeypatch.setenv("HMSCALE_FM_CFG", "bwd=32,4,512")
     fp32 = _tiles(torch.float32, 64, 64)
     assert fp32["bwd"] == (32, 4, 512) and fp32["fwd"] == _DEFAULT_CFG_8WARPS["fwd"]
 
 
-def test_heads_too_wide_for_the_kernels_run_the_reference(monkeypatch):
-    """The kernels keep a head's whole W in one tile: past 128 x 128 (fp32) or 128 x 256 (16-bit) padded it does not fit
-    an H100's shared memory (Pythia-1b: heads of 256, F = 256), and ``hedgehog_feature_map`` runs the reference there;
-    at 128 x 256 in 16 bits the 8-warp tiles (``benchmarks/ssd_registers.py --op fm-all``, part of ``make
-    compile-check``: at most 224 KiB of shared memory over every size that fits)."""
+def test_wide_heads_take_w_in_slices(monkeypatch):
+    """Up to 128 x 128 padded (128 x 256 in 16 bits) a program holds a head's whole W; wider (Pythia-1b: heads of
+    256, F = 256; fp32 past 128 x 128) the forward steps along P and the backward splits P over programs, so every
+    size up to 256 x 256 runs the kernels (``benchmarks/ssd_registers.py --op fm-all``, part of ``make
+    compile-check``, compiles each for sm_90 within the shared memory); past 256 the reference."""
     import kernels.feature_map as kfm
 
-    assert kfm.kernel_fits(torch.bfloat16, 128, 128) and kfm.kernel_fits(torch.bfloat16, 256, 128)
-    assert kfm.kernel_fits(torch.float32, 80, 128) and not kfm.kernel_fits(torch.float32, 128, 256)
-    assert not kfm.kernel_fits(torch.bfloat16, 256, 256) and not kfm.kernel_fits(torch.float16, 256, 200)
     monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
-    assert kfm._tiles(torch.bfloat16, 64, 256) == kfm._DEFAULT_CFG_8WARPS
-    assert kfm._tiles(torch.bfloat16, 128, 128) == kfm._DEFAULT_CFG
+    assert kfm.kernel_fits(256, 256) and kfm.kernel_fits(80, 200) and not kfm.kernel_fits(300, 64)
+    assert not kfm.kernel_fits(64, 257)
+    assert kfm._tiles(torch.bfloat16, 64, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(64, 64))
+    assert kfm._tiles(torch.bfloat16, 128, 128) == dict(kfm._DEFAULT_CFG, k=(128, 128))
+    assert kfm._tiles(torch.bfloat16, 256, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(64, 64))
+    assert kfm._tiles(torch.float32, 128, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(32, 32))
     calls = []
     monkeypatch.setattr(kfm, "hedgehog_feature_map_reference",
                         lambda *a: calls.append(1) or hedgehog_feature_map_reference(*a))
-    u, w, b, gy = _inputs((2,), 1, 256, 256, torch.bfloat16)
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
+        u, w, b, gy = _inputs((2, 3), 1, 256, 256, dtype)
+        y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+        y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+        assert calls == [] and y.dtype == dtype and torch.isfinite(y).all()
+        assert rel(y, y_ref) <= tol and all(rel(a, r) <= tol for a, r in zip(g, g_ref)), [rel(a, r) for a, r in
+                                                                                          zip(g, g_ref)]
+    u, w, b, gy = _inputs((2,), 1, 300, 16, torch.bfloat16)  # past 256: the reference itself
     y, g = _grads(hedgehog_feature_map, u, w, b, gy)
     y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
     assert calls == [1] and torch.equal(y, y_ref) and all(torch.equal(a, r) for a, r in zip(g, g_ref))
-    u, w, b, gy = _inputs((2, 3), 1, 64, 256, torch.bfloat16)  # 128 x 256 in 16 bits: the kernels, wide tiles
-    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_p_steps_and_p_tiles_over_several_row_groups(monkeypatch, dtype, tol):
+    """The sliced path at small sizes: P = 40 (padded to 64) in forward steps and backward tiles of 16 columns (the
+    last ones partly or wholly past P), F = 24 padded, rows over several backward groups, stage 1 too (no du)."""
+    monkeypatch.setenv("HMSCALE_FM_CFG", "fwd=16,4;bwd=16,4,32;k=16,16")
+    u, w, b, gy = _inputs((3, 25), 2, 40, 24, dtype)
     y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
-    assert calls == [1] and rel(y, y_ref) <= 2e-2 and all(rel(a, r) <= 2e-2 for a, r in zip(g, g_ref))
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    assert rel(y, y_ref) <= tol
+    for name, a, r in zip(("u", "W", "b"), g, g_ref):
+        assert rel(a, r) <= tol, (name, rel(a, r))
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    torch.autograd.backward(hedgehog_feature_map(u, wl, bl), gy)
+    assert rel(wl.grad, g_ref[1]) <= tol and rel(bl.grad, g_ref[2]) <= tol
 
 
 def test_shape_mismatch_is_a_clear_error():
@@ -229,16 +250,16 @@ def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch):
 
 
 def test_too_wide_heads_trace_the_reference_in_compiled_graphs(monkeypatch):
-    """Heads the kernels do not take (256 x 256): a compiled HedgehogFeatureMap traces the reference in one graph
-    (fullgraph) with the eager module's output and input gradient."""
+    """Heads the kernels do not take (feature maps past 256): a compiled HedgehogFeatureMap traces the reference in
+    one graph (fullgraph) with the eager module's output and input gradient."""
     from hmscale.models.feature_map import HedgehogFeatureMap
 
     monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
     monkeypatch.setenv("HMSCALE_COMPILED_GLUE", "triton")
-    fm = HedgehogFeatureMap(2, 256, 256).to(DEVICE)
+    fm = HedgehogFeatureMap(2, 16, 300).to(DEVICE)
     with torch.no_grad():
         fm.bias.normal_()
-    u, _, _, gy = _inputs((3, 2), 2, 256, 256, torch.float32)
+    u, _, _, gy = _inputs((3, 2), 2, 16, 300, torch.float32)
     torch._dynamo.reset()
     outs = []
     for m in (fm, torch.compile(fm, backend="aot_eager", fullgraph=True)):
@@ -251,7 +272,8 @@ def test_too_wide_heads_trace_the_reference_in_compiled_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["fwd=64", "fwd=a,4", "fwd=48,4", "fwd=8,4", "fwd=64,3", "bwd=16,4,40",
-                                  "bwd=16,4,0", "bwd=64,8", "side=1,2", "bwd=16,4,32;fwd=64,4,1"])
+                                  "bwd=16,4,0", "bwd=64,8", "side=1,2", "bwd=16,4,32;fwd=64,4,1",
+                                  "k=16", "k=8,16", "k=16,32", "k=24,16"])
 def test_bad_tile_config_is_a_clear_error(monkeypatch, spec):
     monkeypatch.setenv("HMSCALE_FM_CFG", spec)
     u, w, b, _ = _inputs((2,), 2, 8, 8, torch.float32)
