@@ -22,7 +22,7 @@ fi
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 for pass in auto fused; do
-  for shape in 1.4b 410m_norm 160m_norm mamba2; do
+  for shape in 1.4b 1b_norm 410m_norm 160m_norm mamba2; do
     for dtype in bf16 fp16 fp32; do
       echo "== $shape $dtype (HMSCALE_SSD_PASS=$pass)"
       HMSCALE_SSD_PASS="$pass" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 SHAPES = {  # name: H, G, P, N, normalize (as in ssd.py's SWEEP_SHAPES)
     "410m": (16, 16, 64, 128, False),
     "1.4b": (16, 16, 128, 256, False),
+    "1b_norm": (8, 8, 256, 512, True),  # Pythia-1b's training call (the paper's teacher): heads of 256, N = 2F = 512
     "160m_norm": (12, 12, 64, 128, True),
     "410m_norm": (16, 16, 64, 128, True),
     "mamba2": (64, 1, 64, 128, False),
