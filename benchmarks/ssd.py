@@ -212,6 +212,8 @@ SWEEP_SHAPES = {  # name: H, G, P, N, L, normalize (the *_norm ones: the 160m an
     "1.4b_16k": (16, 16, 128, 256, 16384, False),
     "160m_norm": (12, 12, 64, 128, 2048, True),
     "410m_norm": (16, 16, 64, 128, 2048, True),
+    "1b_norm": (8, 8, 256, 512, 2048, True),  # Pythia-1b's training call (the paper's teacher)
+    "1b_2k": (8, 8, 256, 512, 2048, False),
 }
 KERNEL_SHORT = {"_chunk_state_fwd": "state", "_state_pass_fwd": "pass", "_chunk_scan_fwd": "scan",
                 "_chunk_dstate_bwd": "dstate", "_state_pass_bwd": "pass_b", "_chunk_bwd_dx_dcs": "dx",

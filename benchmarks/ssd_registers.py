@@ -155,7 +155,7 @@ def record_glue_launches(op, dtype, L, b=1, p=64):
         elif op == "fm-all":  # every head / feature size the kernels take (kernel_fits), two heads each
             for P in (32, 64, 80, 128, 256):
                 for F in (16, 64, 128, 256):
-                    if kf.kernel_fits(P, F):
+                    if kf.kernel_fits(dtype, P, F):
                         u = torch.randn(b, L, 2, P, generator=g).to(dtype).requires_grad_()
                         y = kf._HedgehogFeatureMap.apply(u, torch.randn(2, F, P, requires_grad=True),
                                                          torch.zeros(2, F, requires_grad=True))

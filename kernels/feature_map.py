@@ -20,11 +20,11 @@ two matmuls. Here it is one Triton kernel each way, the projection included, and
   ``du`` and ``dW`` are skipped when autograd does not need them (stage 1: u, the teacher's q and k, has no grad).
 
 Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows;k=BK,BPT"`` overrides the defaults (tuning
-runs), which depend on the dtype and the padded head and feature sizes. Up to 128 x 128 padded (128 x 256 in 16 bits)
-a program holds a head's whole W_h (F x P) in one tile; past that it does not fit a block's shared memory, and W_h
-is taken in slices of P: the forward accumulates z over steps of BK columns, the backward splits P into tiles of BPT
-columns over adjacent programs (Pythia-1b's 256 x 256 heads). Heads or feature maps past 256 (padded) run the
-reference (``kernel_fits``).
+runs), which depend on the dtype and the padded head and feature sizes. In 16 bits a program holds a head's whole W_h
+(F x P) in one tile, up to 128 x 256 padded; fp32 takes W_h in slices of P (the forward accumulates z over steps of
+BK columns, the backward splits P into tiles of BPT columns over adjacent programs), up to 256 x 256. Past those
+(``kernel_fits``; Pythia-1b's 256 x 256 heads in 16 bits, where the slices lost to the plain version) the reference
+runs.
 Row offsets are int64 (rows x h x 2F may pass 2^31).
 
 The kernels are also torch.library custom ops (``hmscale::hedgehog_fm_fwd`` / ``hmscale::hedgehog_fm_bwd``), which
@@ -51,24 +51,34 @@ __all__ = ["hedgehog_feature_map"]
 
 # (BLOCK_R, warps) for the forward; (BLOCK_R, warps, rows per program) for the backward. From a small H200 sweep
 # (Triton 3.6, u (8, 2048, 16, 64) bf16, min of do_bench, noisy machine): forward 39 us, backward 68 us with du
-# (60 us without), the reduction of the partial sums included; (32, 2, 512-1024) backward about the same.
+# (60 us without), the reduction of the partial sums included; (32, 2, 512-1024) backward about the same. Re-swept on an
+# H100 on 2026-12-07 (benchmarks/glue.py --profile, kernel time fwd+bwd at 8 x 2048): at heads of 64 these stay (124
+# us; 8-warp backwards 128-138).
 _DEFAULT_CFG = {"fwd": (64, 4), "bwd": (64, 4, 1024)}
-# 8 warps, fewer rows, W_h in slices of P: fp32 inputs (exact fp32 dots) and 16-bit inputs where P or F pads to 256
-# (Pythia-1b: heads of 256, F = 256). A head's whole W_h in one tile did not fit a block's shared memory there (227 KiB
-# on an H100 / H200: fp32 heads of 128 needed 424 KiB in the backward and did not launch, found 2026-12-07; 16-bit
-# 256 x 256 264+ KiB in the forward) or spilled (fp32 forwards of 64 x 256, 128 x 128), so the forward steps along P
-# (BK columns of u and W_h at a time, z for all F accumulated) and the backward splits P into tiles of BPT columns over
-# adjacent programs (each its du columns and its F x BPT part of dW): `_STEP` columns in 16 bits, `_STEP_FP32` in
-# fp32 (benchmarks/ssd_registers.py --op fm-all: every size compiles for sm_90, part of `make compile-check`).
+# 16-bit heads where P or F pads to 128 (Pythia-1.4b): the backward at 8 warps, 255 registers without the 4-warp
+# tiles' 224 spill bytes: 292 us fwd+bwd against 514-520 (same H100 runs; 32-row 8-warp backwards 340-360 us).
+_DEFAULT_CFG_128 = {"fwd": (64, 4), "bwd": (64, 8, 1024)}
+# 8 warps, fewer rows: 16-bit inputs where one of P and F pads to 256 (the other to at most 128; a head's whole W in
+# one tile), and fp32 inputs, which take W_h in slices of P at every size: the forward steps along P (BK columns of u
+# and W_h at a time, z for all F accumulated), the backward splits P into tiles of BPT columns over adjacent programs
+# (each its du columns and its F x BPT part of dW). A whole fp32 W_h did not fit a block's shared memory at heads of
+# 128 (the backward needed 424 KiB; 227 KiB is an H100's / H200's limit) and spilled (forwards of 64 x 256, 128 x 128:
+# up to 5 KiB), so `_STEP_FP32` columns a slice (benchmarks/ssd_registers.py --op fm-all, part of `make
+# compile-check`: every size compiles for sm_90 within the limit). The same slices in 16 bits at Pythia-1b's 256 x 256
+# (64 columns) lost to inductor's fusion of the reference (kernel time fwd+bwd 839-2281 us over four tilings against
+# 749, the compiled 1b step 167.7 against 160.1 ms; H100, 2026-12-07), so 16-bit heads past 128 x 256 run the reference.
 _DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
-_STEP, _STEP_FP32 = 64, 32
-_MAX_PAD = 256
+_STEP_FP32 = 32
+_MAX_PAD_FP32 = 256
 
 
-def kernel_fits(p: int, f: int) -> bool:
-    """Whether the kernels have tiles for heads of ``p`` channels and ``f`` features (both padded within 256: the
-    softmax holds a row's F features at once, and the backward's accumulators F x BPT)."""
-    return _pad(p) <= _MAX_PAD and _pad(f) <= _MAX_PAD
+def kernel_fits(dtype: torch.dtype, p: int, f: int) -> bool:
+    """Whether the kernels take heads of ``p`` channels and ``f`` features with inputs of ``dtype``: in 16 bits a
+    head's whole padded W_h within 128 x 256, in fp32 (sliced) both padded sizes within 256."""
+    bp, bf = _pad(p), _pad(f)
+    if dtype == torch.float32:
+        return bp <= _MAX_PAD_FP32 and bf <= _MAX_PAD_FP32
+    return bp * bf <= 128 * 256
 
 
 @triton.jit
@@ -163,11 +173,13 @@ def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
     warps, rows), "k": (the forward's step along P, the backward's p tile)};
     ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows;k=BK,BPT"`` overrides the defaults."""
     bp, bf = _pad(p), _pad(f)
-    if dtype != torch.float32 and max(bp, bf) <= 128:
-        default = dict(_DEFAULT_CFG, k=(bp, bp))
-    else:
-        step = min(bp, _STEP_FP32 if dtype == torch.float32 else _STEP)
+    if dtype == torch.float32:
+        step = min(bp, _STEP_FP32)
         default = dict(_DEFAULT_CFG_8WARPS, k=(step, step))
+    else:
+        wide = max(bp, bf)
+        table = _DEFAULT_CFG if wide <= 64 else _DEFAULT_CFG_128 if wide == 128 else _DEFAULT_CFG_8WARPS
+        default = dict(table, k=(bp, bp))
     cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps, bwd=BLOCK_R,warps,rows or k=BK,BPT")
     for name, (block_r, warps, *_) in cfg.items():
         if name == "k":
@@ -285,12 +297,12 @@ fm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The fused feature map (Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); the same contract
-    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads too wide for the
-    kernels' tiles (``kernel_fits``: padded past 256 channels or features) run the reference instead."""
+    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads the kernels do not take
+    (``kernel_fits``: e.g. Pythia-1b's 256 channels with F = 256 in 16 bits) run the reference instead."""
     if u.shape[-2:] != (weight.shape[0], weight.shape[2]) or bias.shape != weight.shape[:2]:
         raise ValueError(f"hedgehog_feature_map: u {tuple(u.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not match ((..., h, P), (h, F, P), (h, F))")
-    if not kernel_fits(weight.shape[2], weight.shape[1]):
+    if not kernel_fits(u.dtype, weight.shape[2], weight.shape[1]):
         return hedgehog_feature_map_reference(u, weight, bias)
     if torch.compiler.is_compiling():
         return fm_fwd_op(u, weight, bias)

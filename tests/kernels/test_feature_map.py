@@ -72,35 +72,40 @@ def test_fp32_inputs_take_their_own_tiles(monkeypatch):
     assert fp32["bwd"] == (32, 4, 512) and fp32["fwd"] == _DEFAULT_CFG_8WARPS["fwd"]
 
 
-def test_wide_heads_take_w_in_slices(monkeypatch):
-    """Up to 128 x 128 padded (128 x 256 in 16 bits) a program holds a head's whole W; wider (Pythia-1b: heads of
-    256, F = 256; fp32 past 128 x 128) the forward steps along P and the backward splits P over programs, so every
-    size up to 256 x 256 runs the kernels (``benchmarks/ssd_registers.py --op fm-all``, part of ``make
-    compile-check``, compiles each for sm_90 within the shared memory); past 256 the reference."""
+def test_which_sizes_run_the_kernels_and_their_tiles(monkeypatch):
+    """16-bit heads hold a head's whole W (up to 128 x 256 padded: 4-warp tiles up to 64, an 8-warp backward at 128,
+    8-warp tiles past that); fp32 takes W in slices of P up to 256 x 256 (the whole-W fp32 tiles spilled or did not
+    fit the shared memory: ``benchmarks/ssd_registers.py --op fm-all``, part of ``make compile-check``); wider, and
+    16-bit past 128 x 256 (Pythia-1b: heads of 256, F = 256, where 16-bit slices lost to the plain version on an
+    H100), run the reference."""
     import kernels.feature_map as kfm
 
     monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
-    assert kfm.kernel_fits(256, 256) and kfm.kernel_fits(80, 200) and not kfm.kernel_fits(300, 64)
-    assert not kfm.kernel_fits(64, 257)
+    assert kfm.kernel_fits(torch.bfloat16, 128, 128) and kfm.kernel_fits(torch.bfloat16, 256, 128)
+    assert not kfm.kernel_fits(torch.bfloat16, 256, 256) and not kfm.kernel_fits(torch.float16, 256, 200)
+    assert kfm.kernel_fits(torch.float32, 256, 256) and not kfm.kernel_fits(torch.float32, 300, 64)
+    assert kfm._tiles(torch.bfloat16, 64, 64) == dict(kfm._DEFAULT_CFG, k=(64, 64))
+    assert kfm._tiles(torch.bfloat16, 80, 128) == dict(kfm._DEFAULT_CFG_128, k=(128, 128))
     assert kfm._tiles(torch.bfloat16, 64, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(64, 64))
-    assert kfm._tiles(torch.bfloat16, 128, 128) == dict(kfm._DEFAULT_CFG, k=(128, 128))
-    assert kfm._tiles(torch.bfloat16, 256, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(64, 64))
     assert kfm._tiles(torch.float32, 128, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(32, 32))
     calls = []
     monkeypatch.setattr(kfm, "hedgehog_feature_map_reference",
                         lambda *a: calls.append(1) or hedgehog_feature_map_reference(*a))
     lead = (2, 3) if DEVICE == "cpu" else (3, 1500)  # on a GPU: several backward row groups, a partial one last
-    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
-        u, w, b, gy = _inputs(lead, 2 if DEVICE == "cuda" else 1, 256, 256, dtype)
-        y, g = _grads(hedgehog_feature_map, u, w, b, gy)
-        y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
-        assert calls == [] and y.dtype == dtype and torch.isfinite(y).all()
-        assert rel(y, y_ref) <= tol and all(rel(a, r) <= tol for a, r in zip(g, g_ref)), [rel(a, r) for a, r in
-                                                                                          zip(g, g_ref)]
-    u, w, b, gy = _inputs((2,), 1, 300, 16, torch.bfloat16)  # past 256: the reference itself
+    u, w, b, gy = _inputs(lead, 2 if DEVICE == "cuda" else 1, 256, 256, torch.float32)
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    assert calls == [] and torch.isfinite(y).all()
+    assert rel(y, y_ref) <= 1e-5 and all(rel(a, r) <= 1e-5 for a, r in zip(g, g_ref)), [rel(a, r) for a, r in
+                                                                                        zip(g, g_ref)]
+    u, w, b, gy = _inputs((2,), 1, 256, 256, torch.bfloat16)  # the reference itself
     y, g = _grads(hedgehog_feature_map, u, w, b, gy)
     y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
     assert calls == [1] and torch.equal(y, y_ref) and all(torch.equal(a, r) for a, r in zip(g, g_ref))
+    u, w, b, gy = _inputs((2, 3), 1, 64, 256, torch.bfloat16)  # 128 x 256 in 16 bits: the kernels, 8-warp tiles
+    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+    assert calls == [1] and rel(y, y_ref) <= 2e-2 and all(rel(a, r) <= 2e-2 for a, r in zip(g, g_ref))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -251,8 +256,8 @@ def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch):
 
 
 def test_too_wide_heads_trace_the_reference_in_compiled_graphs(monkeypatch):
-    """Heads the kernels do not take (feature maps past 256): a compiled HedgehogFeatureMap traces the reference in
-    one graph (fullgraph) with the eager module's output and input gradient."""
+    """Heads the kernels do not take (feature maps past 256 padded): a compiled HedgehogFeatureMap traces the reference
+    in one graph (fullgraph) with the eager module's output and input gradient."""
     from hmscale.models.feature_map import HedgehogFeatureMap
 
     monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
