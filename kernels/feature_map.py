@@ -7,10 +7,11 @@ two matmuls. Here it is one Triton kernel each way, the projection included, and
 
 - forward (``_fm_fwd``): one program per (tile of ``BLOCK_R`` rows, head). It reads the rows' (BLOCK_R x P) slice
   of u in place (row r, head hh at ``(r h + hh) P``: no permute) and the head's W (cast to u's dtype, as the
-  reference does), computes ``z = u W^T`` with ``tl.dot`` (fp32 accumulation; exact fp32 products for fp32
-  inputs), then ``phi = softmax([z + b, -(z + b)])`` in fp32 (``max |z + b|`` as the stabiliser), written in u's
-  dtype. P and F are padded (masked) to powers of two >= 16 for ``tl.dot``.
-- backward (``_fm_bwd``): one program per (group of ``rows`` rows, head), walking its rows in tiles of BLOCK_R.
+  reference does), computes ``z = u W^T`` with ``tl.dot`` (over P in steps where W is sliced; fp32 accumulation;
+  exact fp32 products for fp32 inputs), then ``phi = softmax([z + b, -(z + b)])`` in fp32 (``max |z + b|`` as the
+  stabiliser), written in u's dtype. P and F are padded (masked) to powers of two >= 16 for ``tl.dot``.
+- backward (``_fm_bwd``): one program per (group of ``rows`` rows, head; and p tile where W is sliced, below),
+  walking its rows in tiles of BLOCK_R.
   From the saved ``phi`` (the only activation kept besides u) and the upstream gradient g:
   ``dz = phi_+ (g_+ - s) - phi_- (g_- - s)``, ``s = sum(phi g)`` per row, in fp32; then ``du = dz W`` (dz cast to
   u's dtype, as the reference's autograd does; written in u's dtype), and in fp32 accumulators
@@ -30,7 +31,8 @@ Row offsets are int64 (rows x h x 2F may pass 2^31).
 The kernels are also torch.library custom ops (``hmscale::hedgehog_fm_fwd`` / ``hmscale::hedgehog_fm_bwd``), which
 a ``torch.compile``d block holds as opaque ops (``HMSCALE_COMPILED_GLUE=triton``, ``models.fused_ops``).
 ``hedgehog_feature_map_reference`` is the plain PyTorch version (``models.feature_map`` uses it on CPU and, with
-``HMSCALE_COMPILED_GLUE=inductor``, inside compiled graphs); the tests compare the two, forward and backward, under ``TRITON_INTERPRET=1``.
+``HMSCALE_COMPILED_GLUE=inductor``, inside compiled graphs); the tests compare the two, forward and backward,
+under ``TRITON_INTERPRET=1``.
 One difference from the reference: z stays fp32 (the reference rounds the bf16/fp16 matmul's output to u's dtype
 before the bias and softmax), so half-precision results differ from it by about that rounding.
 """
@@ -297,8 +299,8 @@ fm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The fused feature map (Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); the same contract
-    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads the kernels do not take
-    (``kernel_fits``: e.g. Pythia-1b's 256 channels with F = 256 in 16 bits) run the reference instead."""
+    as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads the kernels do not
+    take (``kernel_fits``: e.g. Pythia-1b's 256 channels with F = 256 in 16 bits) run the reference instead."""
     if u.shape[-2:] != (weight.shape[0], weight.shape[2]) or bias.shape != weight.shape[:2]:
         raise ValueError(f"hedgehog_feature_map: u {tuple(u.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not match ((..., h, P), (h, F, P), (h, F))")
