@@ -5,8 +5,9 @@ references (what a compiled training step runs by default), forward and forward+
     python3 benchmarks/glue.py --op conv --conv-cfg "" --conv-cfg "bwd=16,128,4,256"   # '' = the defaults
 
 Shapes: micro batch 8 x seq 2048 (16K tokens), bf16, the mixer's conv over the 3 d qkv channels (width 4) and the
-Hedgehog feature map of one of q / k (h heads, P = F = d / h: 64 at 160m and 410m, 256 at 1b, 128 at 1.4b). The floor is the bytes each way must move (inputs read
-once, outputs written once) at the copy bandwidth measured in the same run. ms are medians of triton.testing.do_bench;
+Hedgehog feature map of one of q / k (h heads, P = F = d / h: 64 at 160m and 410m, 256 at 1b, 128 at 1.4b). The
+floor is the bytes each way must move (inputs read once, outputs written once) at the copy bandwidth measured in the
+same run. ms are medians of triton.testing.do_bench;
 ``--profile`` adds the per-kernel CUDA time of one fwd+bwd call of each variant.
 """
 

@@ -183,12 +183,12 @@ def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
         table = _DEFAULT_CFG if wide <= 64 else _DEFAULT_CFG_128 if wide == 128 else _DEFAULT_CFG_8WARPS
         default = dict(table, k=(bp, bp))
     cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps, bwd=BLOCK_R,warps,rows or k=BK,BPT")
-    for name, (block_r, warps, *_) in cfg.items():
-        if name == "k":
-            if not all(is_pow2(v) and 16 <= v <= bp for v in (block_r, warps)):
-                raise ValueError(f"HMSCALE_FM_CFG: k=BK,BPT must be powers of two from 16 to the padded head size "
-                                 f"{bp}, got {block_r},{warps}")
-        elif not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
+    if not all(is_pow2(v) and 16 <= v <= bp for v in cfg["k"]):
+        raise ValueError(f"HMSCALE_FM_CFG: k=BK,BPT must be powers of two from 16 to the padded head size {bp}, "
+                         f"got {','.join(map(str, cfg['k']))}")
+    for name in ("fwd", "bwd"):
+        block_r, warps = cfg[name][:2]
+        if not is_pow2(block_r) or block_r < 16 or not is_pow2(warps):
             raise ValueError(f"HMSCALE_FM_CFG: {name} BLOCK_R must be a power of two >= 16 and warps a power of two, "
                              f"got BLOCK_R={block_r}, warps={warps}")
     block_r, _, rows = cfg["bwd"]
