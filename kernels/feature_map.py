@@ -19,13 +19,18 @@ two matmuls. Here it is one Triton kernel each way, the projection included, and
   row of one fp32 buffer, (groups, h F P + h F), that one torch reduction sums over groups (deterministic, no
   atomics).
   ``du`` and ``dW`` are skipped when autograd does not need them (stage 1: u, the teacher's q and k, has no grad).
+- backward at 16-bit heads past 128 x 256 padded (Pythia-1b's 256 x 256; ``backward_form``: gemm): a whole W_h
+  does not fit one program there, and splitting P over programs made each recompute dz (slower than the plain
+  version on an H100). Instead ``_fm_dz`` computes dz once per row (with db's partial sums) and writes it in u's
+  dtype, (rows, h, F); du = dz W and dW = dz^T u are then two batched matmuls over the heads, read and written in
+  place through strided views (no permutes). ``HMSCALE_FM_BWD=fused|gemm`` overrides the choice (A/B runs, tests).
 
 Tile sizes: ``HMSCALE_FM_CFG="fwd=BLOCK_R,warps;bwd=BLOCK_R,warps,rows;k=BK,BPT"`` overrides the defaults (tuning
 runs), which depend on the dtype and the padded head and feature sizes. In 16 bits a program holds a head's whole W_h
-(F x P) in one tile, up to 128 x 256 padded; fp32 takes W_h in slices of P (the forward accumulates z over steps of
-BK columns, the backward splits P into tiles of BPT columns over adjacent programs), up to 256 x 256. Past those
-(``kernel_fits``; Pythia-1b's 256 x 256 heads in 16 bits, where the slices lost to the plain version) the reference
-runs.
+(F x P) in one tile up to 128 x 256 padded; past that (to 256 x 256) the forward steps along P in BK columns and
+``bwd`` sizes the dz kernel. fp32 takes W_h in slices of P (the forward accumulates z over steps of BK columns, the
+backward splits P into tiles of BPT columns over adjacent programs), up to 256 x 256. Past those (``kernel_fits``)
+the reference runs.
 Row offsets are int64 (rows x h x 2F may pass 2^31).
 
 The kernels are also torch.library custom ops (``hmscale::hedgehog_fm_fwd`` / ``hmscale::hedgehog_fm_bwd``), which
@@ -38,6 +43,8 @@ before the bias and softmax), so half-precision results differ from it by about 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -68,19 +75,35 @@ _DEFAULT_CFG_128 = {"fwd": (64, 4), "bwd": (64, 8, 1024)}
 # up to 5 KiB), so `_STEP_FP32` columns a slice (benchmarks/ssd_registers.py --op fm-all, part of `make
 # compile-check`: every size compiles for sm_90 within the limit). The same slices in 16 bits at Pythia-1b's 256 x 256
 # (64 columns) lost to inductor's fusion of the reference (kernel time fwd+bwd 839-2281 us over four tilings against
-# 749, the compiled 1b step 167.7 against 160.1 ms; H100, 2026-12-07), so 16-bit heads past 128 x 256 run the reference.
+# 749, the compiled 1b step 167.7 against 160.1 ms; H100, 2026-12-07), so 16-bit heads past 128 x 256 take the gemm
+# backward (``backward_form``) instead of the p tiles.
 _DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
+# 16-bit heads past 128 x 256 padded (Pythia-1b: 256 x 256): the forward in 64-column steps along P, the backward's dz
+# kernel (``backward_form``: gemm) at 32 rows.
+_DEFAULT_CFG_WIDE = {"fwd": (64, 8), "bwd": (32, 8, 256)}
 _STEP_FP32 = 32
-_MAX_PAD_FP32 = 256
+_STEP_WIDE = 64
+_MAX_PAD = 256
 
 
 def kernel_fits(dtype: torch.dtype, p: int, f: int) -> bool:
-    """Whether the kernels take heads of ``p`` channels and ``f`` features with inputs of ``dtype``: in 16 bits a
-    head's whole padded W_h within 128 x 256, in fp32 (sliced) both padded sizes within 256."""
-    bp, bf = _pad(p), _pad(f)
-    if dtype == torch.float32:
-        return bp <= _MAX_PAD_FP32 and bf <= _MAX_PAD_FP32
-    return bp * bf <= 128 * 256
+    """Whether the kernels take heads of ``p`` channels and ``f`` features with inputs of ``dtype``: both padded
+    sizes within 256 (16 bits: a head's whole W_h in one tile up to 128 x 256, the dz kernel and batched matmuls for
+    the backward past that; fp32: W_h in slices of P)."""
+    return _pad(p) <= _MAX_PAD and _pad(f) <= _MAX_PAD
+
+
+def backward_form(dtype: torch.dtype, p: int, f: int) -> str:
+    """How the backward runs at these sizes: ``fused`` (``_fm_bwd``: du, dW and db in one kernel) or ``gemm``
+    (``_fm_dz`` writes dz, then du = dz W and dW = dz^T u are batched matmuls); ``HMSCALE_FM_BWD=fused|gemm``
+    overrides the default (``auto``: gemm for 16-bit heads past 128 x 256 padded, where a whole W_h does not fit
+    one program and the p tiles would each recompute dz)."""
+    form = os.environ.get("HMSCALE_FM_BWD", "auto")
+    if form not in ("auto", "fused", "gemm"):
+        raise ValueError(f"HMSCALE_FM_BWD={form!r}: choose auto, fused or gemm")
+    if form != "auto":
+        return form
+    return "gemm" if dtype != torch.float32 and _pad(p) * _pad(f) > 128 * 256 else "fused"
 
 
 @triton.jit
@@ -123,6 +146,21 @@ def _fm_fwd(U, WT, BIAS, OUT, R, H, P, F, BLOCK_R: tl.constexpr, BP: tl.constexp
 
 
 @triton.jit
+def _dz_rows(PHI, G, rows, R, H, hh, F, fc, fmask):
+    """The rows' dz = phi_+ (g_+ - s) - phi_- (g_- - s), s = sum(phi g) per row, in fp32 (0 outside the rows and F,
+    where phi = 0), with the rows' (row, head) index and the rows-and-F mask."""
+    base = rows * H + hh
+    mask = (rows < R)[:, None] & fmask[None, :]
+    off = base[:, None] * (2 * F) + fc[None, :]
+    p_pos = tl.load(PHI + off, mask=mask, other=0.0).to(tl.float32)
+    p_neg = tl.load(PHI + off + F, mask=mask, other=0.0).to(tl.float32)
+    g_pos = tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
+    g_neg = tl.load(G + off + F, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sum(p_pos * g_pos + p_neg * g_neg, axis=1)
+    return p_pos * (g_pos - s[:, None]) - p_neg * (g_neg - s[:, None]), base, mask
+
+
+@triton.jit
 def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, NPT, BLOCK_R: tl.constexpr, BF: tl.constexpr,
             BPT: tl.constexpr, NEED_U: tl.constexpr, NEED_W: tl.constexpr, IEEE: tl.constexpr):
     """Program (group gi and p tile pt, head hh): rows [gi ROWS, (gi + 1) ROWS) of head hh, in tiles of BLOCK_R
@@ -143,19 +181,10 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, NPT, BLOCK_R: tl.
                 other=0.0).to(U.dtype.element_ty)  # (F x BPT), for du
     for r in range(0, ROWS, BLOCK_R):
         rows = gi * ROWS + r + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        base = rows * H + hh
-        mask = rmask[:, None] & fmask[None, :]
-        off = base[:, None] * (2 * F) + fc[None, :]
-        p_pos = tl.load(PHI + off, mask=mask, other=0.0).to(tl.float32)
-        p_neg = tl.load(PHI + off + F, mask=mask, other=0.0).to(tl.float32)
-        g_pos = tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
-        g_neg = tl.load(G + off + F, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sum(p_pos * g_pos + p_neg * g_neg, axis=1)
-        dz = p_pos * (g_pos - s[:, None]) - p_neg * (g_neg - s[:, None])  # 0 outside the rows and F (phi = 0)
+        dz, base, _ = _dz_rows(PHI, G, rows, R, H, hh, F, fc, fmask)
         acc_b += tl.sum(dz, axis=0)
         dzc = dz.to(U.dtype.element_ty)  # as the reference's autograd: the matmuls' gradients in u's dtype
-        umask = rmask[:, None] & pmask[None, :]
+        umask = (rows < R)[:, None] & pmask[None, :]
         if NEED_U:
             du = _mm(dzc, w, tl.zeros((BLOCK_R, BPT), dtype=tl.float32), IEEE)
             tl.store(DU + base[:, None] * P + pc[None, :], du.to(DU.dtype.element_ty), mask=umask)
@@ -170,6 +199,24 @@ def _fm_bwd(U, WT, PHI, G, DU, PART, R, H, P, F, ROWS, STRIDE, NPT, BLOCK_R: tl.
         tl.store(part + hh * F + fc, acc_b, mask=fmask)
 
 
+@triton.jit
+def _fm_dz(PHI, G, DZ, PART, R, H, F, ROWS, BLOCK_R: tl.constexpr, BF: tl.constexpr):
+    """Program (group gi, head hh): dz for rows [gi ROWS, (gi + 1) ROWS) of head hh in tiles of BLOCK_R, written in
+    DZ's dtype at (row, hh, f) (DZ: (R, H, F)), and the group's sum of dz (fp32) into PART[gi, hh F:(hh + 1) F]. The
+    backward's first half where du and dW are batched matmuls over dz (``_backward_gemm``)."""
+    gi = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)
+    fc = tl.arange(0, BF)
+    fmask = fc < F
+    acc_b = tl.zeros((BF,), dtype=tl.float32)
+    for r in range(0, ROWS, BLOCK_R):
+        rows = gi * ROWS + r + tl.arange(0, BLOCK_R)
+        dz, base, mask = _dz_rows(PHI, G, rows, R, H, hh, F, fc, fmask)
+        acc_b += tl.sum(dz, axis=0)
+        tl.store(DZ + base[:, None] * F + fc[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
+    tl.store(PART + (gi * H + hh) * F + fc, acc_b, mask=fmask)
+
+
 def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
     """Tile sizes for inputs of ``dtype``, heads of ``p``, ``f`` features: {"fwd": (BLOCK_R, warps), "bwd": (BLOCK_R,
     warps, rows), "k": (the forward's step along P, the backward's p tile)};
@@ -180,8 +227,11 @@ def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
         default = dict(_DEFAULT_CFG_8WARPS, k=(step, step))
     else:
         wide = max(bp, bf)
-        table = _DEFAULT_CFG if wide <= 64 else _DEFAULT_CFG_128 if wide == 128 else _DEFAULT_CFG_8WARPS
-        default = dict(table, k=(bp, bp))
+        if bp * bf > 128 * 256:
+            default = dict(_DEFAULT_CFG_WIDE, k=(_STEP_WIDE, _STEP_WIDE))
+        else:
+            table = _DEFAULT_CFG if wide <= 64 else _DEFAULT_CFG_128 if wide == 128 else _DEFAULT_CFG_8WARPS
+            default = dict(table, k=(bp, bp))
     cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps, bwd=BLOCK_R,warps,rows or k=BK,BPT")
     if not all(is_pow2(v) and 16 <= v <= bp for v in cfg["k"]):
         raise ValueError(f"HMSCALE_FM_CFG: k=BK,BPT must be powers of two from 16 to the padded head size {bp}, "
@@ -223,6 +273,8 @@ def _backward(g, u, weight, phi, bias_dtype, need_u: bool, need_w: bool):
     u, g = u.contiguous(), g.to(phi.dtype).contiguous()
     R = u.numel() // (h * P)
     cfg = _tiles(u.dtype, P, F)
+    if backward_form(u.dtype, P, F) == "gemm":
+        return _backward_gemm(g, u, weight, phi.contiguous(), bias_dtype, need_u, need_w, R, cfg)
     block_r, warps, rows = cfg["bwd"]
     bpt = cfg["k"][1]
     npt = cdiv(P, bpt)
@@ -238,6 +290,25 @@ def _backward(g, u, weight, phi, bias_dtype, need_u: bool, need_w: bool):
     dw = sums[:nw].view(h, F, P).to(weight.dtype) if need_w else weight.new_empty(0)
     # separate storage for db (a custom op's outputs must not alias each other)
     return du, dw, sums[nw:].view(h, F).to(bias_dtype, copy=True)
+
+
+def _backward_gemm(g, u, weight, phi, bias_dtype, need_u, need_w, R, cfg):
+    """The backward as dz (``_fm_dz``, in u's dtype as the reference's autograd rounds it) and two batched matmuls over
+    the heads, read and written in place through strided views: du_h = dz_h W_h, dW_h = dz_h^T u_h."""
+    h, F, P = weight.shape
+    block_r, warps, rows = cfg["bwd"]
+    groups = cdiv(R, rows)
+    dz = u.new_empty(R, h, F)
+    part = torch.empty(groups, h * F, dtype=torch.float32, device=u.device)
+    if R:
+        launch(_fm_dz, (groups, h), phi, g, dz, part, R, h, F, rows, BLOCK_R=block_r, BF=_pad(F), num_warps=warps)
+    dz_h = dz.transpose(0, 1)  # (h, R, F)
+    du = torch.empty_like(u) if need_u else u.new_empty(0)
+    if need_u:
+        torch.bmm(dz_h, weight.to(u.dtype), out=du.view(R, h, P).transpose(0, 1))
+    dw = torch.bmm(dz_h.transpose(1, 2), u.view(R, h, P).transpose(0, 1)).to(weight.dtype) if need_w \
+        else weight.new_empty(0)
+    return du, dw, part.sum(0).view(h, F).to(bias_dtype)
 
 
 class _HedgehogFeatureMap(torch.autograd.Function):
@@ -300,7 +371,7 @@ fm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 def hedgehog_feature_map(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The fused feature map (Triton; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); the same contract
     as ``hedgehog_feature_map_reference``. Inside a ``torch.compile`` trace: the custom op. Heads the kernels do not
-    take (``kernel_fits``: e.g. Pythia-1b's 256 channels with F = 256 in 16 bits) run the reference instead."""
+    take (``kernel_fits``: padded sizes past 256) run the reference instead."""
     if u.shape[-2:] != (weight.shape[0], weight.shape[2]) or bias.shape != weight.shape[:2]:
         raise ValueError(f"hedgehog_feature_map: u {tuple(u.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not match ((..., h, P), (h, F, P), (h, F))")

@@ -74,31 +74,37 @@ def test_fp32_inputs_take_their_own_tiles(monkeypatch):
 
 def test_which_sizes_run_the_kernels_and_their_tiles(monkeypatch):
     """16-bit heads hold a head's whole W (up to 128 x 256 padded: 4-warp tiles up to 64, an 8-warp backward at 128,
-    8-warp tiles past that); fp32 takes W in slices of P up to 256 x 256 (the whole-W fp32 tiles spilled or did not
-    fit the shared memory: ``benchmarks/ssd_registers.py --op fm-all``, part of ``make compile-check``); wider, and
-    16-bit past 128 x 256 (Pythia-1b: heads of 256, F = 256, where 16-bit slices lost to the plain version on an
-    H100), run the reference."""
+    8-warp tiles past that); past 128 x 256 (Pythia-1b: heads of 256, F = 256) the forward steps along P and the
+    backward is the dz kernel and two batched matmuls; fp32 takes W in slices of P up to 256 x 256 (the whole-W fp32
+    tiles spilled or did not fit the shared memory: ``benchmarks/ssd_registers.py --op fm-all``, part of ``make
+    compile-check``); wider runs the reference."""
     import kernels.feature_map as kfm
 
     monkeypatch.delenv("HMSCALE_FM_CFG", raising=False)
-    assert kfm.kernel_fits(torch.bfloat16, 128, 128) and kfm.kernel_fits(torch.bfloat16, 256, 128)
-    assert not kfm.kernel_fits(torch.bfloat16, 256, 256) and not kfm.kernel_fits(torch.float16, 256, 200)
+    monkeypatch.delenv("HMSCALE_FM_BWD", raising=False)
+    assert kfm.kernel_fits(torch.bfloat16, 128, 128) and kfm.kernel_fits(torch.bfloat16, 256, 256)
+    assert not kfm.kernel_fits(torch.float16, 256, 300) and not kfm.kernel_fits(torch.bfloat16, 512, 64)
     assert kfm.kernel_fits(torch.float32, 256, 256) and not kfm.kernel_fits(torch.float32, 300, 64)
     assert kfm._tiles(torch.bfloat16, 64, 64) == dict(kfm._DEFAULT_CFG, k=(64, 64))
     assert kfm._tiles(torch.bfloat16, 80, 128) == dict(kfm._DEFAULT_CFG_128, k=(128, 128))
     assert kfm._tiles(torch.bfloat16, 64, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(64, 64))
+    assert kfm._tiles(torch.bfloat16, 256, 200) == dict(kfm._DEFAULT_CFG_WIDE, k=(64, 64))
     assert kfm._tiles(torch.float32, 128, 256) == dict(kfm._DEFAULT_CFG_8WARPS, k=(32, 32))
+    assert [kfm.backward_form(d, p, f) for d, p, f in ((torch.bfloat16, 256, 256), (torch.float16, 200, 256),
+                                                       (torch.bfloat16, 128, 256), (torch.float32, 256, 256))] \
+        == ["gemm", "gemm", "fused", "fused"]
     calls = []
     monkeypatch.setattr(kfm, "hedgehog_feature_map_reference",
                         lambda *a: calls.append(1) or hedgehog_feature_map_reference(*a))
     lead = (2, 3) if DEVICE == "cpu" else (3, 1500)  # on a GPU: several backward row groups, a partial one last
-    u, w, b, gy = _inputs(lead, 2 if DEVICE == "cuda" else 1, 256, 256, torch.float32)
-    y, g = _grads(hedgehog_feature_map, u, w, b, gy)
-    y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
-    assert calls == [] and torch.isfinite(y).all()
-    assert rel(y, y_ref) <= 1e-5 and all(rel(a, r) <= 1e-5 for a, r in zip(g, g_ref)), [rel(a, r) for a, r in
-                                                                                        zip(g, g_ref)]
-    u, w, b, gy = _inputs((2,), 1, 256, 256, torch.bfloat16)  # the reference itself
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):  # sliced fp32; bf16 through the dz kernel
+        u, w, b, gy = _inputs(lead, 2 if DEVICE == "cuda" else 1, 256, 256, dtype)
+        y, g = _grads(hedgehog_feature_map, u, w, b, gy)
+        y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
+        assert calls == [] and torch.isfinite(y).all()
+        assert rel(y, y_ref) <= tol and all(rel(a, r) <= tol for a, r in zip(g, g_ref)), [rel(a, r) for a, r in
+                                                                                          zip(g, g_ref)]
+    u, w, b, gy = _inputs((2,), 1, 16, 300, torch.bfloat16)  # the reference itself
     y, g = _grads(hedgehog_feature_map, u, w, b, gy)
     y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
     assert calls == [1] and torch.equal(y, y_ref) and all(torch.equal(a, r) for a, r in zip(g, g_ref))
@@ -159,12 +165,14 @@ def test_module_uses_the_backend_switch(monkeypatch):
 SMALL_TILES = "fwd=16,4;bwd=16,4,32"  # R = 75 rows: 5 forward tiles, 3 backward row groups (the last one partial)
 
 
+@pytest.mark.parametrize("form", ["fused", "gemm"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("h,P,F", [(2, 8, 8), (2, 20, 8), (3, 16, 24)])
-def test_several_row_groups_and_padded_sizes(monkeypatch, dtype, tol, h, P, F):
+def test_several_row_groups_and_padded_sizes(monkeypatch, dtype, tol, h, P, F, form):
     """P and F below 16 or not powers of two (padded for tl.dot), rows not a multiple of BLOCK_R and spread over
-    several backward programs whose partial sums torch adds."""
+    several backward programs whose partial sums torch adds; both backward forms (HMSCALE_FM_BWD)."""
     monkeypatch.setenv("HMSCALE_FM_CFG", SMALL_TILES)
+    monkeypatch.setenv("HMSCALE_FM_BWD", form)
     u, w, b, gy = _inputs((3, 25), h, P, F, dtype)
     y_ref, g_ref = _grads(hedgehog_feature_map_reference, u, w, b, gy)
     y, g = _grads(hedgehog_feature_map, u, w, b, gy)
@@ -174,11 +182,13 @@ def test_several_row_groups_and_padded_sizes(monkeypatch, dtype, tol, h, P, F):
         assert rel(a, r) <= tol, (name, rel(a, r))
 
 
+@pytest.mark.parametrize("form", ["fused", "gemm"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_stage1_without_the_input_gradient(monkeypatch, dtype, tol):
-    """u without requires_grad (stage 1: the teacher's q, k): the kernel skips du; W and b get the reference's
-    gradients, over several row groups."""
+def test_stage1_without_the_input_gradient(monkeypatch, dtype, tol, form):
+    """u without requires_grad (stage 1: the teacher's q, k): the backward skips du; W and b get the reference's
+    gradients, over several row groups; both backward forms."""
     monkeypatch.setenv("HMSCALE_FM_CFG", SMALL_TILES)
+    monkeypatch.setenv("HMSCALE_FM_BWD", form)
     u, w, b, gy = _inputs((5, 13), 2, 20, 12, dtype)
     got, ref = [], []
     for fn, out in ((hedgehog_feature_map, got), (hedgehog_feature_map_reference, ref)):
@@ -203,12 +213,15 @@ def _run_op(fn, u, w, b, gy):
     return y, torch.autograd.grad((y.float() * gy.float()).sum(), leaves)
 
 
-def test_custom_op_matches_the_function(monkeypatch):
+@pytest.mark.parametrize("form", ["fused", "gemm"])
+def test_custom_op_matches_the_function(monkeypatch, form):
     """The kernels as the custom ops a compiled block holds: the autograd Function's outputs and gradients (the
-    same kernels: bitwise), and torch.library.opcheck (schema, fake shapes, autograd, AOT dispatch)."""
+    same kernels: bitwise), and torch.library.opcheck (schema, fake shapes, autograd, AOT dispatch); both backward
+    forms."""
     from kernels.feature_map import _HedgehogFeatureMap, fm_bwd_op, fm_fwd_op
 
     monkeypatch.setenv("HMSCALE_FM_CFG", SMALL_TILES)
+    monkeypatch.setenv("HMSCALE_FM_BWD", form)
     u, w, b, gy = _inputs((2, 21), 3, 20, 8, torch.float32)
     y, grads = _run_op(fm_fwd_op, u, w, b, gy)
     y_ref, grads_ref = _run_op(_HedgehogFeatureMap.apply, u, w, b, gy)
@@ -285,3 +298,11 @@ def test_bad_tile_config_is_a_clear_error(monkeypatch, spec):
     u, w, b, _ = _inputs((2,), 2, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="HMSCALE_FM_CFG"):
         hedgehog_feature_map(u, w, b)
+
+
+def test_bad_backward_form_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HMSCALE_FM_BWD", "cublas")
+    u, w, b, gy = _inputs((2,), 2, 8, 8, torch.float32)
+    y = hedgehog_feature_map(u.clone().requires_grad_(), w, b)
+    with pytest.raises(ValueError, match="HMSCALE_FM_BWD='cublas': choose auto, fused or gemm"):
+        y.backward(gy)
