@@ -2,7 +2,8 @@
 output and the gradients of u, W and b on random inputs, fp32 (1e-5 relative) and bf16 (2e-2), with a head
 count, feature size and head dim that are not powers of two (and below tl.dot's 16), over several backward row
 groups (small tiles through HMSCALE_FM_CFG); stage 1 (u without grad); the custom ops (opcheck) and a compiled
-HedgehogFeatureMap holding them; the tile config's errors."""
+HedgehogFeatureMap holding them; both backward forms (one kernel, or the dz kernel and two batched matmuls:
+HMSCALE_FM_BWD); the tile config's and the form's errors."""
 
 import pytest
 import torch
@@ -236,9 +237,10 @@ def test_custom_op_matches_the_function(monkeypatch, form):
                               test_utils=("test_schema", "test_faketensor"))
 
 
-def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch):
+@pytest.mark.parametrize("form", ["fused", "gemm"])
+def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch, form):
     """HMSCALE_COMPILED_GLUE=triton on the Triton backend: a compiled HedgehogFeatureMap runs the kernels (as the
-    custom op), forward and backward, with the eager module's output and gradients."""
+    custom op), forward and backward (either form), with the eager module's output and gradients."""
     import kernels.feature_map as kfm
     from hmscale.models.feature_map import HedgehogFeatureMap
 
@@ -249,6 +251,7 @@ def test_module_uses_the_kernel_inside_compiled_graphs(monkeypatch):
                             or _real(*a))
     monkeypatch.setenv("HMSCALE_SSD_BACKEND", "triton")
     monkeypatch.setenv("HMSCALE_COMPILED_GLUE", "triton")
+    monkeypatch.setenv("HMSCALE_FM_BWD", form)
     fm = HedgehogFeatureMap(2, 8, 12).to(DEVICE)
     with torch.no_grad():
         fm.bias.normal_()
