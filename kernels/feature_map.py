@@ -78,13 +78,14 @@ _DEFAULT_CFG_128 = {"fwd": (64, 4), "bwd": (64, 8, 1024)}
 # 749, the compiled 1b step 167.7 against 160.1 ms; H100, 2026-12-07), so 16-bit heads past 128 x 256 take the gemm
 # backward (``backward_form``) instead of the p tiles.
 _DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
-# 16-bit heads past 128 x 256 padded (Pythia-1b: 256 x 256): the forward in 64-column steps along P, the backward's dz
-# kernel (``backward_form``: gemm) at 32 rows. H100, 2026-12-07 (`benchmarks/glue.py --op fm --shapes 1b --profile`,
-# kernel time fwd+bwd at 8 x 2048): 453 us against 743 for inductor's fusion of the plain version (dz kernel 136 us,
-# the two matmuls 108); other dz tiles 445-530, forward tiles 193-274 us; the compiled 1b student step 153.4 ms
-# against 158.7 with the plain version (one run each). At heads of 64 and 128 the fused backward stays (gemm form 184
-# against 124 us at 410m, 369 against 293 at 1.4b).
-_DEFAULT_CFG_WIDE = {"fwd": (64, 8), "bwd": (32, 8, 256)}
+# 16-bit heads past 128 x 256 padded (Pythia-1b: 256 x 256): the forward in 64-column steps along P over 128-row tiles
+# at 16 warps (112 spill bytes, yet 161-162 us against 186-195 at 64 rows), the backward's dz kernel (``backward_form``:
+# gemm) at 32 rows. H100, 2026-12-07 (`benchmarks/glue.py --op fm --shapes 1b --profile`, kernel time fwd+bwd at 8 x
+# 2048): 422 us against 750 for inductor's fusion of the plain version (dz kernel 136 us, the two matmuls 112); other
+# dz tiles 441-530 us; the compiled 1b student step 153.4 / 154.4 ms against 158.7 / 159.8 with the plain version (64-row
+# forward; two runs each). At heads of 64 and 128 the fused backward stays (gemm form 184 against 124 us at 410m, 369
+# against 293 at 1.4b).
+_DEFAULT_CFG_WIDE = {"fwd": (128, 16), "bwd": (32, 8, 256)}
 _STEP_FP32 = 32
 _STEP_WIDE = 64
 _MAX_PAD = 256
