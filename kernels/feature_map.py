@@ -82,8 +82,8 @@ _DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
 # at 16 warps (112 spill bytes, yet 161-162 us against 186-195 at 64 rows), the backward's dz kernel (``backward_form``:
 # gemm) at 32 rows. H100, 2026-12-07 (`benchmarks/glue.py --op fm --shapes 1b --profile`, kernel time fwd+bwd at 8 x
 # 2048): 422 us against 750 for inductor's fusion of the plain version (dz kernel 136 us, the two matmuls 112); other
-# dz tiles 441-530 us; the compiled 1b student step 153.4 / 154.4 ms against 158.7 / 159.8 with the plain version (64-row
-# forward; two runs each). At heads of 64 and 128 the fused backward stays (gemm form 184 against 124 us at 410m, 369
+# dz tiles 445-530 us fwd+bwd; the compiled 1b student step 153.4 / 154.4 ms against 158.7 / 159.8 with the plain
+# version (64-row forward; two runs each). At heads of 64 and 128 the fused backward stays (gemm form 184 against 124 us at 410m, 369
 # against 293 at 1.4b).
 _DEFAULT_CFG_WIDE = {"fwd": (128, 16), "bwd": (32, 8, 256)}
 _STEP_FP32 = 32
@@ -230,13 +230,12 @@ def _tiles(dtype: torch.dtype, p: int, f: int) -> dict:
     if dtype == torch.float32:
         step = min(bp, _STEP_FP32)
         default = dict(_DEFAULT_CFG_8WARPS, k=(step, step))
+    elif bp * bf > 128 * 256:
+        default = dict(_DEFAULT_CFG_WIDE, k=(_STEP_WIDE, _STEP_WIDE))
     else:
         wide = max(bp, bf)
-        if bp * bf > 128 * 256:
-            default = dict(_DEFAULT_CFG_WIDE, k=(_STEP_WIDE, _STEP_WIDE))
-        else:
-            table = _DEFAULT_CFG if wide <= 64 else _DEFAULT_CFG_128 if wide == 128 else _DEFAULT_CFG_8WARPS
-            default = dict(table, k=(bp, bp))
+        table = _DEFAULT_CFG if wide <= 64 else _DEFAULT_CFG_128 if wide == 128 else _DEFAULT_CFG_8WARPS
+        default = dict(table, k=(bp, bp))
     cfg = tile_config("HMSCALE_FM_CFG", default, "fwd=BLOCK_R,warps, bwd=BLOCK_R,warps,rows or k=BK,BPT")
     if not all(is_pow2(v) and 16 <= v <= bp for v in cfg["k"]):
         raise ValueError(f"HMSCALE_FM_CFG: k=BK,BPT must be powers of two from 16 to the padded head size {bp}, "
