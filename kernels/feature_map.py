@@ -83,8 +83,8 @@ _DEFAULT_CFG_8WARPS = {"fwd": (32, 8), "bwd": (16, 8, 1024)}
 # gemm) at 32 rows. H100, 2026-12-07 (`benchmarks/glue.py --op fm --shapes 1b --profile`, kernel time fwd+bwd at 8 x
 # 2048): 422 us against 750 for inductor's fusion of the plain version (dz kernel 136 us, the two matmuls 112); other
 # dz tiles 445-530 us fwd+bwd; the compiled 1b student step 153.4 / 154.4 ms against 158.7 / 159.8 with the plain
-# version (64-row forward; two runs each). At heads of 64 and 128 the fused backward stays (gemm form 184 against 124 us at 410m, 369
-# against 293 at 1.4b).
+# version (64-row forward; two runs each). At heads of 64 and 128 the fused backward stays (gemm form 184 against 124
+# us at 410m, 369 against 293 at 1.4b).
 _DEFAULT_CFG_WIDE = {"fwd": (128, 16), "bwd": (32, 8, 256)}
 _STEP_FP32 = 32
 _STEP_WIDE = 64
