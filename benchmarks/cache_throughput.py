@@ -88,6 +88,12 @@ def _random_capture(teacher, batch_size, seq_len, device, dtype):
     return capture
 
 
+def teacher_override(flavor) -> str:
+    """The config's teacher for the benchmark's flavour (its shape checks the capture spec; nothing is loaded): a
+    miniature by name, a published size by its hub id (the registry knows its shape without the network)."""
+    return f"teacher.flavor={flavor.name}" if flavor.miniature else f"teacher.name_or_path={flavor.hub_id}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
     from hmscale.teacher.cache import plan_cache, verify_cache
     from hmscale.teacher.cache.worker import ShardWorker
     from hmscale.teacher.capture import capture_layers
-    from hmscale.teacher.flavors import neox_config
+    from hmscale.teacher.flavors import get_flavor, neox_config
 
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -157,7 +163,7 @@ def main(argv=None) -> int:
     cfg = build_config({}, [f"cache.root={root}", f"cache.max_tokens={n_seq * seq_len}",
                             f"cache.batch_size={args.batch_size}", f"cache.capture.layers={layers}",
                             f"cache.capture.dtype={args.dtype}", f"cache.capture.token_fraction={args.token_fraction}",
-                            f"cache.capture.topk={args.topk}", "teacher.flavor=pythia-nano"])
+                            f"cache.capture.topk={args.topk}", teacher_override(get_flavor(args.flavor))])
     t0 = time.perf_counter()
     cp = plan_cache(cfg, plan, teacher)
     t_plan = time.perf_counter() - t0

@@ -256,3 +256,15 @@ def test_the_run_line_names_settings_not_a_one_process_groups_port(monkeypatch):
     monkeypatch.setenv("HMSCALE_SSD_PASS", "fused")
     assert command([str(REPO / "benchmarks" / "ssd.py"), "--sweep", "x.txt"]) == \
         "HMSCALE_SSD_PASS=fused python benchmarks/ssd.py --sweep x.txt"
+
+
+def test_cache_throughput_published_shape_layer_subset(tmp_path):
+    # a published flavour's shape with a layer past the miniature's count (the layer-parallel worker's spec): the
+    # config is checked against that teacher's layers, not the miniature's
+    out = _run([str(REPO / "benchmarks" / "cache_throughput.py"), "--device", "cpu", "--flavor", "pythia-70m",
+                "--layers", "4", "--tokens", "256", "--seq-len", "64", "--sequences-per-shard", "2", "--host-only",
+                "--no-forward", "--json", str(tmp_path / "c.json")], tmp_path)
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert "1 of 6 layers [4]" in out, out[-1500:]
+    assert res["verify_ok"] is True and res["tokens"] == 256
+    assert abs(res["bytes_per_token"] - res["planned_bytes_per_token"]) <= 0.05 * res["planned_bytes_per_token"]
