@@ -211,8 +211,7 @@ def main(argv=None) -> int:
     capture_fn = _random_capture(teacher, args.batch_size, seq_len, device, tdtype) if args.host_only else None
     worker = ShardWorker(teacher, plan, spec, cp.cache_dir, batch_size=args.batch_size, device=device,
                          capture_fn=capture_fn, writer_threads=args.writers, max_buffers=args.max_buffers)
-    with torch.no_grad():
-        worker.forward_batch(plan.sequences(0, args.batch_size)[0])  # warm-up
+    worker.warm_up()  # on the worker's launcher thread, where every timed forward runs
     t_pin = worker.reserve_buffers()  # pinning is paid once per worker, not per shard: outside the timing
     pool = worker._pool
     print(f"writers   : {worker.writer_threads} shard{'s' if worker.writer_threads > 1 else ''} in flight"

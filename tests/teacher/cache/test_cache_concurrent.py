@@ -236,3 +236,31 @@ def test_two_builds_of_one_cache_at_once_compute_its_shards_once(tmp_path, teach
     assert any("no teacher forward needed" in line for line in logs["second"]), logs["second"]
     assert out["first"] == out["second"] and verify_cache(out["first"]).ok
     assert sorted(p.name for p in out["first"].iterdir() if not p.name.startswith("shard-")) == ["manifest.json"]
+
+
+def test_every_forward_runs_on_one_persistent_thread(tmp_path, teacher, tools):
+    # the teacher's forwards run on the worker's one launcher thread, whatever thread writes the shard and across
+    # run_shards calls: per-thread library state on a GPU (cuDNN attention plans are cached per thread, 0.1-0.2 s to
+    # build) is then built once per worker, not once per writer thread of every call
+    import threading
+
+    data = tools.make_data(shards=6, per_shard=2)
+    cfg = tools.make_cfg(tmp_path)
+    from hmscale.teacher.cache import plan_cache
+    from hmscale.teacher.cache.worker import _default_capture
+
+    cp = plan_cache(cfg, data.plan, teacher)
+    ran_on = []
+
+    def capture(t, ids, layers=None):
+        ran_on.append(threading.current_thread())
+        return _default_capture(t, ids, layers=layers)
+
+    worker = ShardWorker(teacher, data.plan, cp.spec, cp.cache_dir, batch_size=2, device="cpu", writer_threads=3,
+                         capture_fn=capture)
+    worker.warm_up()
+    assert len(ran_on) == 1 and ran_on[0] is not threading.current_thread()
+    worker.run_shards(range(3))
+    worker.run_shards(range(3, 6), threads=2)
+    assert len(ran_on) == 7 and len(set(ran_on)) == 1, {t.name for t in ran_on}
+    assert worker.forwards == 7
