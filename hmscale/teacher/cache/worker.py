@@ -12,7 +12,7 @@ Where the time goes and how it overlaps (on a GPU):
 * the tar bytes are written straight from the pinned buffers (no intermediate copy) on the
   shard's writer thread, sha256 runs on its own thread over the same buffers as they are written;
 * several shards are in flight at once (`run_shards`, `writer_threads`): one forward at a time on
-  the device (a lock), several writers on the host. Each shard is still written by one thread in a
+  the device (all on the worker's one launcher thread), several writers on the host. Each shard is still written by one thread in a
   fixed order, so its bytes (and sha256) never depend on thread timing.
 """
 
@@ -215,8 +215,8 @@ class ShardWorker:
         self.forwards = 0  # teacher forwards run (tests assert a cached rerun runs none)
         self.writer_threads = int(writer_threads or default_writer_threads(self.device))
         # every forward (and its copies) runs on one launcher thread, made on first use and kept for the worker's
-        # life: one at a time on the device, and per-thread library state (cuDNN attention plans, handles: 0.1-0.2 s
-        # a thread on an H100) is built once, not once per writer thread of every `run_shards` call
+        # life: one at a time on the device, and what the libraries set up per thread is paid once, not by each
+        # writer thread of every `run_shards` call (torch's SDPA took 80-190 ms in a thread's first calls on an H100)
         self._lock = threading.Lock()
         self._launcher = None
         self.cuda = self.device.type == "cuda"

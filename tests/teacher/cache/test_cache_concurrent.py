@@ -240,8 +240,8 @@ def test_two_builds_of_one_cache_at_once_compute_its_shards_once(tmp_path, teach
 
 def test_every_forward_runs_on_one_persistent_thread(tmp_path, teacher, tools):
     # the teacher's forwards run on the worker's one launcher thread, whatever thread writes the shard and across
-    # run_shards calls: per-thread library state on a GPU (cuDNN attention plans are cached per thread, 0.1-0.2 s to
-    # build) is then built once per worker, not once per writer thread of every call
+    # run_shards calls: what the libraries set up per thread on a GPU (torch's SDPA took 80-190 ms in a new thread's
+    # first calls on an H100) is then paid once per worker, not by each writer thread of every call
     import threading
 
     data = tools.make_data(shards=6, per_shard=2)
