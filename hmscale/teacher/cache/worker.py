@@ -219,6 +219,7 @@ class ShardWorker:
         # writer thread of every `run_shards` call (torch's SDPA took 80-190 ms in a thread's first calls on an H100)
         self._lock = threading.Lock()
         self._launcher = None
+        self._launcher_pid = None
         self.cuda = self.device.type == "cuda"
         fields = layout(spec, self.shape, plan.seq_len)
         self.host_fields = ("tokens", "seq_idx", "positions")
@@ -270,8 +271,10 @@ class ShardWorker:
     def _on_launcher(self, fn, *args):
         """Run ``fn(*args)`` on the launcher thread and return its result (raise its error)."""
         with self._lock:
-            if self._launcher is None:
+            # a forked child holds a copy of the executor but not its thread: it makes its own
+            if self._launcher is None or self._launcher_pid != os.getpid():
                 self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-launch")
+                self._launcher_pid = os.getpid()
         return self._launcher.submit(fn, *args).result()
 
     def warm_up(self) -> None:

@@ -264,3 +264,30 @@ def test_every_forward_runs_on_one_persistent_thread(tmp_path, teacher, tools):
     worker.run_shards(range(3, 6), threads=2)
     assert len(ran_on) == 7 and len(set(ran_on)) == 1, {t.name for t in ran_on}
     assert worker.forwards == 7
+
+
+def test_launcher_thread_remade_after_fork(tmp_path, teacher, tools, monkeypatch):
+    # a worker used before a fork: the child has no launcher thread (only its copied executor), so submitting there
+    # would wait forever; the worker makes a new one when its process id changed
+    import os
+    import threading
+
+    data = tools.make_data(shards=1, per_shard=2)
+    from hmscale.teacher.cache import plan_cache
+    from hmscale.teacher.cache.worker import _default_capture
+
+    cp = plan_cache(tools.make_cfg(tmp_path), data.plan, teacher)
+    ran_on = []
+
+    def capture(t, ids, layers=None):
+        ran_on.append(threading.current_thread())
+        return _default_capture(t, ids, layers=layers)
+
+    worker = ShardWorker(teacher, data.plan, cp.spec, cp.cache_dir, batch_size=2, device="cpu", capture_fn=capture)
+    worker.warm_up()
+    worker.warm_up()
+    assert len(set(ran_on)) == 1
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)  # as in a forked child
+    worker.warm_up()
+    assert len(ran_on) == 3 and ran_on[2] is not ran_on[0]
