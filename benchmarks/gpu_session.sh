@@ -12,6 +12,8 @@
 #   ssd     benchmarks/ssd.py (ours against mamba_ssm and SDPA, the issue's shapes; ~160 s)
 #   train   benchmarks/train_throughput.py --compile --compile-mode reduce-overhead --steps 10 (160m and 410m, student and
 #           teacher; ~90 s)
+#   cache   benchmarks/cache_throughput.py: the default capture spec (262,144 tokens, to disk, verified) and one layer
+#           (a layer-parallel stage-1 worker's spec; 1,048,576 tokens, to tmpfs and to disk) (~2 min)
 #   host    benchmarks/ssd_host.py at the host-bound shapes (410m at L=16384 x 1 and 2048 x 8) and 1.4b L=16384: wall,
 #           host and kernel time per call, ours and mamba_ssm (~100 s)
 # Each log starts with the card's name and the commit, as BENCHMARKS.md rows need them.
@@ -47,11 +49,18 @@ for part in "$@"; do
       { header "stage-2 training throughput"
         python3 benchmarks/train_throughput.py --compile --compile-mode reduce-overhead --steps 10; } > "$log" 2>&1 \
         || status=1 ;;
+    cache)
+      { header "teacher cache throughput"
+        ct="python3 benchmarks/cache_throughput.py --device cuda --writers 8"
+        $ct --tokens 262144 --sequences-per-shard 8 \
+          && $ct --tokens 1048576 --layers 5 --sequences-per-shard 16 --no-verify --out /dev/shm/hmscale-cache-bench \
+          && $ct --tokens 1048576 --layers 5 --sequences-per-shard 16 --no-verify; } > "$log" 2>&1 || status=1
+      rm -rf /dev/shm/hmscale-cache-bench ;;
     host)
       { header "SSD host time per call"
         python3 benchmarks/ssd_host.py --shapes 410m-16k,410m,1.4b-16k; } > "$log" 2>&1 || status=1 ;;
     *)
-      echo "gpu_session.sh: unknown part $part; choose from tests, grid, ssd, train, host" >&2; exit 2 ;;
+      echo "gpu_session.sh: unknown part $part; choose from tests, grid, ssd, train, cache, host" >&2; exit 2 ;;
   esac
   echo "$part: $(tail -1 "$log")"
 done
