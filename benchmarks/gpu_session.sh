@@ -35,8 +35,8 @@ for part in "$@"; do
           tests/kernels/test_model_triton.py tests/kernels/test_feature_map.py tests/kernels/test_compat.py \
           tests/kernels/test_cross_entropy.py \
           tests/kernels/test_cross_entropy_bad_targets.py tests/train/test_loss_kernel.py tests/models/test_gpu.py \
-          tests/models/test_lora.py tests/eval/test_long_context.py tests/teacher/cache/test_cache_gpu.py; } > "$log" 2>&1 \
-        || status=1 ;;
+          tests/models/test_lora.py tests/eval/test_long_context.py tests/teacher/cache/test_cache_gpu.py; } \
+        > "$log" 2>&1 || status=1 ;;
     grid)
       { header "GPU grid (benchmarks/ssd_gpu_check.py, 9 shards) and the long check"
         for i in 0 1 2 3 4 5 6 7 8; do python3 benchmarks/ssd_gpu_check.py --shard "$i/9" > "$out/.grid_$i" 2>&1 & done

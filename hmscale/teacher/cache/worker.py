@@ -12,8 +12,8 @@ Where the time goes and how it overlaps (on a GPU):
 * the tar bytes are written straight from the pinned buffers (no intermediate copy) on the
   shard's writer thread, sha256 runs on its own thread over the same buffers as they are written;
 * several shards are in flight at once (`run_shards`, `writer_threads`): one forward at a time on
-  the device (all on the worker's one launcher thread), several writers on the host. Each shard is still written by one thread in a
-  fixed order, so its bytes (and sha256) never depend on thread timing.
+  the device (all on the worker's one launcher thread), several writers on the host. Each shard is
+  still written by one thread in a fixed order, so its bytes (and sha256) never depend on thread timing.
 """
 
 from __future__ import annotations
