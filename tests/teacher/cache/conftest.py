@@ -48,6 +48,23 @@ def data():
     return make_data()
 
 
+def live_capture(teacher, plan, shard, batch_size, layers):
+    """The teacher's live capture of one shard on the teacher's device, batched like the cache worker:
+    {key: {layer: (attn_input, attn_output)}}, on the CPU."""
+    from hmscale.teacher.capture import capture_layers
+
+    s = plan.shard(shard)
+    dev = next(teacher.parameters()).device
+    out = {}
+    for b0 in range(0, len(s["keys"]), batch_size):
+        ids = torch.from_numpy(s["tokens"][b0 : b0 + batch_size]).long().to(dev)
+        with torch.no_grad():
+            caps = capture_layers(teacher, ids, layers=layers, qkv=False)
+        for j, key in enumerate(s["keys"][b0 : b0 + batch_size]):
+            out[key] = {i: (caps[i].attn_input[j].cpu(), caps[i].attn_output[j].cpu()) for i in layers}
+    return out
+
+
 def shard_bytes(cache_dir):
     return {p.name: p.read_bytes() for p in sorted(cache_dir.iterdir())}
 
@@ -55,7 +72,8 @@ def shard_bytes(cache_dir):
 @pytest.fixture
 def tools():
     """The factories, for tests that need more than one teacher / plan / config."""
-    return SimpleNamespace(make_teacher=make_teacher, make_data=make_data, make_cfg=make_cfg, shard_bytes=shard_bytes)
+    return SimpleNamespace(make_teacher=make_teacher, make_data=make_data, make_cfg=make_cfg, shard_bytes=shard_bytes,
+                           live_capture=live_capture)
 
 
 @pytest.fixture

@@ -8,23 +8,8 @@ import torch
 
 from hmscale.teacher.cache import CacheReader, build_cache, verify_cache
 from hmscale.teacher.cache.worker import WRITERS_ENV
-from hmscale.teacher.capture import capture_layers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _live(teacher, plan, shard, batch_size, layers):
-    """The live capture of one shard on the teacher's device, batched like the cache worker."""
-    s = plan.shard(shard)
-    dev = next(teacher.parameters()).device
-    out = {}
-    for b0 in range(0, len(s["keys"]), batch_size):
-        ids = torch.from_numpy(s["tokens"][b0 : b0 + batch_size]).long().to(dev)
-        with torch.no_grad():
-            caps = capture_layers(teacher, ids, layers=layers, qkv=False)
-        for j, key in enumerate(s["keys"][b0 : b0 + batch_size]):
-            out[key] = {i: (caps[i].attn_input[j].cpu(), caps[i].attn_output[j].cpu()) for i in layers}
-    return out
 
 
 def test_gpu_cache_reads_back_live_capture_bitwise(tmp_path, teacher, tools, monkeypatch):
@@ -36,7 +21,7 @@ def test_gpu_cache_reads_back_live_capture_bitwise(tmp_path, teacher, tools, mon
     reader = CacheReader(path)
     layers = [0, 1]
     for shard in range(data.plan.num_shards):
-        live = _live(teacher, data.plan, shard, cfg.cache.batch_size, layers)
+        live = tools.live_capture(teacher, data.plan, shard, cfg.cache.batch_size, layers)
         for j in range(3):
             s = reader.sample(shard, j, layers=layers, topk=True)
             for i in layers:
@@ -64,7 +49,7 @@ def test_gpu_fp8_and_token_fraction(tmp_path, teacher, tools):
     assert verify_cache(path).ok
     reader = CacheReader(path)
     for shard in range(2):
-        live = _live(teacher, data.plan, shard, cfg.cache.batch_size, [0, 1])
+        live = tools.live_capture(teacher, data.plan, shard, cfg.cache.batch_size, [0, 1])
         for j in range(3):
             s = reader.sample(shard, j, layers=[0, 1])
             for i in (0, 1):

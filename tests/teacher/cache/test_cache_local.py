@@ -13,18 +13,6 @@ from hmscale.teacher.cache.format import decode, encode, load_npy
 from hmscale.teacher.capture import capture_layers
 
 
-def _live(teacher, plan, shard, batch_size, layers):
-    """The teacher's live capture of one shard, batched like the cache worker."""
-    s = plan.shard(shard)
-    out = {}
-    for b0 in range(0, len(s["keys"]), batch_size):
-        ids = torch.from_numpy(s["tokens"][b0 : b0 + batch_size]).long()
-        caps = capture_layers(teacher, ids, layers=layers)
-        for j, key in enumerate(s["keys"][b0 : b0 + batch_size]):
-            out[key] = {i: (caps[i].attn_input[j], caps[i].attn_output[j]) for i in layers}
-    return out
-
-
 def test_encode_decode_roundtrip():
     x = torch.randn(5, 7, 16) * 3
     arr, scale = encode(x, "bfloat16")
@@ -51,7 +39,7 @@ def test_build_reads_back_live_capture_bitwise(tmp_path, teacher, data, tools):
     assert reader.num_samples == 12 and reader.layers == (0, 1)
     layers = [0, 1]
     for shard in range(data.plan.num_shards):
-        live = _live(teacher, data.plan, shard, cfg.cache.batch_size, layers)
+        live = tools.live_capture(teacher, data.plan, shard, cfg.cache.batch_size, layers)
         for j in range(3):
             s = reader.sample(shard, j, layers=layers, topk=True)
             assert torch.equal(s["tokens"], torch.from_numpy(data.plan.shard(shard)["tokens"][j]).long())
@@ -336,7 +324,7 @@ def test_float32_storage_exact_and_bf16_topk(tmp_path, teacher, data, tools):
     vals, idx = torch.log_softmax(logits.float(), -1).topk(3, -1)
     assert torch.equal(b["topk_indices"], idx)
     assert torch.equal(b["topk_logprobs"], vals.to(torch.bfloat16).float())
-    live = _live(teacher, data.plan, 0, cfg.cache.batch_size, [0, 1])
+    live = tools.live_capture(teacher, data.plan, 0, cfg.cache.batch_size, [0, 1])
     s = reader.sample(0, 1, layers=[0, 1])
     assert set(s["layers"][0]) == {"attn_output"}
     assert torch.equal(s["layers"][1]["attn_output"], live[s["key"]][1][1])  # fp32 storage: exact
