@@ -13,10 +13,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # fidelity smoke took 164 s beside the Ray tests with two threads, 33 s with one; the suite 14:54 -> 14:13)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray Train (the Ray tests' TorchTrainer runs): its controller takes in one worker report per poll, every 2 s by
-# default, so a short run's checkpoint reports queue up behind it (the kill-and-resume test waited ~20 s on that); and
-# each worker group start adds a preemption-watcher actor (one more Python process), useless on one local node that is
-# never drained. Both settings reach the controller and the workers from the driver's environment.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# default, so a short run's checkpoint reports queue up behind it (a worker's report waits for the previous one to be
+# taken: the kill-and-resume test waited ~20 s on that at 2 s, and took 3-6 s longer at 0.5 s than at 0.1 s; a poll a
+# busy worker misses is only waited on: Ray Train calls a worker hung after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S,
+# 10 min); and each worker group start adds a preemption-watcher actor (one more Python process), useless on one local
+# node that is never drained. Both settings reach the controller and the workers from the driver's environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # this environment's bin directory first on PATH, as in an activated venv, for every process of the suite: the Ray job
 # of tests/cli/test_submit.py needs it (its `python`), and then everything must see the same `ninja`. DeepSpeed JIT-builds
