@@ -130,7 +130,9 @@ def test_a_lost_worker_with_no_restarts_left_is_one_line_and_a_rerun_resumes(ray
         "teacher.flavor=pythia-nano", "teacher.pretrain_steps=2", "teacher.pretrain_batch_size=4",
         "tokenizer.vocab_size=300", "data.seq_len=32", "data.sequences_per_shard=8", "data.max_documents=20",
         f"data.cache_dir={tmp_path / 'data'}", f"cache.root={tmp_path / 'cache'}", "cache.engine=local",
-        "cache.workers=1", "stage1.steps=2", "stage1.micro_batch_size=2", "stage2.steps=8",
+        # the cache holds what stage 1's 2 steps read (2 workers x 2 rows x 32 tokens x 2 steps = 256 tokens), not the
+        # default budget's 157 shards (1.5-2 s of teacher forwards and 29 MB the test never reads)
+        "cache.workers=1", "cache.max_tokens=256", "stage1.steps=2", "stage1.micro_batch_size=2", "stage2.steps=8",
         "stage2.micro_batch_size=2", "stage2.warmup_steps=1", "eval.max_sequences=2",
         "parallel.engine=ray", "parallel.num_workers=2", "parallel.checkpoint_every=3",
     ]
