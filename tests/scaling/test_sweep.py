@@ -178,12 +178,13 @@ def test_ray_sweep_with_standin(tmp_path, ray_cluster):
     assert [calls(out, s) for s in MINIS] == [1, 1, 1]
 
 
-# tiny budgets: the whole 3-size sweep must stay well under 3 minutes on 2 shared cores
+# tiny budgets: the whole 3-size sweep must stay well under 3 minutes on 2 shared cores (1,024 tokens: one stage-1 and
+# three stage-2 steps a size, which is all the assertions need; 4,096 cost pythia-mini, the longest task, 3 s more)
 TINY = [
     "teacher.pretrain_steps=5", "teacher.pretrain_seconds=10", "teacher.pretrain_batch_size=4",
     "tokenizer.vocab_size=512",
     "data.seq_len=64", "data.sequences_per_shard=16", "data.max_documents=20",
-    "budget.total_tokens=4096",
+    "budget.total_tokens=1024",
     "stage1.micro_batch_size=4", "stage1.warmup_steps=1",
     "stage2.micro_batch_size=4", "stage2.warmup_steps=1", "stage2.eval_every=1000",
     "eval.max_sequences=4", "eval.generate_tokens=0",
