@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     from hmscale.teacher.cache.worker import ShardWorker
     from hmscale.teacher.capture import capture_layers
     from hmscale.teacher.flavors import get_flavor, neox_config
+    from hmscale.teacher.whole_sequences import whole_sequences
 
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -205,7 +206,8 @@ def main(argv=None) -> int:
     t_fwd = t_cap = None
     if not args.no_forward:
         with torch.no_grad():
-            t_fwd = timed(lambda b: teacher(input_ids=b, use_cache=False).logits, reps=3)
+            with whole_sequences(teacher):  # the teacher's forward as hmscale runs it (capture does the same)
+                t_fwd = timed(lambda b: teacher(input_ids=b, use_cache=False).logits, reps=3)
             t_cap = timed(lambda b: capture_layers(teacher, b, layers=list(spec.layers), qkv=False), reps=3)
 
     capture_fn = _random_capture(teacher, args.batch_size, seq_len, device, tdtype) if args.host_only else None

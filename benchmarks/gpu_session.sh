@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_session.sh ssd train         # ~4-5 min: the SSD benchmark, then stage-2 training throughput
 #
 # Parts:
-#   tests   the GPU tests of the kernels (SSD, glue, loss), models, LoRA, long-context evaluation and the teacher
-#           cache's device path (TRITON_INTERPRET=0: the test suite defaults to the interpreter)
+#   tests   the GPU tests of the kernels (SSD, glue, loss), models, LoRA, long-context evaluation, the teacher
+#           cache's device path and the teacher forward's host syncs (TRITON_INTERPRET=0: the test suite defaults to
+#           the interpreter)
 #   grid    benchmarks/ssd_gpu_check.py, all 225 cases in 9 parallel shards, then benchmarks/ssd_long_check.py
 #   ssd     benchmarks/ssd.py (ours against mamba_ssm and SDPA, the shapes; ~160 s)
 #   train   benchmarks/train_throughput.py --compile --compile-mode reduce-overhead --steps 10 (160m and 410m, student and
@@ -36,7 +37,8 @@ for part in "$@"; do
           tests/kernels/test_model_triton.py tests/kernels/test_feature_map.py tests/kernels/test_compat.py \
           tests/kernels/test_cross_entropy.py \
           tests/kernels/test_cross_entropy_bad_targets.py tests/train/test_loss_kernel.py tests/models/test_gpu.py \
-          tests/models/test_lora.py tests/eval/test_long_context.py tests/teacher/cache/test_cache_gpu.py; } \
+          tests/models/test_lora.py tests/eval/test_long_context.py tests/teacher/cache/test_cache_gpu.py \
+          tests/teacher/test_whole_sequences.py; } \
         > "$log" 2>&1 || status=1 ;;
     grid)
       { header "GPU grid (benchmarks/ssd_gpu_check.py, 9 shards) and the long check"

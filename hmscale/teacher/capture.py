@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hmscale.models.neox_attention import check_default_rope, qkv_with_rotary
+from hmscale.teacher.whole_sequences import whole_sequences
 
 
 @dataclass
@@ -132,10 +133,14 @@ def capture_layers(teacher, input_ids: torch.Tensor, layers=None, positions: tor
     """Run the teacher on input_ids (b, l) and return {layer: LayerCapture} for the chosen layers (all by default).
 
     The forward stops after the last chosen layer (no wasted compute on later layers or the LM head).
-    qkv=False skips recomputing q, k, v (the cache stores only attn_input and attn_output).
+    qkv=False skips recomputing q, k, v (the cache stores only attn_input and attn_output). Without `positions`
+    the forward runs under `whole_sequences` (no host synchronisation in transformers' mask builder).
     """
     with capture_hooks(teacher, layers, positions=positions, stop_after_last=True, qkv=qkv) as cap:
         base = getattr(teacher, "gpt_neox", teacher)
-        kwargs = {"position_ids": positions} if positions is not None else {}
-        base(input_ids=input_ids, use_cache=False, **kwargs)
+        if positions is not None:  # (packed documents: transformers' own mask builder applies them)
+            base(input_ids=input_ids, use_cache=False, position_ids=positions)
+        else:
+            with whole_sequences(teacher):
+                base(input_ids=input_ids, use_cache=False)
     return cap.results

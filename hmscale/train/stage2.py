@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import kernels
 from hmscale.atomic import atomic_write_json
+from hmscale.teacher.whole_sequences import whole_sequences
 from hmscale.train.common import (Layout, cached_kd, export_hf, free_released_memory, record_inputs, seed_everything,
                                   setup_layout, short_cache_note, stage2_uses_teacher, stage_dir, stage_steps)
 from hmscale.train.data import BatchPlan, CacheSource, Sampler, get_batch, plan_rows, token_share
@@ -510,7 +511,7 @@ def run_stage2(
         x = batch["input_ids"]
         t_logits = t_hidden = None
         if kd_teacher is not None:
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), autocast, whole_sequences(kd_teacher):
                 t_out = kd_teacher(input_ids=x, use_cache=False, output_hidden_states=hidden_weight > 0)
             t_logits = t_out.logits if _online_kd(s2) else None
             t_hidden = t_out.hidden_states if hidden_weight > 0 else None

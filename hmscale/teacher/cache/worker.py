@@ -43,6 +43,7 @@ from hmscale.teacher.cache.format import (
     shard_name,
 )
 from hmscale.teacher.cache.writer import ShardWriter
+from hmscale.teacher.whole_sequences import whole_sequences
 
 class NonFiniteCapture(CacheError):
     """The teacher computed NaN or inf values for a shard: the same on any worker, so not worth a retry."""
@@ -295,13 +296,14 @@ class ShardWorker:
             # one full forward with the hooks on: the layer captures and the logits together
             from hmscale.teacher.capture import capture_hooks
 
-            with capture_hooks(self.teacher, layers, qkv=False) as cap:
+            with capture_hooks(self.teacher, layers, qkv=False) as cap, whole_sequences(self.teacher):
                 logits = self.teacher(input_ids=ids, use_cache=False).logits
             caps = cap.results
         else:
             caps = self.capture_fn(self.teacher, ids, layers=layers) if layers else {}
             if self.spec.topk:
-                logits = self.teacher(input_ids=ids, use_cache=False).logits
+                with whole_sequences(self.teacher):
+                    logits = self.teacher(input_ids=ids, use_cache=False).logits
         self.forwards += 1
         out = {}
         for i in layers:
