@@ -18,7 +18,8 @@ the device->host + write path alone (still against the real forward of (1)).
 
 The shards go to a temporary directory (or --out; its filesystem is printed: a tmpfs measures the
 host path without the disk) that is removed afterwards unless --keep; a final `verify_cache`
-re-reads and checks everything (--no-verify skips it).
+re-reads and checks everything (--no-verify skips it). `--probe-write` then times plain fsynced writes of the same
+bytes to the same filesystem with as many threads as writers: what the filesystem gives without the cache's work.
 """
 
 from __future__ import annotations
@@ -63,6 +64,36 @@ def _filesystem(path: Path) -> str:
     except OSError:
         pass
     return out
+
+
+def probe_write(root: Path, total_bytes: int, streams: int, block: int = 8 << 20) -> float:
+    """GB/s of `streams` threads each writing its share of total_bytes (random bytes, `block` at a time) to its own
+    file under root, then fsync, as the cache's writers do but with no tar, sha256 or device copies: the ceiling the
+    filesystem gives the cache path. The files are removed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    buf = memoryview(np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8).tobytes())
+    per = max(block, total_bytes // streams)
+    paths = [root / f".write-probe-{i}.tmp" for i in range(streams)]
+
+    def one(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            left = per
+            while left > 0:
+                left -= os.write(fd, buf[:min(block, left)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(streams) as ex:
+            list(ex.map(one, paths))
+        return per * streams / (time.perf_counter() - t) / 1e9
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
 def _random_capture(teacher, batch_size, seq_len, device, dtype):
@@ -117,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the final re-read of every shard")
     ap.add_argument("--no-forward", action="store_true",
                     help="skip timing the forward alone and with the hooks (with --host-only: the write path alone, quick on a CPU)")
+    ap.add_argument("--probe-write", action="store_true",
+                    help="afterwards, time plain fsynced writes of the same bytes to the same filesystem, one file per "
+                         "writer (no tar, sha256 or device copies): the filesystem's ceiling for the cache path")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: pythia-nano, 2048 tokens")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -273,6 +307,8 @@ def main(argv=None) -> int:
         "host_seconds": spent, "verify_gb_s": (written / t_verify / 1e9) if t_verify else None,
         "verify_ok": report.ok if report else None,
     }
+    if args.probe_write:  # after the cache path and its verify: the same bytes, the same streams, plain writes
+        res["probe_write_gb_s"] = probe_write(cp.cache_dir.parent, written, worker.writer_threads)
     cap_note = "capture with random tensors" if args.host_only else "capture"
     if t_fwd:
         print(f"forward alone      : {fwd_tok_s:>12,.0f} tokens/s")
@@ -289,6 +325,9 @@ def main(argv=None) -> int:
         print("host time (s, summed over shards, overlapping): "
               + ", ".join(f"{k.replace('_s', '')} {v:.2f}" for k, v in sorted(spent.items()))
               + f"; wall {t_cache:.2f}")
+    if args.probe_write:
+        print(f"write probe        : {res['probe_write_gb_s']:>12.3f} GB/s  ({worker.writer_threads} threads writing "
+              f"{written / 1e9:.3f} GB of plain fsynced files on the same filesystem: the cache path's ceiling there)")
     if report is not None:
         print(f"verify             : {'ok' if report.ok else 'FAILED'} at {res['verify_gb_s']:.2f} GB/s")
     if args.json:

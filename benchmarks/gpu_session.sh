@@ -15,7 +15,8 @@
 #           teacher; ~90 s)
 #   cache   benchmarks/cache_throughput.py: the default capture spec (262,144 tokens, to disk, verified) and one layer
 #           (a layer-parallel stage-1 worker's spec; 1,048,576 tokens: to tmpfs with 8 writers, the worker's default
-#           count (cores / 4) and 8 again, then to disk) (~2.5 min)
+#           count (cores / 4) and 8 again, then to disk; the last two also time plain fsynced writes of the same
+#           bytes there, `--probe-write`) (~2.5 min)
 #   host    benchmarks/ssd_host.py at the host-bound shapes (410m at L=16384 x 1 and 2048 x 8) and 1.4b L=16384: wall,
 #           host and kernel time per call, ours and mamba_ssm (~100 s)
 # Each log starts with the card's name and the commit, as BENCHMARKS.md rows need them.
@@ -59,8 +60,8 @@ for part in "$@"; do
         $ct --writers 8 --tokens 262144 --sequences-per-shard 8 \
           && $ct --writers 8 $one --out /dev/shm/hmscale-cache-bench \
           && $ct $one --out /dev/shm/hmscale-cache-bench \
-          && $ct --writers 8 $one --out /dev/shm/hmscale-cache-bench \
-          && $ct --writers 8 $one; } > "$log" 2>&1 || status=1
+          && $ct --writers 8 $one --out /dev/shm/hmscale-cache-bench --probe-write \
+          && $ct --writers 8 $one --probe-write; } > "$log" 2>&1 || status=1
       rm -rf /dev/shm/hmscale-cache-bench ;;
     host)
       { header "SSD host time per call"

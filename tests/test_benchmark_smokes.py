@@ -101,10 +101,12 @@ def test_multi_gpu_smoke_leaves_the_results_alone(tmp_path):
 
 def test_cache_throughput_smoke(tmp_path):
     # more tokens than the config's default stage-1 budget: the plan must still cover every shard written
-    out = _run([str(REPO / "benchmarks" / "cache_throughput.py"), "--smoke", "--tokens", "65536",
-                "--json", str(tmp_path / "c.json")], tmp_path)
+    out = _run([str(REPO / "benchmarks" / "cache_throughput.py"), "--smoke", "--tokens", "65536", "--probe-write",
+                "--out", str(tmp_path / "o"), "--json", str(tmp_path / "c.json")], tmp_path)
     res = json.loads((tmp_path / "c.json").read_text())
     assert res["verify_ok"] is True and res["written_gb"] > 0 and res["tokens"] == 65536
+    assert res["probe_write_gb_s"] > 0 and "write probe" in out
+    assert list((tmp_path / "o").iterdir()) == []  # the shards and the probe's files are gone
     # what was written is what the plan said, give or take the tar headers
     assert abs(res["bytes_per_token"] - res["planned_bytes_per_token"]) <= 0.02 * res["planned_bytes_per_token"]
     assert abs(res["written_gb"] - res["planned_gb"]) <= 0.02 * res["planned_gb"]
