@@ -18,27 +18,34 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 NAME = "hmscale_whole_sequence_sdpa"
-_registered = False
+_registered = None  # None: not tried; True: NAME registered; False: this transformers has no such check to skip
 
 
-def _register() -> None:
+def _register() -> bool:
+    """Registers NAME once; False on a transformers without `masking_utils`' packed-sequence check (before ~4.54 the
+    models built their masks themselves, and a name they do not know would get a full mask instead of none)."""
     global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        AttentionInterface.register(NAME, sdpa_attention_forward)
-        _registered = True
+    if _registered is None:
+        try:
+            from transformers import AttentionInterface
+            from transformers import masking_utils
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        except ImportError:
+            _registered = False
+            return False
+        _registered = hasattr(masking_utils, "find_packed_sequence_indices")
+        if _registered:
+            AttentionInterface.register(NAME, sdpa_attention_forward)
+    return _registered
 
 
 @contextmanager
 def whole_sequences(model):
     """Within the block, `model`'s forwards skip transformers' mask builder (see the module docstring)."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":  # eager, flash, or already inside this block
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not _register():  # eager, flash, nested, older
         yield model
         return
-    _register()
     config._attn_implementation = NAME
     try:
         yield model
