@@ -15,7 +15,7 @@
 #           teacher; ~90 s)
 #   cache   benchmarks/cache_throughput.py: the default capture spec (262,144 tokens, to disk, verified) and one layer
 #           (a layer-parallel stage-1 worker's spec; 1,048,576 tokens: to tmpfs with 8 writers, the worker's default
-#           count (cores / 4) and 8 again, then to disk; the last two also time plain fsynced writes of the same
+#           count (cores / 2) and 8 again, then to disk; the last two also time plain fsynced writes of the same
 #           bytes there, `--probe-write`) (~2.5 min)
 #   host    benchmarks/ssd_host.py at the host-bound shapes (410m at L=16384 x 1 and 2048 x 8) and 1.4b L=16384: wall,
 #           host and kernel time per call, ours and mamba_ssm (~100 s)
@@ -43,10 +43,14 @@ for part in "$@"; do
         > "$log" 2>&1 || status=1 ;;
     grid)
       { header "GPU grid (benchmarks/ssd_gpu_check.py, 9 shards) and the long check"
-        for i in 0 1 2 3 4 5 6 7 8; do python3 benchmarks/ssd_gpu_check.py --shard "$i/9" > "$out/.grid_$i" 2>&1 & done
-        wait
+        pids=()
+        for i in 0 1 2 3 4 5 6 7 8; do
+          python3 benchmarks/ssd_gpu_check.py --shard "$i/9" > "$out/.grid_$i" 2>&1 & pids+=($!)
+        done
+        bad=0  # a shard that dies (even after printing its PASS) fails the part
+        for i in "${!pids[@]}"; do wait "${pids[$i]}" || { echo "shard $i/9 exited with status $?"; bad=1; }; done
         cat "$out"/.grid_* && rm -f "$out"/.grid_*
-        python3 benchmarks/ssd_long_check.py; } > "$log" 2>&1 || status=1 ;;
+        python3 benchmarks/ssd_long_check.py && [ "$bad" = 0 ]; } > "$log" 2>&1 || status=1 ;;
     ssd)
       { header "SSD benchmark"; python3 benchmarks/ssd.py; } > "$log" 2>&1 || status=1 ;;
     train)
