@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=0)
     ap.add_argument("--teacher-dtype", default=None, help="bfloat16 | float32 (default: bf16 on cuda, fp32 on cpu)")
     ap.add_argument("--writers", type=int, default=None,
-                    help="shards written concurrently (default: the worker's, cores/4 in [2, 8] on a GPU, 1 on CPU)")
+                    help="shards written concurrently (default: the worker's, cores/2 in [2, 8] on a GPU, 1 on CPU)")
     ap.add_argument("--max-buffers", type=int, default=None, help="pinned buffer sets (default writers + 2)")
     ap.add_argument("--host-only", action="store_true", help="random captures instead of the teacher: the write path alone")
     ap.add_argument("--out", default=None, help="directory for the shards (default: a temporary one)")

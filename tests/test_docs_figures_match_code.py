@@ -103,13 +103,13 @@ def test_cache_key_is_the_formula_the_format_page_gives():
 
 
 def test_cache_writer_threads_are_the_documented_default(monkeypatch):
-    # README, "Teacher cache": HMSCALE_CACHE_WRITERS sets how many; default: a quarter of the cores, 2 to 8, for a
-    # GPU worker, one on CPU (docs/CACHE_FORMAT.md, "Writing": 1 on a CPU, cores/4 in [2, 8] on a GPU)
+    # README, "Teacher cache": HMSCALE_CACHE_WRITERS sets how many; default: half the cores, 2 to 8, for a
+    # GPU worker, one on CPU (docs/CACHE_FORMAT.md, "Writing": 1 on a CPU, cores/2 in [2, 8] on a GPU)
     import hmscale.teacher.cache.worker as worker
 
-    assert "a quarter of the cores, 2 to 8, for a GPU worker, one on CPU" in README
+    assert "half the cores, 2 to 8, for a GPU worker, one on CPU" in README
     monkeypatch.delenv("HMSCALE_CACHE_WRITERS", raising=False)
-    for cores, expected in ((2, 2), (16, 4), (24, 6), (128, 8)):
+    for cores, expected in ((2, 2), (6, 3), (8, 4), (16, 8), (128, 8)):
         monkeypatch.setattr(worker.os, "cpu_count", lambda cores=cores: cores)
         assert worker.default_writer_threads("cuda") == expected
         assert worker.default_writer_threads("cpu") == 1
