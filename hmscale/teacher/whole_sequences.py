@@ -22,8 +22,8 @@ _registered = None  # None: not tried; True: NAME registered; False: this transf
 
 
 def _register() -> bool:
-    """Registers NAME once; False on a transformers without `masking_utils`' packed-sequence check (before ~4.54 the
-    models built their masks themselves, and a name they do not know would get a full mask instead of none)."""
+    """Registers NAME once; False on a transformers whose `masking_utils` has no packed-sequence check: there is no
+    sync to skip, and the mask code of such a version was not checked with a name it does not know."""
     global _registered
     if _registered is None:
         try:
